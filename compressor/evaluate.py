@@ -1,0 +1,99 @@
+"""WikiText-2-style perplexity, computed as the Wanda / SparseGPT reference ``eval_ppl`` does.
+
+Text: every line of the file is one row of the data set (CRLF or LF, normalised to ``\\n``, kept at
+the row's end as in the Hugging Face ``wikitext`` rows); rows are joined with ``"\\n\\n"`` and
+tokenized once. Windows: non-overlapping ``seqlen`` tokens from the start, the remainder dropped.
+Each window's loss is the mean next-token NLL over its ``seqlen - 1`` predictions; the perplexity is
+``exp(mean over windows)`` (the reference's ``sum(loss·seqlen) / (nsamples·seqlen)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["load_eval_text", "tokenize_eval_text", "perplexity", "window_nlls"]
+
+
+def load_eval_text(text_path: str | Path) -> str:
+    """The evaluation text of ``text_path``: its lines (line ends normalised) joined with ``"\\n\\n"``."""
+    p = Path(text_path).expanduser()
+    if not p.is_file():
+        raise UserError(f"--text {text_path}: file does not exist")
+    try:
+        raw = p.read_bytes().decode("utf-8-sig")
+    except PermissionError:
+        raise UserError(f"--text {text_path}: file is not readable (permission denied)") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--text {text_path}: not UTF-8 text") from None
+    rows = raw.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True)
+    rows = [r if r.endswith("\n") else r + "\n" for r in rows if r.strip()]
+    if not rows:
+        raise UserError(f"--text {text_path}: file holds no text")
+    return "\n\n".join(rows)
+
+
+def tokenize_eval_text(tokenizer, text: str) -> torch.Tensor:
+    """Token ids ``[1, L]`` of the whole text, tokenized once (default special tokens)."""
+    return torch.tensor([tokenizer(text, verbose=False)["input_ids"]], dtype=torch.long)
+
+
+@torch.no_grad()
+def window_nlls(
+    model: nn.Module,
+    ids: torch.Tensor,
+    seqlen: int = 2048,
+    max_windows: int | None = None,
+    device: str | torch.device | None = None,
+) -> list[float]:
+    """Mean next-token NLL (nats) of each non-overlapping ``seqlen`` window of ``ids [1, L]``."""
+    if seqlen < 2:
+        raise UserError(f"--seqlen must be >= 2, got {seqlen}")
+    n = ids.numel() // seqlen
+    if n == 0:
+        raise UserError(f"evaluation text has {ids.numel()} tokens, fewer than --seqlen {seqlen}")
+    if max_windows is not None:
+        if max_windows < 1:
+            raise UserError(f"--max-windows must be >= 1, got {max_windows}")
+        n = min(n, max_windows)
+    if device is None:
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for i in range(n):
+            x = ids[:, i * seqlen : (i + 1) * seqlen].to(device)
+            logits = model(x, use_cache=False).logits
+            loss = nn.functional.cross_entropy(
+                logits[0, :-1, :].float(), x[0, 1:], reduction="mean"
+            )
+            out.append(float(loss))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def perplexity(
+    model: nn.Module,
+    tokenizer,
+    text_path: str | Path,
+    seqlen: int = 2048,
+    max_windows: int | None = None,
+    device: str | torch.device | None = None,
+) -> float:
+    """WikiText-2-style perplexity of ``model`` on ``text_path`` (see the module docstring)."""
+    ids = tokenize_eval_text(tokenizer, load_eval_text(text_path))
+    nlls = window_nlls(model, ids, seqlen, max_windows, device)
+    ppl = math.exp(sum(nlls) / len(nlls))
+    log.info("perplexity %.4f over %d windows of %d tokens", ppl, len(nlls), seqlen)
+    return ppl

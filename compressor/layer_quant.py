@@ -1,0 +1,130 @@
+"""Quantize one pruned linear layer from its calibration statistics: the per-layer step of ``compress``.
+
+``--quant`` modes: ``w4a16`` (4-bit weights, fp16 activations), ``w4a4`` and ``w2a4`` (4- or 2-bit
+weights, per-token 4-bit activations). Weights are round-to-nearest by default, with ``clip_search``
+per-group clip ratios scored on the layer's H, with ``gptq`` GPTQ error feedback (both combine).
+The activation clip ratio is calibrated per layer on a token sample of the layer's inputs, and
+``keep_outliers`` N keeps the N most active input channels at 8 bits (Atom; :mod:`.outliers`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .act_quant import ACT_CLIP_GRID, activation_scheme, calibrate_act_clip
+from .fake_quant import FakeQuantLinear
+from .outliers import OutlierSide, permute_hessian, select_outlier_channels, split_outliers
+from .quant import QuantizedWeight, quantize_weight
+
+MODES = {"w4a16": (4, 16), "w4a4": (4, 4), "w2a4": (2, 4)}
+
+
+@dataclass
+class QuantSpec:
+    """What to do to every layer."""
+
+    weight_bits: int
+    act_bits: int  # 4, or 16 for weight-only
+    group_size: int = 128
+    gptq: bool = False
+    clip_search: bool = False
+    act_clip: bool = True  # calibrate the activation clip ratio (else 1.0)
+    keep_outliers: int = 0
+    act_order: bool = False
+    percdamp: float = 0.01
+
+    @classmethod
+    def from_mode(cls, mode: str, **kw) -> QuantSpec:
+        if mode not in MODES:
+            raise ValueError(f"quantization mode must be one of {', '.join(MODES)}, got {mode!r}")
+        wb, ab = MODES[mode]
+        spec = cls(wb, ab, **kw)
+        if spec.keep_outliers and ab == 16:
+            raise ValueError("outlier channels need quantized activations (w4a4 or w2a4), not w4a16")
+        return spec
+
+    @property
+    def needs_hessian(self) -> bool:
+        return self.gptq or self.clip_search
+
+    @property
+    def needs_tokens(self) -> bool:
+        return self.act_bits != 16 and self.act_clip
+
+
+@dataclass
+class QuantizedLayer:
+    qweight: QuantizedWeight  # codes in the (outlier-)permuted column order when outliers is set
+    activations: dict  # the activation scheme record (act_quant.activation_scheme)
+    outliers: OutlierSide | None = None
+    report: dict = field(default_factory=dict)
+
+    def module(self, bias: torch.Tensor | None = None) -> FakeQuantLinear:
+        return FakeQuantLinear.from_quantized(self.qweight, self.activations, bias, self.outliers)
+
+
+class TokenSampler:
+    """Keeps ``per_batch`` random token rows of every batch a layer sees (for activation calibration)."""
+
+    def __init__(self, per_batch: int = 128, seed: int = 0):
+        self.per_batch = per_batch
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rows: list[torch.Tensor] = []
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        t = x.detach().reshape(-1, x.shape[-1]).float().cpu()
+        idx = torch.randperm(t.shape[0], generator=self.gen)[: self.per_batch]
+        self.rows.append(t[idx])
+
+    def tokens(self) -> torch.Tensor | None:
+        return torch.cat(self.rows) if self.rows else None
+
+
+def quantize_layer(
+    weight: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    mask: torch.Tensor | None = None,
+    h: torch.Tensor | None = None,
+    x_sq_norm: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+) -> QuantizedLayer:
+    """Quantize a (pruned) weight [M, K]; ``mask`` True = kept, ``h`` = 2/n Σ x xᵀ, ``tokens`` [N, K]."""
+    t0 = time.perf_counter()
+    w = torch.as_tensor(weight).float()
+    k = w.shape[1]
+    if mask is None:
+        mask = w != 0
+    if spec.needs_hessian and h is None:
+        raise ValueError("GPTQ and clip search need the layer's calibration Hessian")
+    side = None
+    channels = None
+    if spec.keep_outliers:
+        if x_sq_norm is None:
+            raise ValueError("outlier channels are chosen from x_sq_norm; none given")
+        channels = select_outlier_channels(x_sq_norm, spec.keep_outliers)
+        w, side = split_outliers(w * mask, channels)
+        p = torch.from_numpy(side.perm.astype(np.int64))
+        mask = mask[:, p].clone()
+        mask[:, k - channels.size :] = False
+        if h is not None:
+            h = permute_hessian(h, side.perm)
+        if tokens is not None:
+            tokens = tokens[:, p].clone()
+            tokens[:, k - channels.size :] = 0.0
+    q = quantize_weight(w, spec.weight_bits, spec.group_size, gptq=spec.gptq, clip_search=spec.clip_search,
+                        h=h, mask=mask, act_order=spec.act_order, percdamp=spec.percdamp)
+    report: dict = {}
+    clip = 1.0
+    if spec.needs_tokens and tokens is not None:
+        clip, errs = calibrate_act_clip(tokens, w * mask, q.dequantize(), spec.act_bits, q.group_size,
+                                        ACT_CLIP_GRID)
+        report["act_clip_rel_error"] = {str(c): e for c, e in errs.items()}
+    acts = activation_scheme(spec.act_bits, q.group_size, clip,
+                             None if channels is None else channels.tolist())
+    report["seconds"] = time.perf_counter() - t0
+    return QuantizedLayer(q, acts, side, report)

@@ -1,0 +1,189 @@
+"""`compress`: model -> prune -> quantize -> reorder -> encode -> artifact, one decoder block at a time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..formats import baselines, iebme, stats, tiled_cbc
+from . import pruning
+from .artifact import ArtifactWriter, LayerRecord, new_root_attrs
+from .config import CompressConfig, parse_nm
+from .errors import UserError
+from .model_io import block_linears, dense_tensors, find_blocks, load_model
+from .progress import Reporter
+from .quant import rtn
+
+
+@dataclass
+class LayerTotals:
+    """Model-level sums over the compressed layers."""
+
+    weights: int = 0
+    nnz: int = 0
+    total_bytes: int = 0
+    payload_bytes: int = 0
+    meta_bytes: int = 0
+    scale_bytes: int = 0
+    union_before: int = 0
+    union_after: int = 0
+    union_slots: int = 0
+    layers: dict = field(default_factory=dict)
+
+    def add(self, name: str, attrs: dict) -> None:
+        s = attrs["stats"]
+        m, k = s["shape"]
+        self.weights += m * k
+        for key in ("nnz", "total_bytes", "payload_bytes", "meta_bytes", "scale_bytes"):
+            setattr(self, key, getattr(self, key) + s[key])
+        r = attrs.get("reorder")
+        if r:
+            self.union_before += r["union_positions_before"]
+            self.union_after += r["union_positions_after"]
+            self.union_slots += r["union_slots"]
+        self.layers[name] = {"format": attrs["format"], "shape": [m, k], "bits": attrs["bits"]}
+
+    def summary(self) -> dict:
+        w = max(self.weights, 1)
+        out = {
+            "layers": len(self.layers), "weights": self.weights, "nnz": self.nnz,
+            "sparsity": 1 - self.nnz / w, "total_bytes": self.total_bytes,
+            "payload_bytes": self.payload_bytes, "meta_bytes": self.meta_bytes,
+            "scale_bytes": self.scale_bytes, "bits_per_weight": self.total_bytes * 8 / w,
+            "cr": 2 * self.weights / max(self.total_bytes, 1),
+        }
+        if self.union_slots:
+            out["union_density_before"] = self.union_before / self.union_slots
+            out["union_density_after"] = self.union_after / self.union_slots
+        return out
+
+
+def prune_weight(w: torch.Tensor, cfg: CompressConfig, sparsity: float, calib_stats: dict | None):
+    """Dispatch to one pruning method. Returns (pruned weight, kept mask)."""
+    nm = parse_nm(cfg.nm) if cfg.nm else None
+    if cfg.prune == "none" or (sparsity == 0 and nm is None):
+        return w, w != 0
+    if cfg.prune == "magnitude":
+        mask = pruning.magnitude(w, sparsity, nm=nm)
+        return w * mask, mask
+    if calib_stats is None:
+        raise RuntimeError(f"--prune {cfg.prune} needs calibration statistics")
+    if cfg.prune == "wanda":
+        mask = pruning.wanda(w, calib_stats["x_sq_norm"], sparsity, nm=nm)
+        return w * mask, mask
+    w2, mask = pruning.sparsegpt(w, calib_stats["H"], sparsity, nm=nm)
+    return w2, mask
+
+
+def reorder_perms(codes: np.ndarray, cfg: CompressConfig) -> tuple[np.ndarray | None, dict | None]:
+    """Per-tile row permutations minimising the union mask (None when --reorder none)."""
+    if cfg.reorder == "none":
+        return None, None
+    from ..solvers import reorder_matrix
+
+    perm, r = reorder_matrix(codes != 0, tile=cfg.tile_shape, areas=cfg.area_grid, method=cfg.reorder)
+    return perm, {
+        "method": r.method, "methods": r.methods, "union_positions_before": r.positions_before,
+        "union_positions_after": r.positions_after, "union_positions_bound": r.positions_bound,
+        "union_slots": r.capacity, "union_density_before": r.density_before,
+        "union_density_after": r.density_after, "tiles_optimal": r.tiles_optimal,
+        "tiles_not_proven": r.tiles_not_proven, "seconds": r.wall_s,
+    }
+
+
+def encode_layer(name: str, w: torch.Tensor, cfg: CompressConfig) -> LayerRecord:
+    """Quantize and encode one pruned weight [M, K] into its stored record."""
+    bits = cfg.bits
+    attrs: dict = {"prune": cfg.prune, "quant": cfg.quant}
+    if bits is None:
+        values = w.to(torch.float16).numpy()
+        if not np.isfinite(values).all():
+            raise UserError(f"MODEL: layer {name} overflows float16; use --quant w4a16 or w4a4")
+        enc = tiled_cbc.encode(values, tile=cfg.tile_shape)
+        scales, group = None, None
+    else:
+        group = min(cfg.group_size, w.shape[1])
+        q = rtn(w, bits, group)
+        scales = q.scales
+        attrs["group_size"] = group
+        if cfg.act_bits is not None:
+            attrs["activations"] = {"bits": cfg.act_bits, "group_size": group, "scheme": "per-token-symmetric"}
+        if cfg.format == "ie-bme":
+            perm, report = reorder_perms(q.codes, cfg)
+            enc = iebme.encode(q.codes, bits, cfg.tile_shape, cfg.area_grid, perm)
+            if report is not None:
+                attrs["reorder"] = report
+        else:
+            enc = tiled_cbc.encode(q.codes, tile=cfg.tile_shape, bits=bits)
+    s = stats(enc, group_size=group)
+    mask = (enc.decode() != 0) if bits is not None else (w != 0).numpy()
+    attrs["stats"] = s
+    attrs["baselines"] = baselines(mask, 16 if bits is None else bits, group)
+    if cfg.format == "tiled-cbc":
+        attrs["dp_threshold"] = None
+    return LayerRecord(name, enc, scales, attrs)
+
+
+def to_storage_dtype(t: torch.Tensor) -> np.ndarray:
+    """Dense tensors are kept as float16 unless a value would overflow it."""
+    a = t.detach().float().numpy()
+    h = a.astype(np.float16)
+    return h if np.isfinite(h).all() == np.isfinite(a).all() else a
+
+
+def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
+    """Run the whole job; returns the model-level summary. Bad input raises UserError with nothing left."""
+    cfg.validate()
+    t0 = time.perf_counter()
+    out = Path(cfg.output)
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"-o: {out} already exists (remove it or pass --overwrite)")
+    if not out.name.endswith(".zarr"):
+        raise UserError(f"-o: {out} must end in .zarr")
+    if not out.parent.exists():
+        raise UserError(f"-o: folder {out.parent} does not exist")
+    reporter.note(f"loading {cfg.model}")
+    loaded = load_model(cfg.model)
+    model = loaded.model
+    blocks, prefix = find_blocks(model)
+    writer = ArtifactWriter(out, new_root_attrs(cfg.model, loaded.fingerprint, cfg.to_dict(), loaded.config),
+                            resume=cfg.resume, overwrite=cfg.overwrite)
+    totals = LayerTotals()
+    try:
+        done = writer.completed_layers()
+        compressed: set[str] = set()
+        names = [(i, n) for i, b in enumerate(blocks) for n, _ in block_linears(b)]
+        with reporter.stage("compressing layers", total=len(names)) as bar:
+            for i, block in enumerate(blocks):
+                for sub, lin in block_linears(block):
+                    full = f"{prefix}.{i}.{sub}"
+                    compressed.add(f"{full}.weight")
+                    w = lin.weight.detach().float()
+                    if not torch.isfinite(w).all():
+                        raise UserError(f"MODEL: layer {full} has NaN or inf weights")
+                    w_pruned, _ = prune_weight(w, cfg, cfg.sparsity, None)
+                    lin.weight.data.copy_(w_pruned.to(lin.weight.dtype))
+                    if full in done:
+                        attrs = writer.layer_attrs(full)
+                    else:
+                        attrs = writer.write_layer(encode_layer(full, w_pruned, cfg))
+                    totals.add(full, attrs)
+                    bar.advance()
+        dense, tied = dense_tensors(model, compressed)
+        with reporter.stage("writing dense tensors", total=len(dense)) as bar:
+            for name, t in dense.items():
+                writer.write_dense({name: to_storage_dtype(t)})
+                bar.advance()
+        summary = totals.summary()
+        summary["seconds"] = time.perf_counter() - t0
+        writer.finalize({"layers": totals.layers, "dense": sorted(dense), "tied": tied, "summary": summary,
+                         "block_prefix": prefix, "n_blocks": len(blocks)})
+    except UserError:
+        writer.abort()
+        raise
+    return summary
+

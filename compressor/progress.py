@@ -1,0 +1,65 @@
+"""Progress bars (rich) for long stages, silent when quiet or in JSON mode."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class Reporter:
+    """Stage progress on stderr. ``quiet`` silences bars and notes (errors still print)."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self.console = Console(stderr=True, quiet=quiet, soft_wrap=True)
+        self._progress: Progress | None = None
+
+    def __enter__(self) -> Reporter:
+        if not self.quiet:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                console=self.console, transient=not sys.stderr.isatty(),
+            )
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def note(self, msg: str) -> None:
+        if not self.quiet:
+            self.console.print(msg, highlight=False)
+
+    @contextmanager
+    def stage(self, description: str, total: int) -> Iterator[StageHandle]:
+        handle = StageHandle(self._progress, description, total)
+        try:
+            yield handle
+        finally:
+            handle.close()
+
+
+class StageHandle:
+    def __init__(self, progress: Progress | None, description: str, total: int):
+        self._p = progress
+        self._id = progress.add_task(description, total=total) if progress is not None else None
+
+    def advance(self, n: int = 1) -> None:
+        if self._p is not None:
+            self._p.advance(self._id, n)
+
+    def update(self, completed: int, total: int | None = None) -> None:
+        if self._p is not None:
+            self._p.update(self._id, completed=completed, total=total)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.remove_task(self._id)
+            self._p = None

@@ -1,0 +1,117 @@
+"""Weight quantization: symmetric round-to-nearest group quantization to b-bit signed codes.
+
+Codes are int8 in -2^(b-1)..2^(b-1)-1, scales float16 [M, ceil(K/g)] (g = K gives per channel).
+A zero weight always maps to code 0, so pruned weights stay pruned. The scale is
+absmax / (2^(b-1) - 1/2), the symmetric grid GPTQ uses: all 2^b levels are reachable (for 2 bits
+-2, -1, 0, 1), the positive extreme is clipped by half a step at most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..formats.bitpack import code_range
+
+FP16_TINY = float(np.finfo(np.float16).tiny)
+
+
+@dataclass
+class QuantizedWeight:
+    codes: np.ndarray  # int8 [M, K]
+    scales: np.ndarray  # float16 [M, G]
+    bits: int
+    group_size: int
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [M, K] = code * scale of its group."""
+        return dequantize(self.codes, self.scales, self.group_size)
+
+
+def n_groups(k: int, group_size: int) -> int:
+    return -(-k // group_size)
+
+
+def grid_max(bits: int) -> float:
+    """absmax maps to this many steps: 2^(b-1) - 1/2."""
+    return (1 << (bits - 1)) - 0.5
+
+
+def group_absmax(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """absmax of every group along K: [M, G] (ragged last group allowed)."""
+    m, k = w.shape
+    g = n_groups(k, group_size)
+    padded = torch.zeros(m, g * group_size, dtype=w.dtype)
+    padded[:, :k] = w
+    return padded.abs().reshape(m, g, group_size).amax(dim=2)
+
+
+def scales_from_absmax(absmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp16-representable positive scales (an all-zero group gets the smallest normal fp16)."""
+    s = (absmax.float() / grid_max(bits)).clamp(min=FP16_TINY)
+    return s.half().float().clamp(min=FP16_TINY)
+
+
+def quantize_with_scales(w: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Round-to-nearest codes for given per-group scales [M, G] (int8 tensor)."""
+    lo, hi = code_range(bits)
+    s = scales.float().repeat_interleave(group_size, dim=1)[:, : w.shape[1]]
+    return torch.clamp(torch.round(w.float() / s), lo, hi).to(torch.int8)
+
+
+def rtn(weight: torch.Tensor | np.ndarray, bits: int, group_size: int = 128) -> QuantizedWeight:
+    """Symmetric round-to-nearest group quantization of a [M, K] weight."""
+    w = torch.as_tensor(weight).float()
+    if w.ndim != 2:
+        raise ValueError(f"weight must be 2-D, got {tuple(w.shape)}")
+    group_size = min(group_size, w.shape[1])
+    scales = scales_from_absmax(group_absmax(w, group_size), bits)
+    codes = quantize_with_scales(w, scales, bits, group_size)
+    return QuantizedWeight(codes.numpy(), scales.half().numpy(), bits, group_size)
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
+    """float32 weights from codes [M, K] and scales [M, G]."""
+    k = codes.shape[1]
+    s = np.repeat(scales.astype(np.float32), group_size, axis=1)[:, :k]
+    return codes.astype(np.float32) * s
+
+
+def quantize_weight(
+    weight: torch.Tensor | np.ndarray,
+    bits: int,
+    group_size: int = 128,
+    *,
+    gptq: bool = False,
+    clip_search: bool = False,
+    h: torch.Tensor | np.ndarray | None = None,
+    mask: torch.Tensor | np.ndarray | None = None,
+    clip_grid: np.ndarray | list[float] | None = None,
+    act_order: bool = False,
+    percdamp: float = 0.01,
+) -> QuantizedWeight:
+    """One entry point for weight quantization: round-to-nearest or GPTQ, with or without clip search.
+
+    ``h`` [K, K] is the calibration Gram matrix (2/n Σ x xᵀ); GPTQ needs it, clip search scores output
+    error with it (weight MSE when None). ``mask`` (True = kept) forces pruned weights to code 0.
+    """
+    from .clip_search import DEFAULT_GRID, clipped_scales, search_clip
+    from .gptq import gptq as run_gptq
+
+    grid = DEFAULT_GRID if clip_grid is None else clip_grid
+    w = torch.as_tensor(weight).float()
+    if mask is not None:
+        w = w * torch.as_tensor(mask).bool()
+    if gptq:
+        if h is None:
+            raise ValueError("GPTQ needs the calibration Hessian h")
+        return run_gptq(w, h, bits, group_size, mask=mask, percdamp=percdamp, act_order=act_order,
+                        clip_search=clip_search, clip_grid=grid)
+    if not clip_search:
+        return rtn(w, bits, group_size)
+    group_size = min(group_size, w.shape[1])
+    scales = clipped_scales(w, search_clip(w, h, bits, group_size, grid), bits, group_size)
+    codes = quantize_with_scales(w, scales, bits, group_size)
+    return QuantizedWeight(codes.numpy(), scales.half().numpy(), bits, group_size)

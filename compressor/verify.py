@@ -1,0 +1,180 @@
+"""`verify`: prove an artifact right, layer by layer; report every failure, not only the first.
+
+Checks, per artifact: the manifest (size and crc32c of every file, missing or extra files). Per layer:
+arrays readable (crc32c codec), structure (offsets against bitmap popcounts, lengths, permutations),
+decode, re-encode from the decoded codes and compare every array byte for byte, codes in range, scales
+positive and finite, and the layer's matmul through the CPU reference of the kernel arithmetic (and the
+GPU kernel when one is there) against the dense dequantized matmul on random activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..formats import iebme, tiled_cbc
+from ..formats.bitpack import code_range
+from .artifact import MANIFEST, Artifact, LayerRecord, check_manifest
+from .errors import UserError
+
+
+@dataclass
+class VerifyResult:
+    backend: str
+    checked_layers: int = 0
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def reencode(rec: LayerRecord, codes: np.ndarray) -> iebme.IEBMEMatrix | tiled_cbc.TiledCBCMatrix:
+    e = rec.encoding
+    if isinstance(e, iebme.IEBMEMatrix):
+        return iebme.encode(codes, e.bits, e.tile, e.areas, e.perm)
+    return tiled_cbc.encode(codes, tile=e.tile, bits=e.bits)
+
+
+def compare_arrays(rec: LayerRecord, again) -> list[str]:
+    fresh = LayerRecord(rec.name, again, rec.scales, rec.attrs).arrays()
+    out = []
+    for k, v in rec.arrays().items():
+        w = fresh.get(k)
+        if w is None or w.dtype != v.dtype or w.shape != v.shape or not np.array_equal(w, v):
+            out.append(f"layer {rec.name}: array '{k}' differs from a fresh encoding of its decoded codes")
+    return out
+
+
+def iebme_product_check(rec: LayerRecord, codes: np.ndarray, rng: np.random.Generator, ns: list[int]) -> list[str]:
+    """The kernel arithmetic read from the IE-BME arrays vs a dense integer product of the decoded codes.
+
+    W4A4 / W2A4: integer partial sums per group must match exactly, the scaled output to fp16 rounding.
+    W4A16: the dequantized weights against fp16 activations, to fp32 accumulation rounding.
+    """
+    from ..kernels.activations import quantize_activations
+    from ..kernels.iebme_reference import iebme_partial_sums, scale_partials
+
+    e = rec.encoding
+    m, k = e.shape
+    gs = int(rec.attrs["group_size"])
+    act = rec.attrs.get("activations") or {}
+    bits_x = act.get("bits", 4)
+    n_groups = -(-k // gs)
+    out = []
+    for n in ns:
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        xq, xs = quantize_activations(x, bits_x, gs)
+        part = iebme_partial_sums(e, xq, gs)
+        pad = n_groups * gs - k
+        cw = np.pad(codes.astype(np.int64), ((0, 0), (0, pad))).reshape(m, n_groups, gs)
+        cx = np.pad(xq.astype(np.int64), ((0, 0), (0, pad))).reshape(n, n_groups, gs)
+        want = np.einsum("mgk,ngk->nmg", cw, cx)
+        if not np.array_equal(part.astype(np.int64), want):
+            bad = int(np.count_nonzero(part != want))
+            out.append(f"layer {rec.name}: {bad} integer partial sums differ from the dense product (N={n})")
+            continue
+        y = scale_partials(part, rec.scales, xs).astype(np.float64)
+        ref = np.einsum("nmg,mg,ng->nm", want.astype(np.float64), rec.scales.astype(np.float64),
+                        xs.astype(np.float64))
+        terms = np.einsum("nmg,mg,ng->nm", np.abs(want).astype(np.float64),
+                          np.abs(rec.scales.astype(np.float64)), np.abs(xs.astype(np.float64)))
+        # fp16 output rounding + fp32 accumulation over the groups + the smallest fp16 subnormal
+        tol = 2.0**-11 * np.abs(ref) + (n_groups + 2) * 2.0**-24 * terms + 2.0**-24
+        if not np.all(np.abs(y - ref) <= tol):
+            out.append(f"layer {rec.name}: scaled output differs from the dense product beyond fp16 rounding (N={n})")
+    return out
+
+
+def kernel_checks(rec: LayerRecord, codes: np.ndarray, rng: np.random.Generator, ns: list[int],
+                  backend: str) -> list[str]:
+    """Run the layer's kernels (CPU reference, and the GPU kernels for backend 'cupy') on random inputs."""
+    e = rec.encoding
+    if isinstance(e, tiled_cbc.TiledCBCMatrix):
+        from ..kernels.tiled_cbc_check import check_tiled_cbc_layer
+
+        return check_tiled_cbc_layer(e, rec.scales, rec.attrs.get("group_size"), rec.attrs.get("dp_threshold"),
+                                     ns, backend, rng)
+    problems = iebme_product_check(rec, codes, rng, ns)
+    if not problems and backend == "cupy":
+        from ..kernels import check_iebme_layer_gpu
+
+        problems += check_iebme_layer_gpu(rec, ns, rng)
+    return problems
+
+
+def verify_layer(rec: LayerRecord, rng: np.random.Generator, ns: list[int], backend: str) -> list[str]:
+    e = rec.encoding
+    codes = e.decode()
+    problems = compare_arrays(rec, reencode(rec, codes))
+    if e.bits is not None:
+        lo, hi = code_range(e.bits)
+        if codes.size and (codes.min() < lo or codes.max() > hi):
+            problems.append(f"layer {rec.name}: codes outside the {e.bits}-bit range")
+        s = rec.scales.astype(np.float32)
+        if not (np.isfinite(s).all() and (s > 0).all()):
+            problems.append(f"layer {rec.name}: scales are not all positive and finite")
+    if not problems:
+        problems += kernel_checks(rec, codes, rng, ns, backend)
+    return problems
+
+
+def gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def resolve_backend(backend: str) -> tuple[str, str | None]:
+    """'auto' picks cupy when a GPU is usable; returns (backend, note)."""
+    if backend == "cpu":
+        return "cpu", None
+    if gpu_available():
+        return "cupy", None
+    if backend == "cupy":
+        raise UserError("--backend cupy: CuPy or a CUDA device is not available here (use --backend cpu)")
+    return "cpu", "no GPU here: ran the CPU reference of the kernels only"
+
+
+def verify(path: str, backend: str = "auto", ns: list[int] | None = None, seed: int = 0,
+           on_layer=None) -> VerifyResult:
+    backend, note = resolve_backend(backend)
+    res = VerifyResult(backend)
+    if note:
+        res.notes.append(note)
+    root = Path(path)
+    if (root / MANIFEST).is_file():  # a store of ours: corruption is a failed check, not bad input
+        res.failures += check_manifest(root)
+    try:
+        art = Artifact(path)
+    except UserError as e:
+        if not res.failures:
+            raise
+        res.failures.append(str(e))
+        return res
+    rng = np.random.default_rng(seed)
+    ns = ns or [1, 8]
+    for name in art.layer_names:
+        try:
+            rec = art.read_layer(name)
+            res.failures += verify_layer(rec, rng, ns, backend)
+        except Exception as e:  # corruption can surface as any decode or zarr error: report, go on
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            res.failures.append(f"layer {name}: {msg[:300]}")
+        res.checked_layers += 1
+        if on_layer:
+            on_layer(name)
+    for name in art.dense_names:
+        try:
+            a = art.read_dense(name)
+            if a.dtype.kind == "f" and not np.isfinite(a).all():
+                res.failures.append(f"dense {name}: holds NaN or inf")
+        except Exception as e:
+            res.failures.append(f"dense {name}: unreadable ({type(e).__name__})")
+    return res

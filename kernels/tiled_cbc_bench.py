@@ -1,0 +1,522 @@
+"""Tiled-CBC kernels beside cuBLAS fp16 (torch) on the same shapes, in one run, on one GPU.
+
+spMspV (N = 1) at static 50% + dynamic 30% and static 30% + dynamic 30% on SpInfer's 31 (M, K) pairs
+(SPEC section 2) against ``torch.matmul(W, x)`` (cuBLAS fp16 GEMV); SpMM at N = 16..4096 on a subset
+against ``torch.nn.functional.linear(X, W)`` (cuBLAS fp16 GEMM).
+Timing (METHOD.md): each measurement is a CUDA graph of back-to-back launches cycling through copies
+of the weights whose total exceeds 200 MB (> 3x the 60 MB L2), replayed between CUDA events after a
+warm-up replay; the median over replays, divided by the launches per graph, is reported.
+Weights: random fp16 with a uniformly random mask at the static sparsity, encoded on the GPU
+(``encode_on_device``, byte-identical to ``tiled_cbc.encode``, checked in the tests); x ~ N(0, 1) with
+tau = its own 30% quantile of |x| (``tau_from_samples``), so exactly 30% of the inputs are inactive.
+
+    python benchmarks/bench_tiled_cbc.py [--quick] [--out benchmarks/results]
+
+``bench_rows`` is the entry point for ``unionsparse bench --format tiled-cbc`` (kernels/bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SPINFER_M = [
+    8192,
+    4096,
+    32000,
+    32000,
+    28672,
+    5120,
+    5120,
+    3584,
+    4096,
+    13824,
+    8192,
+    18944,
+    14336,
+    4096,
+    8192,
+    11008,
+    32000,
+    20480,
+    3584,
+    21504,
+    7168,
+    28672,
+    7168,
+    27648,
+    9216,
+    36864,
+    9216,
+    36864,
+    12288,
+    49152,
+    12288,
+]
+SPINFER_K = [
+    29568,
+    4096,
+    5120,
+    8192,
+    8192,
+    5120,
+    13824,
+    20480,
+    11008,
+    5120,
+    8192,
+    3584,
+    4096,
+    14336,
+    28672,
+    4096,
+    4096,
+    3584,
+    18944,
+    7168,
+    7168,
+    7168,
+    28672,
+    9216,
+    9216,
+    9216,
+    36864,
+    12288,
+    12288,
+    12288,
+    49152,
+]
+SPINFER = list(zip(SPINFER_M, SPINFER_K, strict=True))
+SPMM_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (28672, 8192)]
+SPMM_NS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+ROTATE_BYTES = 200e6
+
+
+def geomean(v):
+    v = [x for x in v if x and x > 0]
+    return float(math.exp(sum(math.log(x) for x in v) / len(v))) if v else float("nan")
+
+
+def time_graph_cupy(cp, launch, n_launch, reps=9):
+    """Median seconds per launch of ``launch(i)`` for i in 0..n_launch-1, captured in one CUDA graph."""
+    cp.cuda.Device().synchronize()  # inputs were made on the default stream
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        for i in range(n_launch):
+            launch(i)  # compile, allocate workspaces and warm up before capture
+        s.synchronize()
+        s.begin_capture()
+        for i in range(n_launch):
+            launch(i)
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        ts = []
+        for _ in range(reps):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            g.launch(s)
+            e1.record(s)
+            e1.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / n_launch)
+    return float(np.median(ts))
+
+
+def time_graph_torch(torch, launch, n_launch, reps=9):
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(min(n_launch, 3)):
+            launch(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n_launch):
+            launch(i)
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3 / n_launch)
+    return float(np.median(ts))
+
+
+def copies_for(nbytes):
+    return max(2, math.ceil(ROTATE_BYTES / max(nbytes, 1)))
+
+
+def _clone(cp, arrays):
+    return {k: (v.copy() if isinstance(v, cp.ndarray) else v) for k, v in arrays.items()}
+
+
+def random_weights(cp, M, K, sparsity, seed):
+    rs = cp.random.RandomState(seed)
+    W = (rs.standard_normal((M, K), dtype=cp.float32) * 0.02).astype(cp.float16)
+    W[rs.random_sample((M, K), dtype=cp.float32) < sparsity] = 0
+    return W
+
+
+def bench_spmspv(cp, torch, shapes, statics, dp, log, chunks_try=(4, 8, 16, 32), stages_try=(4, 8)):
+    from ..compressor.thresholds import tau_from_samples
+    from .tiled_cbc_device import DeviceTiledCBC, encode_on_device
+    from .tiled_cbc_spmspv import bytes_read, default_chunk, spmspv
+
+    rows = []
+    for si, (M, K) in enumerate(shapes):
+        rs = np.random.default_rng(si)
+        x_host = rs.standard_normal(K).astype(np.float16)
+        tau = tau_from_samples(np.abs(x_host), dp)
+        x = cp.asarray(x_host)
+        xt = torch.as_tensor(x_host, device="cuda")
+        dense_bytes = 2 * M * K
+        t_cublas = None
+        for s in statics:
+            W = random_weights(cp, M, K, s, 1000 + si)
+            if t_cublas is None:  # cuBLAS time does not depend on the values
+                Wt = torch.from_dlpack(W)
+                nd = copies_for(dense_bytes)
+                Wd = [Wt] + [Wt.clone() for _ in range(nd - 1)]
+                L = max(20, nd)
+                t_cublas = time_graph_torch(
+                    torch, lambda i, Wd=Wd, xt=xt: torch.matmul(Wd[i % len(Wd)], xt), L
+                )
+                del Wd, Wt
+            arrays = encode_on_device(W)
+            xm = cp.where(cp.abs(x.astype(cp.float32)) > np.float32(tau), x.astype(cp.float32), 0)
+            ref = W.astype(cp.float32) @ xm
+            del W
+            dev0 = DeviceTiledCBC(arrays=arrays)
+            nbytes = dev0.nbytes()
+            nc = copies_for(nbytes)
+            devs = [dev0] + [DeviceTiledCBC(arrays=_clone(cp, arrays)) for _ in range(nc - 1)]
+            out = cp.empty(M, dtype=cp.float16)
+            L = max(20, nc)
+            y = cp.empty(M, dtype=cp.float32)
+            spmspv(dev0, x, tau, out=y)
+            rel = float(cp.linalg.norm(y - ref) / cp.linalg.norm(ref))
+            best = None
+            tried = {}
+            for chunk in chunks_try:
+                for st in stages_try:
+
+                    def run(i, c=chunk, st=st, devs=devs, x=x, tau=tau, out=out):
+                        return spmspv(devs[i % len(devs)], x, tau, out=out, chunk=c, stages=st)
+
+                    t = time_graph_cupy(cp, run, L)
+                    tried[f"{chunk}/{st}"] = t
+                    if best is None or t < best[0]:
+                        best = (t, chunk, st)
+
+            def run_default(i, devs=devs, x=x, tau=tau, out=out):
+                return spmspv(devs[i % len(devs)], x, tau, out=out)
+
+            def run_dp_off(i, b=best, devs=devs, x=x, out=out):
+                return spmspv(devs[i % len(devs)], x, None, out=out, chunk=b[1], stages=b[2])
+
+            t_def = time_graph_cupy(cp, run_default, L)
+            t_static = time_graph_cupy(cp, run_dp_off, L)
+            br = bytes_read(dev0, x_host, tau)
+            row = dict(
+                M=M,
+                K=K,
+                static=s,
+                dynamic=dp,
+                tau=tau,
+                rel_err_vs_fp32=rel,
+                t_cublas_us=t_cublas * 1e6,
+                t_spmspv_us=best[0] * 1e6,
+                best_chunk=best[1],
+                best_stages=best[2],
+                t_default_us=t_def * 1e6,
+                default_chunk=default_chunk(dev0),
+                t_spmspv_dp_off_us=t_static * 1e6,
+                speedup=t_cublas / best[0],
+                speedup_default=t_cublas / t_def,
+                speedup_dp_off=t_cublas / t_static,
+                bytes_read=br,
+                stored_bytes=nbytes,
+                dense_bytes=dense_bytes,
+                gbps_spmspv=br / best[0] / 1e9,
+                gbps_cublas=dense_bytes / t_cublas / 1e9,
+                tried_us={k: v * 1e6 for k, v in tried.items()},
+                copies=nc,
+            )
+            rows.append(row)
+            log(
+                f"spmspv {M}x{K} s={s} dp={dp}: cublas {t_cublas * 1e6:.1f}us  ours {best[0] * 1e6:.1f}us "
+                f"(c{best[1]}/s{best[2]}; default {t_def * 1e6:.1f}) x{t_cublas / best[0]:.2f} "
+                f"dp-off {t_static * 1e6:.1f}us  {row['gbps_spmspv']:.0f} GB/s  rel {rel:.1e}"
+            )
+            cp.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_spmm(cp, torch, shapes, ns, static, log):
+    from .tiled_cbc_device import DeviceTiledCBC, encode_on_device
+    from .tiled_cbc_spmm import CONFIGS, spmm
+
+    rows = []
+    for si, (M, K) in enumerate(shapes):
+        W = random_weights(cp, M, K, static, 2000 + si)
+        Wt = torch.from_dlpack(W)
+        nd = copies_for(2 * M * K)
+        Wd = [Wt] + [Wt.clone() for _ in range(nd - 1)]
+        arrays = encode_on_device(W)
+        dev0 = DeviceTiledCBC(arrays=arrays)
+        nc = copies_for(dev0.nbytes())
+        devs = [dev0] + [DeviceTiledCBC(arrays=_clone(cp, arrays)) for _ in range(nc - 1)]
+        for n in ns:
+            rs = cp.random.RandomState(n)
+            X = rs.standard_normal((n, K), dtype=cp.float32).astype(cp.float16)
+            Xt = torch.from_dlpack(X)
+            out = cp.empty((n, M), dtype=cp.float16)
+            flops = 2.0 * n * M * K
+            Ld = max(nd, int(min(40, max(2, 2e-3 / max(flops / 600e12, 1e-7)))))
+
+            def dense(i, Xt=Xt, Wd=Wd):
+                return torch.nn.functional.linear(Xt, Wd[i % len(Wd)])
+
+            t_cublas = time_graph_torch(torch, dense, Ld, 5)
+            ref = torch.nn.functional.linear(Xt.float(), Wt.float()) if n <= 256 else None
+            best = None
+            per = {}
+            for bn in CONFIGS:
+                L = max(nc, Ld)
+
+                def sparse(i, bn=bn, devs=devs, X=X, out=out):
+                    return spmm(devs[i % len(devs)], X, out=out, bn=bn)
+
+                t = time_graph_cupy(cp, sparse, L, 5)
+                per[bn] = t
+                if best is None or t < best[0]:
+                    best = (t, bn)
+            rel = None
+            if ref is not None:
+                spmm(dev0, X, out=out, bn=best[1])
+                got = torch.from_dlpack(out).float()
+                rel = float((got - ref).norm() / ref.norm())
+            rows.append(
+                dict(
+                    M=M,
+                    K=K,
+                    N=n,
+                    static=static,
+                    t_cublas_us=t_cublas * 1e6,
+                    t_spmm_us=best[0] * 1e6,
+                    best_bn=best[1],
+                    per_bn_us={str(k): v * 1e6 for k, v in per.items()},
+                    speedup=t_cublas / best[0],
+                    tflops_cublas=flops / t_cublas / 1e12,
+                    tflops_spmm_dense_equiv=flops / best[0] / 1e12,
+                    rel_err_vs_fp32=rel,
+                )
+            )
+            log(
+                f"spmm {M}x{K} N={n}: cublas {t_cublas * 1e6:.1f}us ours {best[0] * 1e6:.1f}us "
+                f"(bn {best[1]}) "
+                f"x{t_cublas / best[0]:.2f}" + (f" rel {rel:.1e}" if rel is not None else "")
+            )
+        cp.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def copy_bandwidth(cp):
+    a = cp.empty(2 * 1024**3, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    t = time_graph_cupy(cp, lambda i: b.__setitem__(Ellipsis, a), 4, 5)
+    return 2 * a.nbytes / t / 1e9
+
+
+def machine_info(cp, torch):
+    try:
+        smi = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+    except Exception as e:  # pragma: no cover
+        smi = f"nvidia-smi failed: {e}"
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    return dict(
+        gpu=props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+        sms=props["multiProcessorCount"],
+        l2_bytes=props["l2CacheSize"],
+        nvidia_smi=smi,
+        cupy=cp.__version__,
+        torch=torch.__version__,
+        cuda_runtime=cp.cuda.runtime.runtimeGetVersion(),
+        python=platform.python_version(),
+        host=platform.node(),
+    )
+
+
+def bench_rows(shapes, ns, sparsity: float = 0.5, dp: float = 0.3, log=print) -> list[dict]:
+    """Rows for ``unionsparse bench --format tiled-cbc``: shapes [(label, M, K)]; N = 1 runs spMspV at
+    (static ``sparsity`` + dynamic ``dp``), N > 1 runs the SpMM (static only), each beside cuBLAS."""
+    import cupy as cp
+    import torch
+
+    quiet = log or (lambda _msg: None)
+    rows = []
+    for label, m, k in shapes:
+        if 1 in ns:
+            for r in bench_spmspv(
+                cp, torch, [(m, k)], (sparsity,), dp, quiet, chunks_try=(8, 16), stages_try=(4,)
+            ):
+                rows.append(
+                    dict(
+                        shape=label,
+                        M=m,
+                        K=k,
+                        N=1,
+                        kernel="spmspv",
+                        sparsity=sparsity,
+                        dp_sparsity=dp,
+                        tiled_cbc_us=r["t_spmspv_us"],
+                        cublas_us=r["t_cublas_us"],
+                        speedup_vs_cublas=r["speedup"],
+                        tiled_cbc_GBps=r["gbps_spmspv"],
+                    )
+                )
+        big = [n for n in ns if n > 1]
+        if big:
+            for r in bench_spmm(cp, torch, [(m, k)], big, sparsity, quiet):
+                rows.append(
+                    dict(
+                        shape=label,
+                        M=m,
+                        K=k,
+                        N=r["N"],
+                        kernel="spmm",
+                        sparsity=sparsity,
+                        tiled_cbc_us=r["t_spmm_us"],
+                        cublas_us=r["t_cublas_us"],
+                        speedup_vs_cublas=r["speedup"],
+                    )
+                )
+    return rows
+
+
+def write_md(res, path):
+    L = [
+        f"# Tiled-CBC kernels on {res['machine']['gpu']}",
+        "",
+        f"Command: `{res['command']}`  ",
+        f"Machine: {res['machine']['nvidia_smi']}; CuPy {res['machine']['cupy']}, "
+        f"torch {res['machine']['torch']}, CUDA runtime {res['machine']['cuda_runtime']}  ",
+        f"Measured device-to-device copy: {res['copy_gbps']:.0f} GB/s (read + write).",
+        "",
+        "## spMspV (N = 1) vs cuBLAS fp16 GEMV (torch.matmul)",
+        "",
+    ]
+    for key, g in res["geomean_spmspv"].items():
+        L.append(
+            f"- {key}: geomean speedup **{g['best']:.2f}x** (autotuned chunk/stages), "
+            f"{g['default']:.2f}x with "
+            f"the default heuristic, {g['dp_off']:.2f}x with dynamic pruning off (static only)"
+        )
+    L += [
+        "",
+        "| M | K | static | cuBLAS us | spMspV us | speedup | default us | DP off us | spMspV GB/s | "
+        "cuBLAS GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["spmspv"]:
+        L.append(
+            f"| {r['M']} | {r['K']} | {r['static']:.0%} | {r['t_cublas_us']:.1f} | {r['t_spmspv_us']:.1f} | "
+            f"{r['speedup']:.2f} | {r['t_default_us']:.1f} | {r['t_spmspv_dp_off_us']:.1f} | "
+            f"{r['gbps_spmspv']:.0f} | {r['gbps_cublas']:.0f} |"
+        )
+    if res.get("spmm"):
+        L += [
+            "",
+            f"## SpMM (prefill, static {res['spmm'][0]['static']:.0%}) vs cuBLAS fp16 GEMM (F.linear)",
+            "",
+            "| M | K | N | cuBLAS us | SpMM us | speedup | cuBLAS TFLOP/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in res["spmm"]:
+            L.append(
+                f"| {r['M']} | {r['K']} | {r['N']} | {r['t_cublas_us']:.1f} | {r['t_spmm_us']:.1f} | "
+                f"{r['speedup']:.2f} | {r['tflops_cublas']:.0f} |"
+            )
+        L += [
+            "",
+            "Geomean SpMM speedup by N: "
+            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res["geomean_spmm"].items()),
+        ]
+    path.write_text("\n".join(L) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4 spMspV shapes, 2 SpMM shapes")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--no-spmm", action="store_true")
+    ap.add_argument("--no-spmspv", action="store_true")
+    args = ap.parse_args(argv)
+    import cupy as cp
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    res = dict(
+        command="python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])), machine=machine_info(cp, torch)
+    )
+    res["copy_gbps"] = copy_bandwidth(cp)
+    log(f"copy {res['copy_gbps']:.0f} GB/s")
+    shapes = SPINFER[:4] if args.quick else SPINFER
+    res["spmspv"] = [] if args.no_spmspv else bench_spmspv(cp, torch, shapes, (0.5, 0.3), 0.3, log)
+    res["geomean_spmspv"] = {}
+    for s in (0.5, 0.3):
+        rr = [r for r in res["spmspv"] if r["static"] == s]
+        if rr:
+            res["geomean_spmspv"][f"static {s:.0%} + dynamic 30%"] = dict(
+                best=geomean([r["speedup"] for r in rr]),
+                default=geomean([r["speedup_default"] for r in rr]),
+                dp_off=geomean([r["speedup_dp_off"] for r in rr]),
+                n_shapes=len(rr),
+            )
+    (out / "tiled_cbc_h200.json").write_text(json.dumps(res, indent=1))
+    if not args.no_spmm:
+        res["spmm"] = bench_spmm(cp, torch, SPMM_SHAPES[:2] if args.quick else SPMM_SHAPES, SPMM_NS, 0.5, log)
+        res["geomean_spmm"] = {
+            str(n): geomean([r["speedup"] for r in res["spmm"] if r["N"] == n]) for n in SPMM_NS
+        }
+    res["wall_s"] = time.time() - t0
+    (out / "tiled_cbc_h200.json").write_text(json.dumps(res, indent=1))
+    write_md(res, out / "tiled_cbc_h200.md")
+    for k, g in res["geomean_spmspv"].items():
+        log(f"GEOMEAN spMspV {k}: {g['best']:.2f}x (default {g['default']:.2f}x, dp-off {g['dp_off']:.2f}x)")
+    for n, g in res.get("geomean_spmm", {}).items():
+        log(f"GEOMEAN SpMM N={n}: {g:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Device-resident Tiled-CBC layer for the CuPy kernels (upload once, launch many times).
+
+CuPy is imported lazily, so this module (and the references) import on machines without a GPU.
+``DeviceTiledCBC(m, w_scales, group_size)`` uploads the four stored arrays as they are (no re-encoding)
+plus, for b-bit codes, the group scales transposed to [ngroups, Mp] so that one 16-byte load gives a
+lane the scales of its 8 rows. ``encode_on_device`` builds the same arrays from a CuPy fp16 matrix on
+the GPU (used by the benchmark, whose largest shapes would take minutes to encode on the CPU).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from ..formats.tiled_cbc import TiledCBCMatrix
+
+TILE = (256, 16)
+_HERE = Path(__file__).resolve().parent
+
+
+def cupy_or_none():
+    """The cupy module if it imports and sees a CUDA device, else None."""
+    try:
+        import cupy as cp
+
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            return None
+        return cp
+    except Exception:  # no cupy, no driver, no device
+        return None
+
+
+def _cupy():
+    cp = cupy_or_none()
+    if cp is None:
+        raise RuntimeError("the Tiled-CBC GPU kernels need CuPy and a CUDA device")
+    return cp
+
+
+@cache
+def load_module(name: str, expressions: tuple[str, ...]):
+    """Compile ``kernels/<name>.cu`` with NVRTC for the current device (cached per process)."""
+    cp = _cupy()
+    src = (_HERE / f"{name}.cu").read_text()
+    return cp.RawModule(code=src, options=("-std=c++17",), name_expressions=list(expressions))
+
+
+class DeviceTiledCBC:
+    """The stored arrays of one Tiled-CBC layer in GPU memory, plus kernel workspaces."""
+
+    def __init__(self, m: TiledCBCMatrix | None = None, w_scales=None, group_size: int | None = None, *,
+                 arrays: dict | None = None):
+        cp = _cupy()
+        if m is not None:
+            g = m.geometry
+            arrays = dict(shape=g.shape, bits=g.bits, bitmap=m.bitmap, colinfo=m.colinfo,
+                          tile_offset=m.tile_offset, values=m.values)
+            if tuple(g.tile) != TILE:
+                raise ValueError(f"the GPU kernels are built for GTiles {TILE}, this layer has {g.tile}")
+        assert arrays is not None
+        self.shape = tuple(int(v) for v in arrays["shape"])
+        self.bits = arrays["bits"]
+        M, K = self.shape
+        self.grid = (-(-M // TILE[0]), -(-K // TILE[1]))
+        self.Mp = self.grid[0] * TILE[0]
+        self.bitmap = cp.asarray(arrays["bitmap"], dtype=cp.uint64)
+        self.colinfo = cp.asarray(arrays["colinfo"], dtype=cp.uint32)
+        self.tile_offset = cp.asarray(arrays["tile_offset"], dtype=cp.uint32)
+        vals = cp.asarray(arrays["values"])
+        self.values_u8 = vals.view(cp.uint8) if vals.dtype != cp.uint8 else vals
+        self.values_u16 = vals.view(cp.uint16) if self.bits is None else None
+        self._tile_offset_host = cp.asnumpy(self.tile_offset).astype(np.int64)
+        self.group_size = None
+        self.scales_t = None
+        if self.bits is not None:
+            if w_scales is None or group_size is None:
+                raise ValueError(f"a {self.bits}-bit layer needs w_scales and group_size")
+            gs = int(group_size)
+            ng = -(-K // gs)
+            s = cp.asarray(w_scales, dtype=cp.float16)
+            if s.shape != (M, ng):
+                raise ValueError(f"w_scales must be [{M}, {ng}], got {tuple(s.shape)}")
+            if gs % TILE[1] and gs < K:
+                raise ValueError(f"the GPU kernels need group_size % {TILE[1]} == 0 (or one group), got {gs}")
+            st = cp.zeros((ng, self.Mp), dtype=cp.float16)
+            st[:, :M] = s.T
+            self.scales_t = st.view(cp.uint16)
+            self.group_size = gs
+        self._partial: dict[int, object] = {}
+        self.tickets = cp.zeros(self.grid[0], dtype=cp.uint32)
+        self.dummy = cp.zeros(8, dtype=cp.uint16)
+
+    def partial(self, splits: int):
+        cp = _cupy()
+        if splits not in self._partial:
+            self._partial[splits] = cp.empty(splits * self.Mp, dtype=cp.float32)
+        return self._partial[splits]
+
+    def max_window_bytes(self, gk: int) -> int:
+        """Largest byte size of the values of gk consecutive GTiles of one GTile row (16-aligned)."""
+        gr, gc = self.grid
+        t = self._tile_offset_host
+        best = 0
+        for r in range(gr):
+            row = t[r * gc : r * gc + gc + 1]
+            starts = row[:-1:gk]
+            ends = row[np.minimum(np.arange(0, gc, gk) + gk, gc)]
+            best = max(best, int((ends - starts).max()))
+        return max(16, best * (2 if self.bits is None else 1))
+
+    def nbytes(self) -> int:
+        """Bytes of the stored arrays (what a kernel could have to read)."""
+        n = self.bitmap.nbytes + self.colinfo.nbytes + self.tile_offset.nbytes + self.values_u8.nbytes
+        return int(n + (0 if self.scales_t is None else self.scales_t.nbytes))
+
+
+def encode_on_device(W, bits=None):
+    """Tiled-CBC arrays (dict, CuPy) of a CuPy float16 matrix W [M, K]: same bytes as ``tiled_cbc.encode``."""
+    cp = _cupy()
+    if bits is not None:
+        raise NotImplementedError("encode_on_device handles float16 values only")
+    M, K = W.shape
+    gr, gc = -(-M // TILE[0]), -(-K // TILE[1])
+    Mp, Kp = gr * TILE[0], gc * TILE[1]
+    if (Mp, Kp) != (M, K):
+        Wp = cp.zeros((Mp, Kp), dtype=cp.float16)
+        Wp[:M, :K] = W
+    else:
+        Wp = W
+    cols = Wp.reshape(gr, TILE[0], gc, TILE[1]).transpose(0, 2, 3, 1).reshape(-1, TILE[0])
+    nz = cols != 0
+    shifts = cp.arange(64, dtype=cp.uint64)
+    bitmap = cp.zeros((cols.shape[0], 4), dtype=cp.uint64)
+    for w in range(4):  # one word at a time keeps the temporaries at 8 bytes x a quarter of the matrix
+        bitmap[:, w] = (nz[:, 64 * w : 64 * w + 64].astype(cp.uint64) << shifts).sum(axis=1, dtype=cp.uint64)
+    counts = nz.sum(axis=1, dtype=cp.int64)
+    padded = (counts + 7) // 8 * 8
+    starts = cp.zeros(counts.size + 1, dtype=cp.int64)
+    cp.cumsum(padded, out=starts[1:])
+    tile_offset = starts[:: TILE[1]]
+    in_tile = starts[:-1] - cp.repeat(tile_offset[:-1], TILE[1])
+    colinfo = ((in_tile << 16) | counts).astype(cp.uint32)
+    values = cp.zeros(int(starts[-1]), dtype=cp.float16)
+    rank = cp.cumsum(nz, axis=1, dtype=cp.int32) - 1
+    dest = starts[:-1, None] + rank
+    values[dest[nz]] = cols[nz]
+    del rank, dest, nz, cols
+    return dict(shape=(M, K), bits=None, bitmap=bitmap.ravel(), colinfo=colinfo,
+                tile_offset=tile_offset.astype(cp.uint32), values=values)

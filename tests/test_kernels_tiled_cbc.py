@@ -1,0 +1,200 @@
+"""Tiled-CBC kernels: CPU references against float64 truth from decode(); GPU kernels when CuPy sees a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from unionsparse.formats import tiled_cbc
+from unionsparse.formats.errors import FormatError
+from unionsparse.kernels.tiled_cbc_check import check_tiled_cbc_layer, tolerance
+from unionsparse.kernels.tiled_cbc_device import cupy_or_none
+from unionsparse.kernels.tiled_cbc_reference import dense_weights_f64, spmm_reference, spmspv_reference
+
+
+def _fp16_layer(rng, M, K, sparsity):
+    W = rng.standard_normal((M, K)).astype(np.float16)
+    W[rng.random((M, K)) < sparsity] = 0
+    return W
+
+
+def _int_layer(rng, M, K, sparsity, bits, g):
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = rng.integers(lo, hi + 1, (M, K)).astype(np.int8)
+    q[rng.random((M, K)) < sparsity] = 0
+    s = (rng.random((M, -(-K // g))) * 0.1 + 0.01).astype(np.float16)
+    return q, s
+
+
+@pytest.mark.parametrize("shape", [(256, 16), (300, 70), (513, 129)])
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9])
+def test_spmspv_reference_fp16_matches_float64(shape, sparsity):
+    rng = np.random.default_rng(hash((shape, sparsity)) % 2**32)
+    W = _fp16_layer(rng, *shape, sparsity)
+    m = tiled_cbc.encode(W)
+    x = rng.standard_normal(shape[1]).astype(np.float16)
+    w64 = W.astype(np.float64)
+    for tau in (None, 0.0, 0.7):
+        xe = x.astype(np.float64)
+        if tau is not None:
+            xe = np.where(np.abs(x.astype(np.float32)) > tau, xe, 0.0)
+        y = spmspv_reference(m, x, tau)
+        assert y.dtype == np.float32 and y.shape == (shape[0],)
+        err = np.abs(y - w64 @ xe)
+        assert (err <= tolerance(w64, xe[None])[0]).all()
+
+
+def test_spmspv_reference_skips_inactive_columns_without_reading_them():
+    rng = np.random.default_rng(1)
+    W = _fp16_layer(rng, 256, 32, 0.5)
+    m = tiled_cbc.encode(W)
+    x = np.ones(32, dtype=np.float16)
+    x[16:] = 0.25  # the second GTile is inactive at tau = 0.5
+    # corrupt the values of the inactive GTile: a kernel that reads them would produce garbage
+    bad = tiled_cbc.TiledCBCMatrix(m.geometry, m.bitmap, m.colinfo, m.tile_offset, m.values.copy())
+    bad.values[int(m.tile_offset[1]) :] = np.float16(np.nan)
+    y = spmspv_reference(bad, x, 0.5)
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(
+        y, W[:, :16].astype(np.float64) @ x[:16].astype(np.float64), rtol=1e-5, atol=1e-5
+    )
+    assert not np.isfinite(spmspv_reference(bad, x, None)).all()  # DP off reads them
+
+
+@pytest.mark.parametrize("bits,g", [(4, 16), (4, 128), (2, 32)])
+def test_spmspv_reference_codes_with_group_scales(bits, g):
+    rng = np.random.default_rng(bits * 1000 + g)
+    q, s = _int_layer(rng, 300, 200, 0.5, bits, g)
+    m = tiled_cbc.encode(q, bits=bits)
+    x = rng.standard_normal(200).astype(np.float16)
+    w64 = dense_weights_f64(m, s, g)
+    np.testing.assert_array_equal(m.decode(), q)
+    y = spmspv_reference(m, x, None, s, g)
+    assert (np.abs(y - w64 @ x.astype(np.float64)) <= tolerance(w64, x.astype(np.float64)[None])[0]).all()
+    # the scales are really used: a different scale changes the output
+    y2 = spmspv_reference(m, x, None, s * np.float16(2), g)
+    np.testing.assert_allclose(y2, 2 * y, rtol=1e-5, atol=1e-6)
+
+
+def test_spmm_reference_matches_float64_and_spmspv_rows():
+    rng = np.random.default_rng(3)
+    W = _fp16_layer(rng, 260, 48, 0.6)
+    m = tiled_cbc.encode(W)
+    X = rng.standard_normal((5, 48)).astype(np.float16)
+    Y = spmm_reference(m, X, out_dtype=np.float32)
+    truth = X.astype(np.float64) @ W.astype(np.float64).T
+    assert (np.abs(Y - truth) <= tolerance(W.astype(np.float64), X.astype(np.float64))).all()
+    np.testing.assert_array_equal(Y[2], spmspv_reference(m, X[2], None))  # same arithmetic order per row
+    assert spmm_reference(m, X).dtype == np.float16
+
+
+def test_reference_detects_corrupt_colinfo():
+    rng = np.random.default_rng(4)
+    m = tiled_cbc.encode(_fp16_layer(rng, 256, 16, 0.5))
+    ci = m.colinfo.copy()
+    ci[3] += 1  # count no longer matches the bitmap
+    bad = tiled_cbc.TiledCBCMatrix(m.geometry, m.bitmap, ci, m.tile_offset, m.values)
+    with pytest.raises(ValueError):
+        spmspv_reference(bad, np.ones(16, np.float16), None)
+
+
+def test_check_layer_cpu_passes_and_rejects_a_broken_layout():
+    rng = np.random.default_rng(5)
+    W = _fp16_layer(rng, 256, 64, 0.5)
+    m = tiled_cbc.encode(W)
+    assert check_tiled_cbc_layer(m, tau=0.3, ns=(1, 4), backend="cpu", rng=rng) == []
+    ci = m.colinfo.copy()
+    ci[1] = (int(ci[1]) & 0xFFFF) | (((int(ci[1]) >> 16) + 8) << 16)  # column 1 starts 8 values late
+    bad = tiled_cbc.TiledCBCMatrix(m.geometry, m.bitmap, ci.astype(np.uint32), m.tile_offset, m.values)
+    with pytest.raises(FormatError):
+        check_tiled_cbc_layer(bad, ns=(1,), backend="cpu", rng=rng)
+
+
+def test_check_layer_reports_a_kernel_result_beyond_the_bound():
+    from unionsparse.kernels.tiled_cbc_check import _compare
+
+    truth = np.array([1.0, 2.0, 3.0])
+    tol = np.full(3, 1e-6)
+    assert _compare("x", truth + 5e-7, truth, tol) == []
+    assert "beyond the float32 bound" in _compare("x", truth + [0, 1e-5, 0], truth, tol)[0]
+    assert "not finite" in _compare("x", np.array([1.0, np.nan, 3.0]), truth, tol)[0]
+
+
+def test_check_layer_quantized_cpu():
+    rng = np.random.default_rng(6)
+    q, s = _int_layer(rng, 256, 96, 0.5, 4, 32)
+    m = tiled_cbc.encode(q, bits=4)
+    assert check_tiled_cbc_layer(m, s, 32, tau=0.5, ns=(1, 3), backend="cpu", rng=rng) == []
+
+
+cp = cupy_or_none()
+gpu = pytest.mark.skipif(cp is None, reason="needs CuPy and a CUDA device")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(256, 16), (300, 70), (1024, 1000), (4096, 4096)])
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.95])
+def test_gpu_fp16_layer(shape, sparsity):
+    rng = np.random.default_rng(hash((shape, sparsity, "gpu")) % 2**32)
+    m = tiled_cbc.encode(_fp16_layer(rng, *shape, sparsity))
+    assert check_tiled_cbc_layer(m, tau=0.6, ns=(1, 16, 100), backend="cupy", rng=rng) == []
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,g,shape", [(4, 128, (1024, 1024)), (4, 16, (300, 200)), (2, 64, (512, 320))])
+def test_gpu_quantized_layer(bits, g, shape):
+    rng = np.random.default_rng(bits + g)
+    q, s = _int_layer(rng, *shape, 0.5, bits, g)
+    m = tiled_cbc.encode(q, bits=bits)
+    assert check_tiled_cbc_layer(m, s, g, tau=0.5, ns=(1,), backend="cupy", rng=rng) == []
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_all_chunks_stages_and_spmm_tiles_agree():
+    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
+    from unionsparse.kernels.tiled_cbc_spmm import spmm
+    from unionsparse.kernels.tiled_cbc_spmspv import spmspv
+
+    rng = np.random.default_rng(9)
+    W = _fp16_layer(rng, 768, 1040, 0.5)
+    m = tiled_cbc.encode(W)
+    dev = DeviceTiledCBC(m)
+    x = rng.standard_normal(1040).astype(np.float16)
+    ref = spmspv_reference(m, x, 0.4)
+    xe = np.where(np.abs(x.astype(np.float32)) > 0.4, x.astype(np.float64), 0)
+    tol = tolerance(W.astype(np.float64), xe[None])[0]
+    for chunk in (1, 2, 4, 8, 16, 32, 65):
+        for stages in (4, 8):
+            for _ in range(2):  # second launch: the split-K tickets were reset by the first
+                y = cp.asnumpy(
+                    spmspv(
+                        dev,
+                        cp.asarray(x),
+                        0.4,
+                        out=cp.full(768, cp.nan, cp.float32),
+                        chunk=chunk,
+                        stages=stages,
+                    )
+                )
+                assert (np.abs(y - W.astype(np.float64) @ xe) <= tol).all(), (chunk, stages)
+    assert np.abs(ref - W.astype(np.float64) @ xe).max() <= tol.max()
+    X = rng.standard_normal((200, 1040)).astype(np.float16)
+    truth = X.astype(np.float64) @ W.astype(np.float64).T
+    for bn in (64, 128):
+        Y = cp.asnumpy(spmm(dev, cp.asarray(X), bn=bn)).astype(np.float64)
+        assert (np.abs(Y - truth) <= tolerance(W.astype(np.float64), X.astype(np.float64), 2.0, True)).all()
+
+
+@gpu
+@pytest.mark.gpu
+def test_encode_on_device_matches_cpu_encoder():
+    from unionsparse.kernels.tiled_cbc_device import encode_on_device
+
+    rng = np.random.default_rng(11)
+    W = _fp16_layer(rng, 520, 72, 0.6)
+    m = tiled_cbc.encode(W)
+    d = encode_on_device(cp.asarray(W))
+    for name in ("bitmap", "colinfo", "tile_offset", "values"):
+        np.testing.assert_array_equal(cp.asnumpy(d[name]), getattr(m, name), err_msg=name)
