@@ -132,12 +132,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="time a few large shapes at N=1,8 only (pipeline variants)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
 
     from unionsparse.kernels.bench import run_bench, spinfer_shapes, unionsparse_shapes
 
     log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.tune:
+        from unionsparse.kernels import iebme_spmm as ks
+
+        rows = run_bench([("8192x29568", 8192, 29568), ("4096x4096", 4096, 4096), ("28672x8192", 28672, 8192)],
+                         [1, 8], 0.5, 4, baselines=False, log=None)
+        for r in rows:
+            log(f"TUNE S={ks.S} STAGES={ks.STAGES} CTAS={ks.CTAS_PER_SM} {r['shape']} N={r['N']} {r['iebme_us']:.1f} us "
+                f"{100 * r['iebme_bw_frac']:.0f}% of 4.16 TB/s")
+        return
     t0 = time.time()
     fails = [] if args.skip_correctness else correctness(log)
     log(f"[{time.time() - t0:.0f}s] correctness done")

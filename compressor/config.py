@@ -121,6 +121,9 @@ class CompressConfig:
             raise UserError("--workers and --scheduler are exclusive")
         if self.needs_calibration and self.calib not in ("c4", "alpaca"):
             check_calib_path(self.calib)
+        from .model_io import check_source
+
+        check_source(self.model)
         if self.device == "cuda":
             import torch
 

@@ -42,6 +42,19 @@ def classify_source(source: str) -> str:
     return "hub"
 
 
+def check_source(source: str) -> str:
+    """Classify MODEL and check its headers without loading weights (fails fast, before any work)."""
+    kind = classify_source(source)
+    if kind == "gguf":
+        _check_gguf_header(Path(source))
+    elif kind == "folder":
+        files = sorted(Path(source).glob("*.safetensors"))
+        if not files:
+            raise UserError(f"MODEL: folder {source} holds no *.safetensors weights")
+        _check_safetensors_headers(files)
+    return kind
+
+
 def fingerprint(paths: list[Path], chunk: int = 4 << 20) -> str:
     """Fast content fingerprint: sha256 over each file's name, size, first and last 4 MiB."""
     h = hashlib.sha256()

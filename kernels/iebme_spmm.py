@@ -24,8 +24,8 @@ from ..formats.iebme import IEBMEMatrix
 from .iebme_reference import check_group_size
 
 SOURCE = Path(__file__).with_name("iebme_spmm.cu")
-S = 4            # tiles per row per stage (IEBME_S in the .cu)
-STAGES = 3       # ring depth (IEBME_STAGES)
+S = int(os.environ.get("UNIONSPARSE_IEBME_S", 4))  # tiles per row per stage (IEBME_S in the .cu)
+STAGES = int(os.environ.get("UNIONSPARSE_IEBME_STAGES", 3))  # ring depth (IEBME_STAGES)
 WARPS = 4
 MAX_N = 32       # columns per launch; larger N is cut into launches of 32
 
@@ -130,12 +130,18 @@ def prepare_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> Devi
         offsets=cp.asarray(m.offsets.astype(np.uint32)),
         perm=None if m.perm is None else cp.asarray(np.ascontiguousarray(m.perm, dtype=np.uint8)),
         wsT=cp.asarray(wst), ws_acc=cp.zeros((MAX_N, mp64), dtype=cp.float32),
-        counters=cp.zeros(grid_x, dtype=cp.int32), tr=tr, tc=tc, mp64=mp64, dummy=cp.zeros(16, dtype=cp.int32),
+        counters=cp.zeros(grid_x, dtype=cp.int32), tr=tr, tc=tc, mp64=mp64,
+        dummy=cp.zeros(16, dtype=cp.int32),
     )
 
 
-def pick_splits(layer: DeviceLayer, sms: int = 132, ctas_per_sm: int = 4, min_tiles: int = 16) -> int:
+CTAS_PER_SM = int(os.environ.get("UNIONSPARSE_IEBME_CTAS", 4))
+
+
+def pick_splits(layer: DeviceLayer, sms: int = 132, ctas_per_sm: int | None = None,
+                min_tiles: int = 16) -> int:
     """Split-K factor: enough CTAs to fill the GPU, each with at least ``min_tiles`` tiles per row."""
+    ctas_per_sm = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
     grid_x = -(-layer.tr // WARPS)
     want = -(-sms * ctas_per_sm // grid_x)
     return int(max(1, min(want, layer.tc // min_tiles)))
@@ -170,7 +176,6 @@ def prepare_x(layer: DeviceLayer, x_codes, x_scales):
 
 def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=None, stream=None) -> None:
     """Launch on prepared inputs (``prepare_x``); writes y fp16 [N, M] or, with ``partial``, int32 sums."""
-    cp = _cupy()
     n = x.shape[0]
     m, _ = layer.shape
     splits = pick_splits(layer) if splits is None else splits
@@ -188,7 +193,12 @@ def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=N
                 layer.counters, yp, pp, np.int32(nn), np.int32(m), np.int32(layer.n_groups),
                 np.int32(layer.tc * 64), np.int32(layer.mp64), np.int32(layer.tr), np.int32(layer.tc),
                 np.int32(layer.gs_tiles), np.int32(chunk))
-        fn(grid, (128,), args, shared_mem=smem_bytes(layer.bits, nt, layer.perm is not None), stream=stream)
+        smem = smem_bytes(layer.bits, nt, layer.perm is not None)
+        if stream is None:
+            fn(grid, (128,), args, shared_mem=smem)
+        else:
+            with stream:
+                fn(grid, (128,), args, shared_mem=smem)
 
 
 def spmm_iebme(layer: DeviceLayer, x_codes, x_scales, *, splits: int | None = None,

@@ -170,7 +170,9 @@ def random_weights(cp, M, K, sparsity, seed):
     return W
 
 
-def bench_spmspv(cp, torch, shapes, statics, dp, log, chunks_try=(4, 8, 16, 32), stages_try=(4, 8)):
+def bench_spmspv(
+    cp, torch, shapes, statics, dp, log, chunks_try=(4, 8, 16, 32), stages_try=(4, 8), warps_try=(4, 8)
+):
     from ..compressor.thresholds import tau_from_samples
     from .tiled_cbc_device import DeviceTiledCBC, encode_on_device
     from .tiled_cbc_spmspv import bytes_read, default_chunk, spmspv
@@ -212,20 +214,21 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, chunks_try=(4, 8, 16, 32),
             tried = {}
             for chunk in chunks_try:
                 for st in stages_try:
+                    for nw in warps_try:
 
-                    def run(i, c=chunk, st=st, devs=devs, x=x, tau=tau, out=out):
-                        return spmspv(devs[i % len(devs)], x, tau, out=out, chunk=c, stages=st)
+                        def run(i, c=chunk, st=st, nw=nw, devs=devs, x=x, tau=tau, out=out):
+                            return spmspv(devs[i % len(devs)], x, tau, out=out, chunk=c, stages=st, warps=nw)
 
-                    t = time_graph_cupy(cp, run, L)
-                    tried[f"{chunk}/{st}"] = t
-                    if best is None or t < best[0]:
-                        best = (t, chunk, st)
+                        t = time_graph_cupy(cp, run, L)
+                        tried[f"{chunk}/{st}/{nw}"] = t
+                        if best is None or t < best[0]:
+                            best = (t, chunk, st, nw)
 
             def run_default(i, devs=devs, x=x, tau=tau, out=out):
                 return spmspv(devs[i % len(devs)], x, tau, out=out)
 
             def run_dp_off(i, b=best, devs=devs, x=x, out=out):
-                return spmspv(devs[i % len(devs)], x, None, out=out, chunk=b[1], stages=b[2])
+                return spmspv(devs[i % len(devs)], x, None, out=out, chunk=b[1], stages=b[2], warps=b[3])
 
             t_def = time_graph_cupy(cp, run_default, L)
             t_static = time_graph_cupy(cp, run_dp_off, L)
@@ -241,6 +244,7 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, chunks_try=(4, 8, 16, 32),
                 t_spmspv_us=best[0] * 1e6,
                 best_chunk=best[1],
                 best_stages=best[2],
+                best_warps=best[3],
                 t_default_us=t_def * 1e6,
                 default_chunk=default_chunk(dev0),
                 t_spmspv_dp_off_us=t_static * 1e6,
@@ -258,7 +262,7 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, chunks_try=(4, 8, 16, 32),
             rows.append(row)
             log(
                 f"spmspv {M}x{K} s={s} dp={dp}: cublas {t_cublas * 1e6:.1f}us  ours {best[0] * 1e6:.1f}us "
-                f"(c{best[1]}/s{best[2]}; default {t_def * 1e6:.1f}) x{t_cublas / best[0]:.2f} "
+                f"(c{best[1]}/s{best[2]}/w{best[3]}; default {t_def * 1e6:.1f}) x{t_cublas / best[0]:.2f} "
                 f"dp-off {t_static * 1e6:.1f}us  {row['gbps_spmspv']:.0f} GB/s  rel {rel:.1e}"
             )
             cp.get_default_memory_pool().free_all_blocks()

@@ -10,10 +10,11 @@ import numpy as np
 
 from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
 
-NW = 4
+NW = 4  # default warps per block
+WARPS = (4, 8)
 STAGES = (4, 8)
 BITS = (16, 4, 2)
-_EXPR = tuple(f"tcbc_spmspv<{b}, {NW}, {s}>" for b in BITS for s in STAGES)
+_EXPR = tuple(f"tcbc_spmspv<{b}, {w}, {s}>" for b in BITS for w in WARPS for s in STAGES)
 
 
 def _module():
@@ -41,6 +42,7 @@ def spmspv(
     out_dtype=np.float16,
     chunk: int | None = None,
     stages: int = 4,
+    warps: int = NW,
 ):
     """Launch the kernel on the current stream; returns ``out`` (CuPy [M], fp16 or fp32)."""
     cp = _cupy()
@@ -48,8 +50,8 @@ def spmspv(
     if x.shape != (K,) or x.dtype != cp.float16:
         raise ValueError(f"x must be a CuPy float16 array of shape ({K},), got {x.dtype} {x.shape}")
     bits = 16 if dev.bits is None else int(dev.bits)
-    if stages not in STAGES:
-        raise ValueError(f"stages must be one of {STAGES}")
+    if stages not in STAGES or warps not in WARPS:
+        raise ValueError(f"stages must be one of {STAGES} and warps one of {WARPS}")
     if out is None:
         out = cp.empty(M, dtype=out_dtype)
     out_f32 = out.dtype == cp.float32
@@ -59,15 +61,15 @@ def spmspv(
     chunk = default_chunk(dev) if chunk is None else int(chunk)
     splits = -(-gc // chunk)
     ncol = chunk * TILE[1]
-    ring = max(NW * stages * _slot_bytes(bits), NW * TILE[0] * 4)
+    ring = max(warps * stages * _slot_bytes(bits), warps * TILE[0] * 4)
     smem = ring + ncol * (4 + 4 + 2) + chunk * 4
-    f = _module().get_function(f"tcbc_spmspv<{bits}, {NW}, {stages}>")
+    f = _module().get_function(f"tcbc_spmspv<{bits}, {warps}, {stages}>")
     t = np.float32(-1.0 if tau is None else tau)
     scales = dev.scales_t if dev.scales_t is not None else dev.dummy
     group = dev.group_size or 1
     f(
         (splits, gr),
-        (NW * 32,),
+        (warps * 32,),
         (
             dev.bitmap,
             dev.colinfo,
