@@ -31,15 +31,16 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def configurations() -> dict[str, dict]:
     cfgs: dict[str, dict] = {"dense": {"prune": False, "mode": None}, "wanda50": {"prune": True, "mode": None}}
-    for mode, label, extra in [("w4a16", "w4a16", {}), ("w4a4", "w4a4", {}),
-                               ("w4a4", "w4a4-o128", {"keep_outliers": 128}), ("w2a4", "w2a4", {})]:
+    modes = [("w4a16", "w4a16", {}), ("w4a4", "w4a4", {}), ("w4a4", "w4a4-o128", {"keep_outliers": 128}),
+             ("w2a4", "w2a4", {})]
+    for mode, label, extra in modes:
         for weights, kw in [("rtn", {}), ("clip", {"clip_search": True}), ("gptq", {"gptq": True}),
                             ("gptq+clip", {"gptq": True, "clip_search": True})]:
             cfgs[f"{label}-{weights}"] = {"prune": True, "mode": mode, **extra, **kw}
     return cfgs
 
 
-def run_one(name: str, cfg: dict, nsamples: int, seqlen: int, windows: int, act_clip: bool) -> dict:
+def run_one(name: str, cfg: dict, nsamples: int, seqlen: int, windows: int, act_clip: bool, device: str) -> dict:
     import torch
     from transformers import AutoTokenizer
     from unionsparse.compressor import pruning
@@ -52,7 +53,7 @@ def run_one(name: str, cfg: dict, nsamples: int, seqlen: int, windows: int, act_
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = load_model(str(GGUF)).model
+    model = load_model(str(GGUF)).model.to(device)
     tok = AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
     t_load = time.perf_counter() - t0
     spec = None
@@ -64,7 +65,7 @@ def run_one(name: str, cfg: dict, nsamples: int, seqlen: int, windows: int, act_
         samples = load_calibration(str(DATA / "c4_sample.jsonl"), tok, nsamples, seqlen, seed=0)
         blocks, _ = find_blocks(model)
         with torch.no_grad():
-            inps, kwargs = capture_block_inputs(model, samples)
+            inps, kwargs = capture_block_inputs(model, samples, device)
             outs = torch.empty_like(inps)
             for block in blocks:
                 linears = block_linears(block)
@@ -72,7 +73,8 @@ def run_one(name: str, cfg: dict, nsamples: int, seqlen: int, windows: int, act_
                 if spec is not None and spec.needs_tokens:
                     for n, mod in linears:
                         samplers[n] = TokenSampler(per_batch=max(1, 2048 // nsamples))
-                        hooks.append(mod.register_forward_hook(lambda _m, a, _o, s=samplers[n]: s.add_batch(a[0])))
+                        hook = lambda _m, a, _o, s=samplers[n]: s.add_batch(a[0])  # noqa: E731
+                        hooks.append(mod.register_forward_hook(hook))
                 kind = "both" if spec is not None and spec.needs_hessian else "wanda"
                 try:
                     stats = collect_block_stats(block, None, inps, kwargs, kind=kind)
@@ -87,7 +89,7 @@ def run_one(name: str, cfg: dict, nsamples: int, seqlen: int, windows: int, act_
                         ql = quantize_layer(w, spec, mask=mask, h=stats[n].H, x_sq_norm=stats[n].x_sq_norm,
                                             tokens=samplers[n].tokens() if n in samplers else None)
                         clips.append(ql.activations.get("clip", 1.0))
-                        replace_linear(block, n, ql.module(mod.bias))
+                        replace_linear(block, n, ql.module(mod.bias).to(device))
                     stats.pop(n)
                 forward_block(block, inps, kwargs, outs)
                 inps, outs = outs, inps
@@ -102,6 +104,14 @@ def run_one(name: str, cfg: dict, nsamples: int, seqlen: int, windows: int, act_
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "act_clip_mean": sum(clips) / len(clips) if clips else None,
     }
+
+
+def gpu_name(device: str) -> str:
+    if not device.startswith("cuda"):
+        return ""
+    import torch
+
+    return f", GPU {torch.cuda.get_device_name()}"
 
 
 def versions() -> dict:
@@ -119,10 +129,11 @@ def write_markdown(res: dict, path: Path) -> None:
     lines = [
         "## Quantization quality: SmolLM2-135M, Wanda 50 % + W/A quantization",
         "",
-        f"WikiText-2 test sample, {a['windows']} windows of {a['seqlen']} tokens; calibration {a['nsamples']} "
-        f"C4-sample windows of {a['seqlen']} tokens; group size 128; activation clip calibrated per layer "
+        f"WikiText-2 test sample, {a['windows']} windows of {a['seqlen']} tokens; calibration "
+        f"{a['nsamples']} C4-sample windows of {a['seqlen']} tokens; group size 128; activation clip calibrated per layer "
         f"({'on' if a['act_clip'] else 'off'}). Fake-quant model computing the kernels' integer arithmetic. "
-        f"One process per row (wall time and peak RSS are that process's); {res['machine']}.",
+        f"One process per row (wall time and peak RSS are that process's, {a['parallel']} processes at a "
+        f"time); device {a['device']}; {res['machine']}.",
         "",
         "| configuration | weights | perplexity | wall s | compress s | eval s | peak RSS MiB |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -147,36 +158,50 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--no-act-clip", action="store_true", help="activation clip ratio fixed at 1.0")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--parallel", type=int, default=1, help="configurations run at the same time")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="quant", help="results/<out>.json and .md")
     args = ap.parse_args()
     cfgs = configurations()
     if args.child:
-        res = run_one(args.child, cfgs[args.child], args.nsamples, args.seqlen, args.windows, not args.no_act_clip)
+        res = run_one(args.child, cfgs[args.child], args.nsamples, args.seqlen, args.windows,
+                      not args.no_act_clip, args.device)
         print("RESULT " + json.dumps(res))
         return
     names = args.only.split(",") if args.only else list(cfgs)
     unknown = [n for n in names if n not in cfgs]
     if unknown:
         sys.exit(f"--only: unknown configuration(s) {unknown}; known: {', '.join(cfgs)}")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if args.parallel > 1:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.parallel))
     runs = []
-    for n in names:
-        cmd = [sys.executable, __file__, "--child", n, "--nsamples", str(args.nsamples), "--seqlen",
-               str(args.seqlen), "--windows", str(args.windows)] + (["--no-act-clip"] if args.no_act_clip else [])
-        p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode or not line:
-            runs.append({"name": n, "error": (p.stderr.strip().splitlines() or ["no output"])[-1]})
-        else:
-            runs.append(json.loads(line[-1][len("RESULT "):]))
-        r = runs[-1]
-        print(n, f"ppl={r['ppl']:.3f} wall={r['wall_s']:.0f}s rss={r['peak_rss_mib']:.0f}MiB" if "ppl" in r
-              else r["error"], flush=True)
+    for start in range(0, len(names), args.parallel):
+        batch = names[start : start + args.parallel]
+        procs = []
+        for n in batch:
+            cmd = [sys.executable, __file__, "--child", n, "--nsamples", str(args.nsamples), "--seqlen",
+                   str(args.seqlen), "--windows", str(args.windows), "--device", args.device]
+            cmd += ["--no-act-clip"] if args.no_act_clip else []
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        for n, p in zip(batch, procs, strict=True):
+            out, err = p.communicate()
+            line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            if p.returncode or not line:
+                runs.append({"name": n, "error": (err.strip().splitlines() or ["no output"])[-1]})
+            else:
+                runs.append(json.loads(line[-1][len("RESULT "):]))
+            r = runs[-1]
+            print(n, f"ppl={r['ppl']:.3f} wall={r['wall_s']:.0f}s rss={r['peak_rss_mib']:.0f}MiB" if "ppl" in r
+                  else r["error"], flush=True)
     res = {
-        "benchmark": "quant", "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "benchmark": "quant",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}" + gpu_name(args.device),
         "versions": versions(), "command": " ".join(["python", "benchmarks/bench_quant.py", *sys.argv[1:]]),
         "args": {"nsamples": args.nsamples, "seqlen": args.seqlen, "windows": args.windows,
-                 "act_clip": not args.no_act_clip, "calib": "shared/data/c4_sample.jsonl",
+                 "act_clip": not args.no_act_clip, "device": args.device, "parallel": args.parallel,
+                 "calib": "shared/data/c4_sample.jsonl",
                  "eval": "shared/data/wikitext2_test.raw", "model": GGUF.name},
         "runs": runs,
     }

@@ -135,8 +135,8 @@ def calibrate_act_clip(
     with both quantizers on. Returns (best clip, {clip: relative error}); ties go to the larger clip.
     """
     xt = torch.as_tensor(x).float()
-    ref = xt @ torch.as_tensor(weight).float().T
-    wq = torch.as_tensor(w_deq).float()
+    ref = xt @ torch.as_tensor(weight).float().to(xt.device).T
+    wq = torch.as_tensor(w_deq).float().to(xt.device)
     denom = float((ref * ref).sum()) or 1.0
     errors: dict[float, float] = {}
     for c in sorted({float(c) for c in grid}, reverse=True):

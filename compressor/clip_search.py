@@ -31,7 +31,7 @@ def diagonal_blocks(h: torch.Tensor, group_size: int) -> torch.Tensor:
     """H's diagonal blocks [G, g, g], the ragged last one zero padded."""
     k = h.shape[0]
     g = n_groups(k, group_size)
-    blocks = torch.zeros(g, group_size, group_size, dtype=torch.float32)
+    blocks = torch.zeros(g, group_size, group_size, dtype=torch.float32, device=h.device)
     for j in range(g):
         a, b = j * group_size, min((j + 1) * group_size, k)
         blocks[j, : b - a, : b - a] = h[a:b, a:b]
@@ -41,7 +41,7 @@ def diagonal_blocks(h: torch.Tensor, group_size: int) -> torch.Tensor:
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     m, k = w.shape
     g = n_groups(k, group_size)
-    padded = torch.zeros(m, g * group_size, dtype=torch.float32)
+    padded = torch.zeros(m, g * group_size, dtype=torch.float32, device=w.device)
     padded[:, :k] = w
     return padded.reshape(m, g, group_size)
 
@@ -81,19 +81,19 @@ def search_clip(
         raise ValueError(f"clip grid must lie in (0, 1], got {grid}")
     blocks = None
     if h is not None:
-        h = torch.as_tensor(h).float()
+        h = torch.as_tensor(h).float().to(w.device)
         if h.shape != (k, k):
             raise ValueError(f"H must be [{k}, {k}] for a weight with K={k}, got {tuple(h.shape)}")
         blocks = diagonal_blocks(h, group_size)
     absmax = group_absmax(w, group_size)
-    best = torch.full(absmax.shape, float("inf"))
-    best_clip = torch.ones(absmax.shape)
+    best = torch.full_like(absmax, float("inf"))
+    best_clip = torch.ones_like(absmax)
     for c in grid:
         err = group_errors(w, absmax, c, bits, group_size, blocks)
         better = err < best
         best = torch.where(better, err, best)
-        best_clip = torch.where(better, torch.tensor(c), best_clip)
-    return best_clip.numpy().astype(np.float32)
+        best_clip = torch.where(better, torch.full_like(best_clip, c), best_clip)
+    return best_clip.cpu().numpy().astype(np.float32)
 
 
 def clipped_scales(
@@ -102,5 +102,5 @@ def clipped_scales(
     """fp16-representable scales [M, G] = fp16(clip * absmax / (2^(b-1) - 1/2))."""
     w = torch.as_tensor(weight).float()
     group_size = min(group_size, w.shape[1])
-    return scales_from_absmax(group_absmax(w, group_size) * torch.as_tensor(clip).float(), bits)
+    return scales_from_absmax(group_absmax(w, group_size) * torch.as_tensor(clip).float().to(w.device), bits)
 

@@ -48,7 +48,7 @@ def grouped_int_matmul(
     n, k = xq.shape
     m = wq.shape[0]
     if out is None:
-        out = torch.zeros(n, m, dtype=torch.float32)
+        out = torch.zeros(n, m, dtype=torch.float32, device=xq.device)
     xf, wf = xq.float(), wq.float()
     sxf, swf = sx.float(), sw.float()
     for j in range(n_groups(k, group_size)):

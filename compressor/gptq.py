@@ -48,7 +48,7 @@ def inverse_hessian_factor(h: torch.Tensor, percdamp: float) -> torch.Tensor:
     """Upper Cholesky factor of (H + damp I)^-1, float32 (factorised in float64)."""
     hd = h.double().clone()
     damp = percdamp * torch.mean(torch.diag(hd))
-    idx = torch.arange(hd.shape[0])
+    idx = torch.arange(hd.shape[0], device=hd.device)
     hd[idx, idx] += damp
     lower = torch.linalg.cholesky(hd)
     hinv = torch.cholesky_inverse(lower)
@@ -78,14 +78,15 @@ def gptq(
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D, got {tuple(w.shape)}")
     m, k = w.shape
-    hh = torch.as_tensor(h).float().clone()
+    dev = w.device
+    hh = torch.as_tensor(h).float().to(dev).clone()
     if hh.shape != (k, k):
         raise ValueError(f"H must be [{k}, {k}] for a weight with K={k}, got {tuple(hh.shape)}")
     group_size = min(group_size, k)
     if pruned not in ("propagate", "reapply"):
         raise ValueError(f"pruned must be 'propagate' or 'reapply', got {pruned!r}")
     reapply = pruned == "reapply"
-    keep = None if mask is None else torch.as_tensor(mask).bool()
+    keep = None if mask is None else torch.as_tensor(mask).bool().to(dev)
     if keep is not None:
         if keep.shape != w.shape:
             raise ValueError(f"mask shape {tuple(keep.shape)} differs from weight shape {tuple(w.shape)}")
@@ -98,7 +99,7 @@ def gptq(
     ngroups = n_groups(k, group_size)
 
     static_scales = None
-    perm = torch.arange(k)
+    perm = torch.arange(k, device=dev)
     if act_order:
         if grid is None:
             static_scales = scales_from_absmax(group_absmax(w, group_size), bits)
@@ -112,13 +113,13 @@ def gptq(
     u = inverse_hessian_factor(h_perm, percdamp)
     keepf = None if keep is None else keep.float()
 
-    codes = torch.zeros(m, k, dtype=torch.int8)
-    scales = torch.zeros(m, ngroups, dtype=torch.float32)
-    cur_scale = torch.ones(m)
+    codes = torch.zeros(m, k, dtype=torch.int8, device=dev)
+    scales = torch.zeros(m, ngroups, dtype=torch.float32, device=dev)
+    cur_scale = torch.ones(m, device=dev)
     for i1 in range(0, k, blocksize):
         i2 = min(i1 + blocksize, k)
         w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros(m, i2 - i1)
+        err1 = torch.zeros(m, i2 - i1, device=dev)
         u1 = u[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
@@ -152,4 +153,4 @@ def gptq(
         inv = torch.argsort(perm)
         codes = codes[:, inv]
         scales = static_scales
-    return QuantizedWeight(codes.numpy(), scales.half().numpy(), bits, group_size)
+    return QuantizedWeight(codes.cpu().numpy(), scales.half().cpu().numpy(), bits, group_size)

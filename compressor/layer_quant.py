@@ -108,21 +108,21 @@ def quantize_layer(
             raise ValueError("outlier channels are chosen from x_sq_norm; none given")
         channels = select_outlier_channels(x_sq_norm, spec.keep_outliers)
         w, side = split_outliers(w * mask, channels)
-        p = torch.from_numpy(side.perm.astype(np.int64))
-        mask = mask[:, p].clone()
+        p = torch.from_numpy(side.perm.astype(np.int64)).to(w.device)
+        mask = mask.to(w.device)[:, p].clone()
         mask[:, k - channels.size :] = False
         if h is not None:
             h = permute_hessian(h, side.perm)
         if tokens is not None:
-            tokens = tokens[:, p].clone()
+            tokens = tokens.to(w.device)[:, p].clone()
             tokens[:, k - channels.size :] = 0.0
     q = quantize_weight(w, spec.weight_bits, spec.group_size, gptq=spec.gptq, clip_search=spec.clip_search,
                         h=h, mask=mask, act_order=spec.act_order, percdamp=spec.percdamp)
     report: dict = {}
     clip = 1.0
     if spec.needs_tokens and tokens is not None:
-        clip, errs = calibrate_act_clip(tokens, w * mask, q.dequantize(), spec.act_bits, q.group_size,
-                                        ACT_CLIP_GRID)
+        clip, errs = calibrate_act_clip(tokens.to(w.device), w * mask.to(w.device), q.dequantize(),
+                                        spec.act_bits, q.group_size, ACT_CLIP_GRID)
         report["act_clip_rel_error"] = {str(c): e for c, e in errs.items()}
     acts = activation_scheme(spec.act_bits, q.group_size, clip,
                              None if channels is None else channels.tolist())

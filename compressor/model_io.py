@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,7 @@ def load_model(source: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    os.environ.setdefault("TQDM_DISABLE", "1")  # GGUF conversion bars; compress shows its own progress
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     kind = classify_source(source)

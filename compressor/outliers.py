@@ -36,7 +36,7 @@ def select_outlier_channels(x_sq_norm: np.ndarray | torch.Tensor, n: int) -> np.
 
     Ties are broken towards the lower channel index (stable sort), so the choice is deterministic.
     """
-    stats = np.asarray(torch.as_tensor(x_sq_norm).float().numpy(), dtype=np.float64).ravel()
+    stats = np.asarray(torch.as_tensor(x_sq_norm).float().cpu().numpy(), dtype=np.float64).ravel()
     k = stats.size
     if not 0 <= n < k:
         raise ValueError(f"number of outlier channels must be in 0..{k - 1} for K={k}, got {n}")
@@ -73,10 +73,10 @@ def split_outliers(
     channels = np.sort(np.asarray(channels, dtype=np.int64))
     perm = column_permutation(k, channels)
     n = channels.size
-    main = w[:, torch.from_numpy(perm.astype(np.int64))].clone()
+    main = w[:, torch.from_numpy(perm.astype(np.int64)).to(w.device)].clone()
     if n:
         main[:, k - n :] = 0.0
-    side_w = w[:, torch.from_numpy(channels)] if n else torch.zeros(m, 0)
+    side_w = w[:, torch.from_numpy(channels).to(w.device)] if n else torch.zeros(m, 0)
     q = rtn(side_w, OUTLIER_BITS, max(n, 1)) if n else None
     codes = q.codes if q is not None else np.zeros((m, 0), np.int8)
     scales = q.scales if q is not None else np.ones((m, 1), np.float16)
@@ -85,8 +85,8 @@ def split_outliers(
 
 def permute_hessian(h: torch.Tensor | np.ndarray, perm: np.ndarray) -> torch.Tensor:
     """H of the permuted input ``x[:, perm]``."""
-    p = torch.from_numpy(np.asarray(perm, dtype=np.int64))
     h = torch.as_tensor(h)
+    p = torch.from_numpy(np.asarray(perm, dtype=np.int64)).to(h.device)
     return h[p][:, p]
 
 

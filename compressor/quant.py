@@ -43,7 +43,7 @@ def group_absmax(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """absmax of every group along K: [M, G] (ragged last group allowed)."""
     m, k = w.shape
     g = n_groups(k, group_size)
-    padded = torch.zeros(m, g * group_size, dtype=w.dtype)
+    padded = torch.zeros(m, g * group_size, dtype=w.dtype, device=w.device)
     padded[:, :k] = w
     return padded.abs().reshape(m, g, group_size).amax(dim=2)
 
@@ -69,7 +69,7 @@ def rtn(weight: torch.Tensor | np.ndarray, bits: int, group_size: int = 128) -> 
     group_size = min(group_size, w.shape[1])
     scales = scales_from_absmax(group_absmax(w, group_size), bits)
     codes = quantize_with_scales(w, scales, bits, group_size)
-    return QuantizedWeight(codes.numpy(), scales.half().numpy(), bits, group_size)
+    return QuantizedWeight(codes.cpu().numpy(), scales.half().cpu().numpy(), bits, group_size)
 
 
 def dequantize(codes: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
@@ -103,7 +103,8 @@ def quantize_weight(
     grid = DEFAULT_GRID if clip_grid is None else clip_grid
     w = torch.as_tensor(weight).float()
     if mask is not None:
-        w = w * torch.as_tensor(mask).bool()
+        mask = torch.as_tensor(mask).bool().to(w.device)
+        w = w * mask
     if gptq:
         if h is None:
             raise ValueError("GPTQ needs the calibration Hessian h")
@@ -114,4 +115,4 @@ def quantize_weight(
     group_size = min(group_size, w.shape[1])
     scales = clipped_scales(w, search_clip(w, h, bits, group_size, grid), bits, group_size)
     codes = quantize_with_scales(w, scales, bits, group_size)
-    return QuantizedWeight(codes.numpy(), scales.half().numpy(), bits, group_size)
+    return QuantizedWeight(codes.cpu().numpy(), scales.half().cpu().numpy(), bits, group_size)
