@@ -41,3 +41,54 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(OUT) .pytest_cache
+
+# ---- batch jobs: a grid of artifacts and one summary table (`make -j4 grid`, `make grid-verify`) ----
+# Each cell is one artifact GRID_OUT/<model>_s<sparsity>_<quant>_<format>.zarr; override any list, e.g.
+#   make -j2 grid MODELS=smollm2 SPARSITIES="0.5 0.6" QUANTS=w4a4 FORMATS=ie-bme GRID_FLAGS="--reorder dp"
+# A model name N needs MODEL_N (path passed to compress); `tiny` is a random 2-block LLaMA written locally.
+# ie-bme cells with quant none are skipped (IE-BME stores integer codes).
+GRID_OUT   ?= $(OUT)/grid
+MODELS     ?= tiny
+SPARSITIES ?= 0.5 0.7
+QUANTS     ?= w4a4 w2a4
+FORMATS    ?= ie-bme tiled-cbc
+PRUNE      ?= magnitude
+GRID_FLAGS ?=
+VERIFY_DIR ?= $(GRID_OUT)
+VERIFY_N   ?= 1,8
+MODEL_tiny     = $(GRID_OUT)/models/tiny-llama
+MODEL_DEP_tiny = $(GRID_OUT)/models/tiny-llama/config.json
+MODEL_smollm2  = $(DEMO_MODEL)
+
+.PHONY: grid grid-verify verify-all grid-clean
+
+$(GRID_OUT)/models/tiny-llama/config.json: $(STAMP)
+	$(PY) -m unionsparse.compressor.batch tiny-model $(@D)
+
+define GRID_CELL
+$(GRID_OUT)/$(1)_s$(2)_$(3)_$(4).zarr: $(STAMP) $(MODEL_DEP_$(1))
+	@mkdir -p $$(@D)
+	$(BIN)/unionsparse compress $$(MODEL_$(1)) -o $$@ --prune $(PRUNE) --sparsity $(2) --quant $(3) \
+		--format $(4) --overwrite --quiet $(GRID_FLAGS)
+GRID_CELLS += $(GRID_OUT)/$(1)_s$(2)_$(3)_$(4).zarr
+endef
+$(foreach m,$(MODELS),$(foreach s,$(SPARSITIES),$(foreach q,$(QUANTS),$(foreach f,$(FORMATS),\
+	$(if $(and $(filter none,$(q)),$(filter ie-bme,$(f))),,$(eval $(call GRID_CELL,$(m),$(s),$(q),$(f))))))))
+
+grid: $(GRID_CELLS)
+	$(BIN)/unionsparse summarize $(GRID_OUT) --csv $(GRID_OUT)/summary.csv --md $(GRID_OUT)/summary.md
+
+# verify every *.zarr in VERIFY_DIR (in parallel under -j), then one table; exits 1 if any check failed
+grid-verify: grid
+	$(MAKE) --no-print-directory verify-all VERIFY_DIR=$(GRID_OUT)
+
+VERIFY_RESULTS = $(patsubst %,%.verify.json,$(wildcard $(VERIFY_DIR)/*.zarr))
+verify-all: $(VERIFY_RESULTS)
+	@test -n "$(VERIFY_RESULTS)" || { echo "verify-all: no *.zarr in $(VERIFY_DIR)" >&2; exit 2; }
+	$(BIN)/unionsparse summarize $(VERIFY_DIR) --csv $(VERIFY_DIR)/summary.csv --md $(VERIFY_DIR)/summary.md
+
+%.zarr.verify.json: %.zarr $(STAMP)
+	-$(BIN)/unionsparse verify $< --n $(VERIFY_N) --json --quiet > $@
+
+grid-clean:
+	rm -rf $(GRID_OUT)

@@ -46,7 +46,6 @@ def gguf_path() -> Path:
 def run_one(name: str, args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from unionsparse.compressor import calibration, evaluate, layerwise
 
     cfg = CONFIGS[name]
@@ -64,8 +63,13 @@ def run_one(name: str, args) -> dict:
         rec["calib_seconds"] = round(time.perf_counter() - t, 2)
         rec["calibration"] = dict(info)
         rep = layerwise.prune_model(
-            model, samples, cfg["method"], cfg.get("sparsity", 0.5), nm=cfg.get("nm"),
-            profile=cfg.get("profile", "uniform"), device=args.device,
+            model,
+            samples,
+            cfg["method"],
+            cfg.get("sparsity", 0.5),
+            nm=cfg.get("nm"),
+            profile=cfg.get("profile", "uniform"),
+            device=args.device,
         )
         rec["prune_seconds"] = round(rep.seconds, 2)
         rec["sparsity"] = round(rep.overall_sparsity(), 6)
@@ -107,7 +111,9 @@ def main() -> None:
     results = []
     for name in args.configs.split(","):
         cmd = [sys.executable, __file__, "--one", name] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("one", "configs", "out")
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(args).items()
+            if k not in ("one", "configs", "out")
         ]
         t = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
@@ -121,12 +127,13 @@ def main() -> None:
         results.append(rec)
     meta = {
         "command": " ".join([Path(sys.executable).name, "benchmarks/bench_pruning.py"] + sys.argv[1:]),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
+        f"torch threads {torch.get_num_threads()}",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "model": "SmolLM2-135M-Instruct Q4_1 GGUF, dequantized to fp32",
-        "calibration": f"{DATA.name}/c4_sample.jsonl, {args.nsamples} samples x {args.seqlen} tokens, seed {args.seed}",
+        "calibration": f"c4_sample.jsonl, {args.nsamples} samples x {args.seqlen} tokens, seed {args.seed}",
         "evaluation": f"wikitext2_test.raw, {args.eval_windows} windows x {args.eval_seqlen} tokens",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
@@ -140,13 +147,21 @@ def main() -> None:
 def render_md(meta: dict, results: list[dict]) -> str:
     lines = ["# Pruning: quality and cost (SmolLM2-135M)", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
-    lines += ["", "| config | sparsity | WikiText-2 ppl | prune wall s | calib s | peak RSS MiB |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "| config | sparsity | WikiText-2 ppl | prune wall s | calib s | peak RSS MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
         lines.append(
-            f"| {r['config']} | {r.get('sparsity', 0.0):.4f} | {r['ppl']:.2f} | {r.get('prune_seconds', 0.0):.1f} | "
-            f"{r.get('calib_seconds', 0.0):.1f} | {r['peak_rss_mib']:.0f} |"
+            f"| {r['config']} | {r.get('sparsity', 0.0):.4f} | {r['ppl']:.2f} | "
+            f"{r.get('prune_seconds', 0.0):.1f} | {r.get('calib_seconds', 0.0):.1f} | "
+            f"{r['peak_rss_mib']:.0f} |"
         )
-    lines += ["", "Prune wall time excludes model loading; peak RSS is the whole subprocess (model load included)."]
+    lines += [
+        "",
+        "Prune wall time excludes model loading; peak RSS is the whole subprocess (model load included).",
+    ]
     return "\n".join(lines) + "\n"
 
 

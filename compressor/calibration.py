@@ -47,7 +47,7 @@ _LOCAL_HINT = (
 
 
 class CalibrationInfo(dict):
-    """What ``load_calibration`` did: ``mode``, ``documents``, ``eligible``, ``stream_tokens``, ``overlap``."""
+    """What ``load_calibration`` did: mode, documents, eligible, stream_tokens, overlap."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -107,7 +107,9 @@ def _parse_json_text(raw: str, where: str) -> list[object]:
             return obj[lists[0]]
         if "text" in obj or "instruction" in obj:
             return [obj]
-        raise UserError(f"{where}: JSON object must hold exactly one list of records, found keys {sorted(obj)[:8]}")
+        raise UserError(
+            f"{where}: JSON object must hold exactly one list of records, found keys {sorted(obj)[:8]}"
+        )
     raise UserError(f"{where}: JSON top level must be a list or an object, got {type(obj).__name__}")
 
 
@@ -143,7 +145,9 @@ def _read_local(path: Path) -> list[str]:
             try:
                 records = pq.read_table(path).to_pylist()
             except Exception as e:  # pyarrow raises ArrowInvalid (a ValueError) and others
-                raise UserError(f"{where}: not a readable parquet file ({str(e).splitlines()[0][:200]})") from None
+                raise UserError(
+                    f"{where}: not a readable parquet file ({str(e).splitlines()[0][:200]})"
+                ) from None
             return _records_to_texts(records, where)
         data = path.read_bytes()
         if name.endswith(".gz"):
@@ -189,7 +193,9 @@ def _load_hub(source: str) -> Sequence[str]:
     except Exception as e:  # offline, hub errors, missing credentials: all mean "use a local file"
         msg = str(e).strip().splitlines()
         reason = msg[0][:200] if msg else type(e).__name__
-        raise UserError(f"--calib {source}: cannot load {repo} from the Hugging Face hub ({reason}); {_LOCAL_HINT}") from None
+        raise UserError(
+            f"--calib {source}: cannot load {repo} from the Hugging Face hub ({reason}); {_LOCAL_HINT}"
+        ) from None
     return _HubColumn(ds, alpaca=(source == "alpaca"))
 
 
@@ -242,7 +248,9 @@ def sample_windows(
     need = nsamples * seqlen
     eligible_tokens, eligible, scanned = 0, 0, 0
     if mode != "concat":
-        while scanned < n_docs and (mode == "documents" and eligible == 0 or mode == "auto" and eligible_tokens < need):
+        while scanned < n_docs and (
+            mode == "documents" and eligible == 0 or mode == "auto" and eligible_tokens < need
+        ):
             idx = list(range(scanned, min(scanned + chunk, n_docs)))
             for i, ids in zip(idx, tokenize([docs[i] for i in idx], True), strict=True):
                 lengths[i] = ids
@@ -252,7 +260,9 @@ def sample_windows(
             scanned = idx[-1] + 1
     use_docs = mode == "documents" or (mode == "auto" and eligible_tokens >= need)
     if mode == "documents" and eligible == 0:
-        raise UserError(f"calibration: no document is longer than --seqlen {seqlen} tokens; use a smaller --seqlen")
+        raise UserError(
+            f"calibration: no document is longer than --seqlen {seqlen} tokens; use a smaller --seqlen"
+        )
 
     rng = random.Random(seed)
     info = CalibrationInfo(documents=n_docs, eligible=eligible if scanned == n_docs else None)

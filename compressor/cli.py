@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from .batch import summarize_command
 from .errors import UserError
 
 EXIT_CHECK_FAILED = 1
@@ -29,13 +30,30 @@ def _ns(text: str) -> list[int]:
     return ns
 
 
+def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """`--config`: the recipe's values become the command's defaults (flags and env vars win)."""
+    from .recipe import load_into_context
+
+    return load_into_context(ctx, param, value)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "UNIONSPARSE"})
 @click.version_option(package_name="unionsparse", prog_name="unionsparse")
-def cli() -> None:
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+              help="Python logging level (messages go to stderr).")
+def cli(log_level: str) -> None:
     """Offline compression of causal LMs into sparse low-bit IE-BME / Tiled-CBC zarr artifacts."""
+    import logging
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 @cli.command()
+@click.option("--config", "config_file", default=None, is_eager=True, expose_value=False,
+              callback=_load_recipe,
+              help="Recipe file (.yaml/.json) or an OUT.zarr whose stored recipe to reuse; flags override it.")
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Artifact path, OUT.zarr.")
 @click.option("--prune", default="magnitude", show_default=True, help="wanda|sparsegpt|magnitude|none")
@@ -93,13 +111,32 @@ def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_
 @click.option("--layer", default=None, help="Only this layer (module path).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--compare", is_flag=True, help="Baselines (CSR, Tiled-CSL, TCA-BME, dense) on the same masks.")
-def inspect(artifact, layer, as_json, compare) -> None:
+@click.option("--plot", "plot_file", default=None, help="Write per-layer figures to FILE.png (needs matplotlib).")
+@click.option("--html", "html_file", default=None, help="Write one self-contained HTML page (tables + plot).")
+@click.option("--recipe", is_flag=True, help="Print the stored compress recipe as YAML (for compress --config).")
+def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> None:
     """PMR/CR statistics of ARTIFACT, per layer and for the whole model."""
     from rich.console import Console
 
     from .report import inspect_data, print_tables
 
-    data = inspect_data(artifact, layer, compare)
+    if recipe:
+        from .recipe import read_recipe, recipe_yaml
+
+        click.echo(recipe_yaml(read_recipe(artifact), f"recipe of {artifact}: unionsparse compress --config FILE -o OUT.zarr"),
+                   nl=False)
+        return
+    data = inspect_data(artifact, layer, compare or bool(plot_file or html_file))
+    if plot_file or html_file:
+        from .html_report import write_html
+        from .plots import render, write_plot
+
+        if plot_file:
+            click.echo(f"wrote {write_plot(data, plot_file)}", err=True)
+        if html_file:
+            click.echo(f"wrote {write_html(data, html_file, render(data))}", err=True)
+        if not compare:
+            data = inspect_data(artifact, layer, False)
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
@@ -161,6 +198,27 @@ def bench(artifact, shapes, ns, sparsity, as_json) -> None:
     else:
         for n, s in data["summary"].items():
             click.echo(f"N={n}: geomean speedup vs cuBLAS {s['geomean_speedup_vs_cublas']:.2f}x over {s['cases']} shapes")
+
+
+@cli.command(name="eval")
+@click.argument("source", metavar="MODEL_OR_ARTIFACT")
+@click.option("--text", "text_path", required=True, help="Evaluation text file (one row a line).")
+@click.option("--seqlen", default=2048, show_default=True, type=int, help="Window length in tokens.")
+@click.option("--max-windows", default=None, type=int, help="Evaluate only the first N windows.")
+@click.option("--device", default="cpu", show_default=True, help="cpu|cuda")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def eval_cmd(source, text_path, seqlen, max_windows, device, as_json) -> None:
+    """WikiText-2-style perplexity of a model or of an artifact (rebuilt with its stored weights)."""
+    from .evaluate import evaluate_source
+
+    res = evaluate_source(source, text_path, seqlen, max_windows, device)
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+    else:
+        click.echo(f"perplexity {res['ppl']:.4f} on {res['windows']} windows of {seqlen} tokens ({source})")
+
+
+cli.add_command(summarize_command)  # compressor/batch.py: one table over a folder of artifacts
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -74,9 +74,7 @@ def window_nlls(
         for i in range(n):
             x = ids[:, i * seqlen : (i + 1) * seqlen].to(device)
             logits = model(x, use_cache=False).logits
-            loss = nn.functional.cross_entropy(
-                logits[0, :-1, :].float(), x[0, 1:], reduction="mean"
-            )
+            loss = nn.functional.cross_entropy(logits[0, :-1, :].float(), x[0, 1:], reduction="mean")
             out.append(float(loss))
     finally:
         model.train(was_training)
@@ -97,3 +95,68 @@ def perplexity(
     ppl = math.exp(sum(nlls) / len(nlls))
     log.info("perplexity %.4f over %d windows of %d tokens", ppl, len(nlls), seqlen)
     return ppl
+
+
+def is_artifact(source: str | Path) -> bool:
+    """True when ``source`` is a zarr directory store (an artifact rather than a model)."""
+    p = Path(source)
+    return p.is_dir() and (p / "zarr.json").is_file()
+
+
+def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer, kind)`` for MODEL (folder, .gguf, hub id) or an artifact (rebuilt).
+
+    An artifact's tokenizer comes from the model it was compressed from (root attrs ``source.model``).
+    """
+    from .layerwise import load_tokenizer
+
+    if is_artifact(source):
+        from .artifact import Artifact
+
+        try:
+            from .artifact import rebuild_model  # the lead's reader, when it provides one
+        except ImportError:
+            from .rebuild import rebuild_model
+        art = Artifact(source)
+        origin = (art.attrs.get("source") or {}).get("model")
+        if not origin:
+            raise UserError(f"{source}: the artifact does not record its source model (for the tokenizer)")
+        model = rebuild_model(source)
+        return model.eval(), load_tokenizer(origin), "artifact"
+    from .model_io import load_model
+
+    loaded = load_model(str(source), dtype=dtype)
+    return loaded.model.eval(), load_tokenizer(str(source)), loaded.kind
+
+
+def evaluate_source(
+    source: str | Path,
+    text_path: str | Path,
+    seqlen: int = 2048,
+    max_windows: int | None = None,
+    device: str = "cpu",
+) -> dict:
+    """Perplexity of MODEL or an artifact on ``text_path``; returns a dict for the CLI (and ``--json``)."""
+    import time
+
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device: unknown value {device!r} (choose from cpu, cuda)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
+    text = load_eval_text(text_path)  # check the text before the slow model load
+    t0 = time.perf_counter()
+    model, tok, kind = load_for_eval(source)
+    model.to(device)
+    ids = tokenize_eval_text(tok, text)
+    nlls = window_nlls(model, ids, seqlen, max_windows, device)
+    return {
+        "source": str(source),
+        "kind": kind,
+        "text": str(text_path),
+        "seqlen": seqlen,
+        "windows": len(nlls),
+        "tokens": int(ids.numel()),
+        "nll": sum(nlls) / len(nlls),
+        "ppl": math.exp(sum(nlls) / len(nlls)),
+        "seconds": time.perf_counter() - t0,
+    }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +28,10 @@ __all__ = [
     "forward_block",
     "LayerStats",
     "owl_block_sparsities",
+    "calibrated_blocks",
+    "CalibrationPlan",
+    "calibration_plan",
+    "load_tokenizer",
     "prune_model",
     "PruneReport",
 ]
@@ -57,7 +61,9 @@ class _Catcher(nn.Module):
 
     def forward(self, hidden_states, *args, **kwargs):
         if args:
-            raise RuntimeError("layerwise: the decoder block was called with positional arguments beyond hidden_states")
+            raise RuntimeError(
+                "layerwise: the decoder block was called with positional arguments beyond hidden_states"
+            )
         self.inps[self.count] = hidden_states[0]
         self.count += 1
         if self.kwargs is None:
@@ -111,7 +117,9 @@ def capture_block_inputs(
     return inps, kwargs
 
 
-def _move_non_blocks(base: nn.Module, blocks: nn.ModuleList, device: torch.device) -> list[tuple[nn.Module, torch.device]]:
+def _move_non_blocks(
+    base: nn.Module, blocks: nn.ModuleList, device: torch.device
+) -> list[tuple[nn.Module, torch.device]]:
     """Move the base model's parts other than the blocks (embeddings, rotary, norms) to ``device``."""
     moved = []
     for child in base.children():
@@ -134,7 +142,9 @@ def _out(o):
 
 
 @torch.no_grad()
-def forward_block(block: nn.Module, inps: torch.Tensor, kwargs: dict, outs: torch.Tensor | None = None) -> torch.Tensor:
+def forward_block(
+    block: nn.Module, inps: torch.Tensor, kwargs: dict, outs: torch.Tensor | None = None
+) -> torch.Tensor:
     """Outputs of ``block`` for every sample of ``inps``, one sample at a time (``outs`` may be reused)."""
     if outs is None:
         outs = torch.empty_like(inps)
@@ -150,6 +160,9 @@ class LayerStats:
     x_sq_norm: torch.Tensor | None = None  # [K], Wanda
     H: torch.Tensor | None = None  # [K, K], SparseGPT
     nsamples: int = 0
+
+    def __getitem__(self, key: str) -> torch.Tensor | None:  # stats["x_sq_norm"], stats["H"]
+        return getattr(self, key)
 
 
 @torch.no_grad()
@@ -273,6 +286,108 @@ def _device_of(module: nn.Module) -> torch.device:
 LayerCallback = Callable[[str, nn.Linear, torch.Tensor], None]
 
 
+def calibrated_blocks(
+    model: nn.Module, samples: torch.Tensor | None, kind: str | None, device: str | torch.device = "cpu"
+) -> Iterator[tuple[int, nn.Module, dict[str, LayerStats]]]:
+    """Yield ``(index, block, stats)`` block by block; prune the block's linears before advancing.
+
+    ``kind`` is ``"wanda"``, ``"sparsegpt"``, ``"both"`` or None (no calibration: stats is ``{}``).
+    The block sits on ``device`` while it is yielded; when the consumer asks for the next block, the
+    (now pruned) block is run on the current inputs to give the next block's inputs, and is moved back.
+    """
+    device = torch.device(device)
+    blocks, _ = find_blocks(model)
+    inps = kwargs = outs = None
+    if kind is not None:
+        if samples is None or samples.numel() == 0:
+            raise UserError("calibration samples are needed (--calib)")
+        inps, kwargs = capture_block_inputs(model, samples, device)
+        outs = torch.empty_like(inps)
+    for bi, block in enumerate(blocks):
+        orig = _device_of(block)
+        block.to(device)
+        try:
+            stats = collect_block_stats(block, None, inps, kwargs, kind=kind) if kind is not None else {}
+            yield bi, block, stats
+            del stats
+            if kind is not None:
+                forward_block(block, inps, kwargs, outs)
+                inps, outs = outs, inps
+        finally:
+            block.to(orig)
+
+
+@dataclass
+class CalibrationPlan:
+    """What the compress pipeline needs for pruning: samples, statistics kind, per-block sparsity."""
+
+    samples: torch.Tensor | None
+    kind: str | None
+    block_sparsity: list[float]
+    info: dict = field(default_factory=dict)
+
+
+def load_tokenizer(source: str):
+    """The tokenizer of MODEL (a model folder, a .gguf file or a hub id)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    p = Path(source)
+    try:
+        if p.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(p.resolve().parent), gguf_file=p.name)
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # missing tokenizer files, hub unreachable, unsupported GGUF tokenizer
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"MODEL: cannot load the tokenizer of {source} for calibration: {first}") from None
+
+
+def calibration_plan(
+    model: nn.Module,
+    model_source: str,
+    prune: str,
+    sparsity: float,
+    profile: str = "uniform",
+    calib: str = "c4",
+    nsamples: int = 128,
+    seqlen: int = 2048,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    owl_lambda: float = 0.08,
+    owl_m: float = 5.0,
+    note: Callable[[str], None] | None = None,
+    tokenizer=None,
+    nm: str | tuple[int, int] | None = None,
+) -> CalibrationPlan:
+    """Load calibration windows when ``prune`` / ``profile`` need them, and the per-block sparsities."""
+    from .calibration import load_calibration
+
+    if profile not in ("uniform", "owl"):
+        raise UserError(f"--sparsity-profile must be uniform or owl, got {profile!r}")
+    if profile == "owl" and nm is not None:
+        raise UserError("--sparsity-profile owl applies to unstructured sparsity; drop --nm or use uniform")
+    blocks, _ = find_blocks(model)
+    kind = _stats_kind(prune) if prune in METHODS else None
+    needs = kind is not None or (prune in METHODS and profile == "owl")
+    if not needs:
+        return CalibrationPlan(None, None, [float(sparsity)] * len(blocks))
+    say = note or (lambda _m: None)
+    say(f"calibration: {nsamples} x {seqlen} tokens from {calib} (seed {seed})")
+    tok = tokenizer if tokenizer is not None else load_tokenizer(model_source)
+    samples, info = load_calibration(calib, tok, nsamples, seqlen, seed, return_info=True)
+    say(f"calibration: {info.get('mode')} sampling from {info.get('documents')} documents")
+    info = dict(info)
+    if profile == "owl":
+        say("OWL: outlier ratios on the dense model")
+        sps, ratios = owl_block_sparsities(model, samples, sparsity, owl_lambda, owl_m, device)
+        info["owl_outlier_ratios"] = ratios
+        info["owl_lambda"], info["owl_m"] = owl_lambda, owl_m
+    else:
+        sps = [float(sparsity)] * len(blocks)
+    return CalibrationPlan(samples, kind, sps, info)
+
+
 @torch.no_grad()
 def prune_model(
     model: nn.Module,
@@ -319,15 +434,8 @@ def prune_model(
     report.block_sparsity = list(sps)
 
     kind = _stats_kind(method)
-    inps = kwargs = outs = None
-    if kind is not None:
-        inps, kwargs = capture_block_inputs(model, samples, device)
-        outs = torch.empty_like(inps)
-    for bi, block in enumerate(blocks):
-        orig = _device_of(block)
-        block.to(device)
+    for bi, block, stats in calibrated_blocks(model, samples, kind, device):
         linears = [(n, m) for n, m in block_linears(block) if not (skip and skip(f"{prefix}.{bi}.{n}"))]
-        stats = collect_block_stats(block, [n for n, _ in linears], inps, kwargs, kind=kind) if kind else {}
         for name, mod in linears:
             path = f"{prefix}.{bi}.{name}"
             tl = time.perf_counter()
@@ -354,10 +462,6 @@ def prune_model(
             }
             if on_layer is not None:
                 on_layer(path, mod, mask)
-        if kind is not None:
-            forward_block(block, inps, kwargs, outs)
-            inps, outs = outs, inps
-        block.to(orig)
         log.info("pruned block %d/%d (%s, sparsity %.3f)", bi + 1, len(blocks), method, sps[bi])
     report.seconds = time.perf_counter() - t0
     return report

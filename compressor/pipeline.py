@@ -10,13 +10,15 @@ import numpy as np
 import torch
 
 from ..formats import baselines, iebme, stats, tiled_cbc
-from . import pruning
+from . import layerwise, pruning
 from .artifact import ArtifactWriter, LayerRecord, new_root_attrs
+from .cluster import LayerEncoder
 from .config import CompressConfig, parse_nm
 from .errors import UserError
-from .model_io import block_linears, dense_tensors, find_blocks, load_model
+from .model_io import block_linears, find_blocks
 from .progress import Reporter
 from .quant import rtn
+from .streaming import StreamingModel, layer_weight, model_dense_tensors, open_model
 
 
 @dataclass
@@ -147,33 +149,50 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     if not out.parent.exists():
         raise UserError(f"-o: folder {out.parent} does not exist")
     reporter.note(f"loading {cfg.model}")
-    loaded = load_model(cfg.model)
+    # safetensors folders stream (meta skeleton, one layer in memory) unless calibration runs forward passes
+    loaded = open_model(cfg.model, streaming=not cfg.needs_calibration and cfg.sparsity_profile == "uniform")
     model = loaded.model
     blocks, prefix = find_blocks(model)
     writer = ArtifactWriter(out, new_root_attrs(cfg.model, loaded.fingerprint, cfg.to_dict(), loaded.config),
                             resume=cfg.resume, overwrite=cfg.overwrite)
     totals = LayerTotals()
+    encoder = None
     try:
+        encoder = LayerEncoder(cfg, writer.write_layer, totals.add, reporter.note)  # inline or on Dask
+        plan = layerwise.calibration_plan(  # calibration windows, statistics kind, per-block sparsity (OWL)
+            model, cfg.model, cfg.prune, cfg.sparsity, cfg.sparsity_profile, cfg.calib, cfg.nsamples,
+            cfg.seqlen, cfg.seed, cfg.device, note=reporter.note, nm=cfg.nm,
+        )
         done = writer.completed_layers()
         compressed: set[str] = set()
         names = [(i, n) for i, b in enumerate(blocks) for n, _ in block_linears(b)]
         with reporter.stage("compressing layers", total=len(names)) as bar:
-            for i, block in enumerate(blocks):
+            # each block's statistics come from the outputs of the already-pruned blocks before it
+            blocks_iter = layerwise.calibrated_blocks(
+                model, plan.samples, plan.kind, "meta" if isinstance(loaded, StreamingModel) else cfg.device)
+            for i, block, block_stats in blocks_iter:
                 for sub, lin in block_linears(block):
                     full = f"{prefix}.{i}.{sub}"
                     compressed.add(f"{full}.weight")
-                    w = lin.weight.detach().float()
+                    if full in done and isinstance(loaded, StreamingModel):  # nothing later needs its weight
+                        encoder.done(full, writer.layer_attrs(full))
+                        bar.advance()
+                        continue
+                    w = layer_weight(loaded, full, lin)
                     if not torch.isfinite(w).all():
                         raise UserError(f"MODEL: layer {full} has NaN or inf weights")
-                    w_pruned, _ = prune_weight(w, cfg, cfg.sparsity, None)
-                    lin.weight.data.copy_(w_pruned.to(lin.weight.dtype))
+                    w_pruned, _ = prune_weight(w, cfg, plan.block_sparsity[i], block_stats.pop(sub, None))
+                    if not lin.weight.is_meta:
+                        lin.weight.data.copy_(w_pruned.to(lin.weight.dtype))
+                    w_pruned = w_pruned.cpu()
                     if full in done:
-                        attrs = writer.layer_attrs(full)
+                        encoder.done(full, writer.layer_attrs(full))
                     else:
-                        attrs = writer.write_layer(encode_layer(full, w_pruned, cfg))
-                    totals.add(full, attrs)
+                        encoder.submit(full, w_pruned, cfg)  # written in layer order
+                    del w, w_pruned  # one layer in memory at a time
                     bar.advance()
-        dense, tied = dense_tensors(model, compressed)
+            encoder.finish()
+        dense, tied = model_dense_tensors(loaded, compressed)
         with reporter.stage("writing dense tensors", total=len(dense)) as bar:
             for name, t in dense.items():
                 writer.write_dense({name: to_storage_dtype(t)})
@@ -181,9 +200,13 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         summary = totals.summary()
         summary["seconds"] = time.perf_counter() - t0
         writer.finalize({"layers": totals.layers, "dense": sorted(dense), "tied": tied, "summary": summary,
-                         "block_prefix": prefix, "n_blocks": len(blocks)})
+                         "block_prefix": prefix, "n_blocks": len(blocks),
+                         "block_sparsity": plan.block_sparsity, "calibration": plan.info})
     except UserError:
         writer.abort()
         raise
+    finally:
+        if encoder is not None:
+            encoder.close()
     return summary
 

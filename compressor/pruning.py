@@ -68,7 +68,9 @@ def parse_nm(nm: str | Sequence[int] | None) -> tuple[int, int] | None:
 def _check_nm(nm: Sequence[int] | str | None, k: int) -> tuple[int, int] | None:
     nm_t = parse_nm(nm)
     if nm_t is not None and k % nm_t[1] != 0:
-        raise UserError(f"N:M pruning {nm_t[0]}:{nm_t[1]} needs the input width ({k}) to be a multiple of {nm_t[1]}")
+        raise UserError(
+            f"N:M pruning {nm_t[0]}:{nm_t[1]} needs the input width ({k}) to be a multiple of {nm_t[1]}"
+        )
     return nm_t
 
 
@@ -157,7 +159,9 @@ class SqNormAccumulator:
         tokens, b = _as_tokens(x)
         self.x_sq_norm *= self.nsamples / (self.nsamples + b)
         self.nsamples += b
-        self.x_sq_norm += torch.linalg.vector_norm(tokens.to(self.x_sq_norm.device), dim=0) ** 2 / self.nsamples
+        self.x_sq_norm += (
+            torch.linalg.vector_norm(tokens.to(self.x_sq_norm.device), dim=0) ** 2 / self.nsamples
+        )
 
 
 class HessianAccumulator:
@@ -255,7 +259,12 @@ def sparsegpt(
 
 
 def _obs_blocks(
-    Wf: torch.Tensor, Hinv: torch.Tensor, pruned: torch.Tensor, s: float, blocksize: int, nm_t: tuple[int, int] | None
+    Wf: torch.Tensor,
+    Hinv: torch.Tensor,
+    pruned: torch.Tensor,
+    s: float,
+    blocksize: int,
+    nm_t: tuple[int, int] | None,
 ) -> None:
     """The SparseGPT block / column loop, in place on ``Wf`` and ``pruned``."""
     cols = Wf.shape[1]

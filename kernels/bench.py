@@ -207,13 +207,22 @@ def n_copies(nbytes: int) -> int:
 
 
 def run_bench(shapes, ns, sparsity: float = 0.5, bits: int = 4, group_size: int = 128, perm: str = "none",
-              baselines: bool = True, seed: int = 0, log=print) -> list[dict]:
-    """Time the IE-BME kernel (and cuBLAS fp16, int8 dense) on ``shapes`` [(label, M, K)] for each N."""
+              baselines: bool = True, seed: int = 0, log=print, deadline: float | None = None) -> list[dict]:
+    """Time the IE-BME kernel (and cuBLAS fp16, int8 dense) on ``shapes`` [(label, M, K)] for each N.
+
+    ``deadline`` (a ``time.time()`` value): shapes not started by then are skipped.
+    """
+    import time
+
     import cupy as cp
     import torch
 
     rows = []
     for label, m, k in shapes:
+        if deadline is not None and time.time() > deadline:
+            if log:
+                log(f"deadline reached: skipping {label} and later shapes")
+            break
         one = synth_layer(m, k, bits, sparsity, perm, group_size, seed)
         nb = int(one.values.nbytes + one.bitmaps.nbytes)
         layers = [one] + [synth_layer(m, k, bits, sparsity, perm, group_size, seed + i)

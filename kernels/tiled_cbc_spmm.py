@@ -13,6 +13,7 @@ from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
 
 GK = 2
 CONFIGS = {128: 1, 64: 2}  # BN -> min blocks per SM (launch bounds)
+_SMEM_SET: dict[int, int] = {}
 _EXPR = tuple(f"tcbc_spmm<{bn}, {GK}, {mb}>" for bn, mb in CONFIGS.items())
 
 
@@ -50,8 +51,9 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None):
     bk = TILE[1] * GK
     smem = 2 * raw + bk * (TILE[0] + 8) * 2 + 2 * bn * (bk + 8) * 2
     f = _module().get_function(f"tcbc_spmm<{bn}, {GK}, {CONFIGS[bn]}>")
-    if f.max_dynamic_shared_size_bytes < smem:
+    if _SMEM_SET.get(bn, -1) < smem:  # set once per size (no driver query while a graph is captured)
         f.max_dynamic_shared_size_bytes = smem
+        _SMEM_SET[bn] = smem
     # K passed is X's row length; columns beyond the true K have no weights, so the padding is inert
     f((-(-N // bn), gr), (256,),
       (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, X, out, np.int32(gc), np.int32(M),

@@ -23,7 +23,7 @@ from .bits import canonical_perm, check_perm_1d, check_tile_areas
 METHODS = ("auto", "dp", "cpsat", "none")
 
 #: ``auto`` uses the DP when the (H_L, R_A) state table has at most this many transitions: a DP tile
-#: then takes <= ~10 ms on one core and the table <= ~40 MB (docs/solvers.md has the figures).
+#: then takes <= ~40 ms on one core and the table <= ~40 MB (docs/solvers.md has the figures).
 DP_AUTO_MAX_TRANSITIONS = 5_000_000
 #: ``dp`` refuses larger tables (memory: 8 bytes per transition).
 DP_MAX_TRANSITIONS = 40_000_000

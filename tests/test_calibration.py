@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from unionsparse.compressor import calibration
 from unionsparse.compressor.errors import UserError
 

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from unionsparse.compressor import layerwise, pruning
 from unionsparse.compressor.errors import UserError
 
@@ -16,8 +15,13 @@ transformers = pytest.importorskip("transformers")
 def _llama(seed: int = 0):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
     )
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -25,8 +29,13 @@ def _llama(seed: int = 0):
 def _opt(seed: int = 0):
     torch.manual_seed(seed)
     cfg = transformers.OPTConfig(
-        hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
-        word_embed_proj_dim=64, max_position_embeddings=64,
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=128,
+        word_embed_proj_dim=64,
+        max_position_embeddings=64,
     )
     return transformers.OPTForCausalLM(cfg).eval()
 
@@ -34,8 +43,13 @@ def _opt(seed: int = 0):
 def _qwen2(seed: int = 0):
     torch.manual_seed(seed)
     cfg = transformers.Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
     )
     return transformers.Qwen2ForCausalLM(cfg).eval()
 
@@ -44,7 +58,10 @@ def _samples(n=4, seqlen=16, seed=1):
     return torch.randint(0, 128, (n, seqlen), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("build,final_norm", [(_llama, "model.norm"), (_qwen2, "model.norm"), (_opt, "model.decoder.final_layer_norm")])
+@pytest.mark.parametrize(
+    "build,final_norm",
+    [(_llama, "model.norm"), (_qwen2, "model.norm"), (_opt, "model.decoder.final_layer_norm")],
+)
 def test_capture_and_forward_reproduce_hidden_states(build, final_norm):
     model = build()
     x = _samples()
@@ -90,7 +107,9 @@ def test_prune_model_wanda_uses_pruned_previous_blocks():
     manual = copy.deepcopy(model)
     x = _samples()
     masks = {}
-    rep = layerwise.prune_model(model, x, "wanda", 0.5, on_layer=lambda p, m, k: masks.__setitem__(p, k.clone()))
+    rep = layerwise.prune_model(
+        model, x, "wanda", 0.5, on_layer=lambda p, m, k: masks.__setitem__(p, k.clone())
+    )
     # manual sequential reference: block 1's statistics from the pruned block 0's outputs
     inps, kwargs = layerwise.capture_block_inputs(manual, x)
     blocks, prefix = layerwise.find_blocks(manual)
@@ -112,7 +131,12 @@ def test_prune_model_wanda_uses_pruned_previous_blocks():
     d_blocks = layerwise.find_blocks(dense)[0]
     d_in1 = layerwise.forward_block(d_blocks[0], d_inps, d_kw)
     d_stats = layerwise.collect_block_stats(d_blocks[1], ["mlp.down_proj"], d_in1, d_kw)
-    p_stats = layerwise.collect_block_stats(blocks[1], ["mlp.down_proj"], layerwise.forward_block(blocks[0], layerwise.capture_block_inputs(manual, x)[0], kwargs), kwargs)
+    p_stats = layerwise.collect_block_stats(
+        blocks[1],
+        ["mlp.down_proj"],
+        layerwise.forward_block(blocks[0], layerwise.capture_block_inputs(manual, x)[0], kwargs),
+        kwargs,
+    )
     assert not torch.allclose(d_stats["mlp.down_proj"].x_sq_norm, p_stats["mlp.down_proj"].x_sq_norm)
 
 

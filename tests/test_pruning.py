@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from unionsparse.compressor import pruning
 from unionsparse.compressor.errors import UserError
 
@@ -156,7 +155,9 @@ def test_sparsegpt_equals_independent_float64_obs():
     X[:, 7] = 0  # a dead input
     H = 2 * X.T @ X / 64
     want_w, want_mask = _reference_obs(W, H, 0.5, blocksize=4, percdamp=0.01)
-    got_w, got_mask = pruning.sparsegpt(torch.from_numpy(W), torch.from_numpy(H), 0.5, blocksize=4, dtype=torch.float64)
+    got_w, got_mask = pruning.sparsegpt(
+        torch.from_numpy(W), torch.from_numpy(H), 0.5, blocksize=4, dtype=torch.float64
+    )
     assert np.array_equal(got_mask.numpy(), want_mask)
     np.testing.assert_allclose(got_w.numpy(), want_w, rtol=1e-10, atol=1e-12)
     assert np.all(got_w.numpy()[:, 7] == 0)

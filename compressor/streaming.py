@@ -1,0 +1,196 @@
+"""Streaming model loading: a meta-device skeleton plus tensors read lazily from safetensors shards.
+
+``compress`` on a safetensors folder never holds the model: the module tree is built on the meta device
+from ``config.json`` (no weight memory), each linear layer's weight is read from its shard when its turn
+comes (``safe_open``, memory-mapped, opened per tensor so no mapping outlives the read) and released once
+encoded, and the dense tensors (embeddings, norms, lm_head) are copied one by one straight from the
+shards to ``dense/``. Peak memory therefore follows the largest layer, not the model.
+
+GGUF files and hub ids are loaded fully through transformers (it dequantizes GGUF), as are models whose
+checkpoint names do not map one to one onto the module tree (transformers renames them on load), and
+runs that need calibration forward passes (Wanda, SparseGPT, dynamic-pruning thresholds).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import UserError
+from .model_io import LoadedModel, _first_line, classify_source, fingerprint, load_model
+
+
+class ShardedWeights:
+    """Name -> shard map of a safetensors folder; tensors are read on demand, one at a time."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self.files = sorted(self.folder.glob("*.safetensors"))
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in self.files:
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    for k in sf.keys():
+                        if k in self.where:
+                            raise UserError(f"MODEL: tensor {k} is in both {self.where[k].name} and {f.name}")
+                        self.where[k] = f
+                        self.shapes[k] = tuple(sf.get_slice(k).get_shape())
+            except UserError:
+                raise
+            except Exception as e:  # safetensors raises its own error type for broken headers
+                raise UserError(f"MODEL: {f} has a broken safetensors header ({_first_line(e)})") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Read one tensor (a private copy in ``dtype``); the shard is unmapped again afterwards."""
+        from safetensors import safe_open
+
+        f = self.where[name]
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                t = sf.get_tensor(name)
+        except Exception as e:
+            raise UserError(f"MODEL: cannot read tensor {name} from {f} ({_first_line(e)})") from None
+        return t.to(dtype) if t.dtype != dtype else t.clone()
+
+
+@dataclass
+class StreamingModel:
+    """What ``compress`` needs of a model without loading it: a meta skeleton and a weight reader."""
+
+    model: nn.Module  # every parameter on the meta device
+    source: str
+    weights: ShardedWeights
+    fingerprint: str
+    config: dict
+    kind: str = "folder"
+    aliases: dict[str, str] = field(default_factory=dict)  # state_dict name -> checkpoint name
+
+
+def skeleton(folder: Path) -> nn.Module:
+    """The model's module tree on the meta device, built from config.json alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        cfg = AutoConfig.from_pretrained(str(folder))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise UserError(f"MODEL: {folder} is not a loadable causal LM: {_first_line(e)}") from None
+    return model.eval()
+
+
+def _persistent_float_entries(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """(state_dict name, tensor, is_parameter) for every floating entry, duplicates (tied) included."""
+    params = {id(p) for p in model.parameters()}
+    state = model.state_dict(keep_vars=True)
+    return [(n, t, id(t) in params) for n, t in state.items() if t.is_floating_point()]
+
+
+def open_streaming(source: str) -> StreamingModel | None:
+    """A streaming view of a safetensors folder, or None when the model must be loaded fully.
+
+    Shapes that disagree with config.json are bad input (UserError); names that do not map one to one
+    (a checkpoint transformers would rename on load) return None so the caller loads it fully.
+    """
+    if classify_source(source) != "folder":
+        return None
+    folder = Path(source)
+    if not any(folder.glob("*.safetensors")):
+        return None
+    weights = ShardedWeights(folder)
+    model = skeleton(folder)
+    aliases: dict[str, str] = {}
+    by_id: dict[int, list[str]] = {}
+    for name, t, is_param in _persistent_float_entries(model):
+        by_id.setdefault(id(t), []).append(name)
+        if name in weights:
+            want, got = tuple(t.shape), weights.shapes[name]
+            if want != got:
+                raise UserError(f"MODEL: tensor {name} has shape {list(got)} in {weights.where[name].name} "
+                                f"but config.json implies {list(want)}")
+            aliases[name] = name
+        elif not is_param:
+            continue  # a persistent buffer the checkpoint does not hold: rebuilt from the config
+    for names in by_id.values():  # tied parameters: any stored alias serves them all
+        stored = next((n for n in names if n in weights), None)
+        for n in names:
+            if n not in aliases and stored is not None:
+                aliases[n] = stored
+    missing = [n for n, _, is_param in _persistent_float_entries(model) if is_param and n not in aliases]
+    if missing:
+        return None
+    files = weights.files + [folder / "config.json"]
+    config = json.loads(model.config.to_json_string())
+    return StreamingModel(model, source, weights, fingerprint(files), config, aliases=aliases)
+
+
+def open_model(source: str, streaming: bool = True) -> StreamingModel | LoadedModel:
+    """The streaming view where possible (and wanted), else the fully loaded model."""
+    if streaming:
+        s = open_streaming(source)
+        if s is not None:
+            return s
+    return load_model(source)
+
+
+def layer_weight(loaded: StreamingModel | LoadedModel, full: str, lin: nn.Linear) -> torch.Tensor:
+    """A linear layer's weight as a float32 tensor the caller owns (read from its shard when streaming)."""
+    if isinstance(loaded, StreamingModel):
+        return loaded.weights.get(loaded.aliases.get(f"{full}.weight", f"{full}.weight"))
+    return lin.weight.detach().float()
+
+
+class LazyTensors(Mapping):
+    """name -> tensor, each read from the shards only when asked for (so ``items()`` streams)."""
+
+    def __init__(self, loaded: StreamingModel, names: list[str]):
+        self.loaded = loaded
+        self.names = names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.loaded.weights.get(self.loaded.aliases[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def model_dense_tensors(loaded: StreamingModel | LoadedModel, compressed: set[str]):
+    """Every tensor that is not a compressed weight and the tied aliases, like ``model_io.dense_tensors``.
+
+    Streaming: the tensors are a lazy mapping read shard by shard; tied parameters are stored once under
+    their first state_dict name, as the in-memory path does.
+    """
+    from .model_io import dense_tensors
+
+    if not isinstance(loaded, StreamingModel):
+        return dense_tensors(loaded.model, compressed)
+    names: list[str] = []
+    tied: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, t, _ in _persistent_float_entries(loaded.model):
+        if name in compressed or name not in loaded.aliases:
+            continue
+        if id(t) in first and t.numel() > 0:
+            tied[name] = first[id(t)]
+            continue
+        first[id(t)] = name
+        names.append(name)
+    return LazyTensors(loaded, names), tied

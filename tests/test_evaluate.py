@@ -1,0 +1,188 @@
+"""Perplexity (WikiText-2 style) and the calibrated compress path end to end on a tiny model folder."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from unionsparse.compressor import evaluate
+from unionsparse.compressor.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+WORDS = [f"w{i}" for i in range(120)]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_eval_text_rows_joined_like_the_reference(tmp_path):
+    p = tmp_path / "t.raw"
+    p.write_bytes(b" = Title = \r\n first row .\r\n\r\n second row\r\n")
+    assert evaluate.load_eval_text(p) == " = Title = \n\n\n first row .\n\n\n second row\n"
+    q = tmp_path / "lf.raw"
+    q.write_text(" = Title = \n first row .\n\n second row")  # LF, no final newline: same rows
+    assert evaluate.load_eval_text(q) == evaluate.load_eval_text(p)
+
+
+def test_perplexity_matches_manual_windows(tmp_path):
+    r = random.Random(0)
+    p = tmp_path / "t.raw"
+    p.write_text("\n".join(" ".join(r.choice(WORDS) for _ in range(30)) for _ in range(10)) + "\n")
+    tok, model = _tokenizer(), _model()
+    ids = tok(evaluate.load_eval_text(p))["input_ids"]
+    seqlen = 32
+    n = len(ids) // seqlen
+    with torch.no_grad():
+        losses = []
+        for i in range(n):
+            x = torch.tensor([ids[i * seqlen : (i + 1) * seqlen]])
+            logp = torch.log_softmax(model(x).logits[0, :-1].double(), -1)
+            losses.append(-logp.gather(1, x[0, 1:, None]).mean().item())
+    want = math.exp(sum(losses) / n)
+    assert evaluate.perplexity(model, tok, p, seqlen=seqlen) == pytest.approx(want, rel=1e-5)
+    want2 = math.exp(sum(losses[:2]) / 2)
+    assert evaluate.perplexity(model, tok, p, seqlen=seqlen, max_windows=2) == pytest.approx(want2, rel=1e-5)
+    with pytest.raises(UserError, match="fewer than --seqlen"):
+        evaluate.perplexity(model, tok, p, seqlen=100_000)
+
+
+def test_eval_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        evaluate.load_eval_text(tmp_path / "missing.raw")
+    (tmp_path / "blank.raw").write_text("\n \r\n")
+    with pytest.raises(UserError, match="no text"):
+        evaluate.load_eval_text(tmp_path / "blank.raw")
+    (tmp_path / "bin.raw").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(UserError, match="UTF-8"):
+        evaluate.load_eval_text(tmp_path / "bin.raw")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    _model().save_pretrained(d / "model")
+    _tokenizer().save_pretrained(d / "model")
+    r = random.Random(0)
+    lines = "".join(
+        json.dumps({"text": " ".join(r.choice(WORDS) for _ in range(50))}) + "\n" for _ in range(20)
+    )
+    (d / "calib.jsonl").write_text(lines)
+    (d / "eval.raw").write_text("\n".join(" ".join(r.choice(WORDS) for _ in range(40)) for _ in range(20)))
+    return d
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--prune", "wanda"],
+        ["--prune", "sparsegpt", "--nm", "2:4"],
+        ["--prune", "wanda", "--sparsity-profile", "owl"],
+    ],
+)
+def test_compress_with_calibration_end_to_end(model_dir, tmp_path, extra):
+    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.cli import main
+
+    out = tmp_path / "o.zarr"
+    args = [
+        "compress",
+        str(model_dir / "model"),
+        "-o",
+        str(out),
+        "--calib",
+        str(model_dir / "calib.jsonl"),
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "16",
+        "--reorder",
+        "none",
+        "--quiet",
+        *extra,
+    ]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 0
+    attrs = Artifact(out).attrs
+    assert attrs["calibration"]["mode"] == "documents" and attrs["calibration"]["documents"] == 20
+    bs = attrs["block_sparsity"]
+    assert sum(bs) / len(bs) == pytest.approx(0.5)
+    if "owl" in extra:
+        assert len(attrs["calibration"]["owl_outlier_ratios"]) == 2
+    assert 0.45 < attrs["summary"]["sparsity"] < 0.56
+
+
+def test_compress_bad_calib_file_exit_2(model_dir, tmp_path, capsys):
+    from unionsparse.compressor.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    out = tmp_path / "o.zarr"
+    with pytest.raises(SystemExit) as e:
+        main(
+            [
+                "compress",
+                str(model_dir / "model"),
+                "-o",
+                str(out),
+                "--prune",
+                "wanda",
+                "--calib",
+                str(bad),
+                "--nsamples",
+                "2",
+                "--seqlen",
+                "8",
+                "--quiet",
+            ]
+        )
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl" in err and "'text'" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_eval_cli_on_model_folder(model_dir, capsys):
+    from unionsparse.compressor.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(
+            [
+                "eval",
+                str(model_dir / "model"),
+                "--text",
+                str(model_dir / "eval.raw"),
+                "--seqlen",
+                "32",
+                "--json",
+            ]
+        )
+    assert e.value.code == 0
+    res = json.loads(capsys.readouterr().out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model").eval()
+    want = evaluate.perplexity(model, _tokenizer(), model_dir / "eval.raw", seqlen=32)
+    assert res["ppl"] == pytest.approx(want, rel=1e-5) and res["windows"] >= 1
