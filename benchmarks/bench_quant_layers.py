@@ -105,8 +105,12 @@ def main() -> None:
                 per_layer[p][name] = {"rel_err": num / den, "seconds": dt,
                                       "act_clip": ql.activations.get("clip")}
             print(p, {n: round(v["rel_err"], 5) for n, v in per_layer[p].items()}, flush=True)
+            write(args, layers, sums, per_layer)  # after every layer, so a cut-short run still leaves figures
+
+
+def write(args: argparse.Namespace, layers: dict, sums: dict, per_layer: dict) -> None:
     summary = {n: {"rel_err_pooled": s["num"] / s["den"], "rel_err_mean": sum(s["rel"]) / len(s["rel"]),
-                   "quant_seconds": s["seconds"]} for n, s in sums.items()}
+                   "quant_seconds": s["seconds"]} for n, s in sums.items() if s["rel"]}
     res = {
         "benchmark": "quant_layers", "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "versions": versions(),
@@ -118,8 +122,9 @@ def main() -> None:
     lines = [
         "## Layer-level quantization error (SmolLM2-135M, Wanda 50 %)",
         "",
-        f"Linears of blocks {args.blocks} ({len(layers)} layers) of the dense model; calibration "
-        f"{args.nsamples} C4-sample windows of {args.seqlen} tokens; held-out inputs: {args.eval_windows} "
+        f"Linears of blocks {args.blocks} ({len(per_layer)} of {len(layers)} layers done) of the dense "
+        f"model; calibration {args.nsamples} C4-sample windows of {args.seqlen} tokens; held-out inputs: "
+        f"{args.eval_windows} "
         f"WikiText-2 windows. Relative output error against the pruned fp32 layer, pooled over layers "
         f"(Σ‖err‖² / Σ‖ref‖²) and mean of per-layer ratios; quantization time summed over the layers. "
         f"Group size 128, activation clip calibrated per layer. One run, {res['machine']}.",

@@ -52,29 +52,35 @@ def completed_layers(partial: Path) -> int:
 def run_measured(args: list[str], budget_s: float, partial: Path | None = None, env=None) -> dict:
     """Run a command; sample RSS and progress; stop it at the budget. Returns time, peak RSS, timeline."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    p = subprocess.Popen(args, env=env, stdout=logs[0], stderr=logs[1], text=True)
     timeline, stopped = [], False
     last = -1.0
-    while p.poll() is None:
-        now = time.perf_counter() - t0
-        if now > budget_s:
-            p.send_signal(signal.SIGINT)
-            stopped = True
+    while True:
+        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+        if pid:
             break
+        now = time.perf_counter() - t0
+        if now > budget_s and not stopped:
+            p.send_signal(signal.SIGINT)  # KeyboardInterrupt: the partial store stays for --resume
+            stopped = True
         if now - last >= 5:
             try:
-                status = Path(f"/proc/{p.pid}/status").read_text()
-                rss = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmRSS")))
+                status_text = Path(f"/proc/{p.pid}/status").read_text()
+                rss = int(next(ln.split()[1] for ln in status_text.splitlines() if ln.startswith("VmRSS")))
             except (OSError, StopIteration):
                 rss = 0
             timeline.append({"t": round(now, 1), "rss_gib": round(rss / 2**20, 3),
                              "layers_done": completed_layers(partial) if partial else None})
             last = now
         time.sleep(1)
-    _, status, ru = os.wait4(p.pid, 0)
-    out, err = p.communicate()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if partial is not None and partial.exists():
+        timeline.append({"t": round(time.perf_counter() - t0, 1), "rss_gib": 0.0,
+                         "layers_done": completed_layers(partial)})
+    out, err = (f.seek(0) or f.read() for f in logs)
     return {"seconds": time.perf_counter() - t0, "peak_rss_gib": ru.ru_maxrss / 2**20,
-            "exit": os.waitstatus_to_exitcode(status), "stopped_at_budget": stopped, "timeline": timeline,
+            "exit": p.returncode, "stopped_at_budget": stopped, "timeline": timeline,
             "stdout_tail": out[-400:], "stderr_tail": err[-400:]}
 
 

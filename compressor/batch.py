@@ -28,7 +28,8 @@ def find_artifacts(folder: Path) -> list[Path]:
     """Every ``*.zarr`` directory under ``folder`` (recursively, not inside another store), sorted."""
     found = []
     for p in sorted(folder.rglob("*.zarr")):
-        if p.is_dir() and not any(q.suffix == ".zarr" for q in p.relative_to(folder).parents if q != Path(".")):
+        inside = [q for q in p.relative_to(folder).parents if q != Path(".")]
+        if p.is_dir() and not any(q.suffix == ".zarr" for q in inside):
             found.append(p)
     return found
 
@@ -65,7 +66,8 @@ def artifact_row(path: Path, root: Path) -> dict:
         "prune": cfg.get("prune"), "sparsity_target": cfg.get("sparsity"), "quant": cfg.get("quant"),
         "format": m.get("format"), "tile": "x".join(map(str, tile)) if isinstance(tile, list) else tile,
         "reorder": cfg.get("reorder") if m.get("format") == "ie-bme" else "-",
-        "layers": len(data["layers"]), "sparsity": m.get("sparsity"), "bits_per_weight": m.get("bits_per_weight"),
+        "layers": len(data["layers"]), "sparsity": m.get("sparsity"),
+        "bits_per_weight": m.get("bits_per_weight"),
         "cr": m.get("cr"), "pmr": m.get("pmr"), "total_bytes": m.get("total_bytes"),
         "union_density_before": m.get("union_density_before_reorder"),
         "union_density_after": m.get("union_density_after_reorder", m.get("union_density")),
@@ -99,7 +101,7 @@ def _cell(v, markdown: bool = False) -> str:
     if isinstance(v, float):
         if math.isinf(v):
             return "inf"
-        return f"{v:.4f}" if not markdown else f"{v:.3f}"
+        return f"{v:.3f}" if markdown else repr(v)  # CSV keeps full precision
     s = str(v)
     return s.replace("|", "\\|") if markdown else s
 
@@ -127,7 +129,7 @@ def to_markdown(rows: list[dict]) -> str:
 @click.option("--md", "md_file", default=None, help="Write the table as markdown to this file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead of markdown.")
 def summarize_command(folder, csv_file, md_file, as_json) -> None:
-    """One table over every artifact under FOLDER (a grid run): bits/weight, CR, PMR, union density, verify."""
+    """One table over every artifact under FOLDER: bits/weight, CR, PMR, union density, verify."""
     rows = summarize(folder)
     for target, text in ((csv_file, to_csv), (md_file, to_markdown)):
         if target:
@@ -147,6 +149,9 @@ def write_tiny_model(folder: str | Path, arch: str = "llama", seed: int = 0) -> 
 
     if arch != "llama":
         raise UserError(f"tiny-model: only 'llama' is built in, got {arch!r}")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)

@@ -184,8 +184,33 @@ class _HubColumn(Sequence):
         return _alpaca_text(rec) if self.alpaca else rec["text"]
 
 
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached (DNS failure), or None. Offline mode skips the check (cache use)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    ):
+        return None
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        return f"{host} does not resolve: {e}"
+    return None
+
+
 def _load_hub(source: str) -> Sequence[str]:
     repo, kwargs = HUB_SOURCES[source]
+    reason = _hub_unreachable()  # fail at once instead of after the hub client's retries (~40 s)
+    if reason is not None:
+        raise UserError(
+            f"--calib {source}: cannot reach the Hugging Face hub for {repo} ({reason}); {_LOCAL_HINT}, "
+            "or set HF_HUB_OFFLINE=1 to use a cached copy"
+        )
     try:
         from datasets import load_dataset
 

@@ -53,7 +53,7 @@ def cli(log_level: str) -> None:
 @cli.command()
 @click.option("--config", "config_file", default=None, is_eager=True, expose_value=False,
               callback=_load_recipe,
-              help="Recipe file (.yaml/.json) or an OUT.zarr whose stored recipe to reuse; flags override it.")
+              help="Recipe file (.yaml/.json) or an OUT.zarr whose recipe to reuse; flags override it.")
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Artifact path, OUT.zarr.")
 @click.option("--prune", default="magnitude", show_default=True, help="wanda|sparsegpt|magnitude|none")
@@ -62,6 +62,10 @@ def cli(log_level: str) -> None:
 @click.option("--sparsity-profile", default="uniform", show_default=True, help="uniform|owl")
 @click.option("--quant", default="w4a4", show_default=True, help="w4a4|w2a4|w4a16|none")
 @click.option("--group-size", default=128, show_default=True, type=int)
+@click.option("--gptq", is_flag=True, help="GPTQ weight error feedback (needs --prune wanda|sparsegpt).")
+@click.option("--clip-search", is_flag=True, help="Per-group weight clip ratios scored on calibration H.")
+@click.option("--keep-outliers", default=0, show_default=True, type=int,
+              help="Atom-style 8-bit outlier input channels (not supported by the kernels yet).")
 @click.option("--format", "fmt", default="ie-bme", show_default=True, help="ie-bme|tiled-cbc")
 @click.option("--tile", default=None, help="Local tile HxW (ie-bme 16x64, tiled-cbc 256x16).")
 @click.option("--areas", default="2x2", show_default=True, help="IE-BME area grid R_AxC_A.")
@@ -80,7 +84,8 @@ def cli(log_level: str) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace OUT.zarr if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_size, fmt, tile, areas, reorder,
+def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_size, gptq, clip_search,
+             keep_outliers, fmt, tile, areas, reorder,
              calib, nsamples, seqlen, seed, device, workers, scheduler, dp_sparsity, dp_profile, resume, overwrite,
              quiet, as_json) -> None:
     """Compress MODEL (a model folder, a .gguf file or a hub id) into OUT.zarr."""
@@ -90,7 +95,8 @@ def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_
 
     cfg = CompressConfig(
         model=model, output=output, prune=prune, sparsity=sparsity, nm=nm, sparsity_profile=sparsity_profile,
-        quant=quant, group_size=group_size, format=fmt, tile=tile, areas=areas, reorder=reorder, calib=calib,
+        quant=quant, group_size=group_size, gptq=gptq, clip_search=clip_search, keep_outliers=keep_outliers,
+        format=fmt, tile=tile, areas=areas, reorder=reorder, calib=calib,
         nsamples=nsamples, seqlen=seqlen, seed=seed, device=device, workers=workers, scheduler=scheduler,
         dp_sparsity=dp_sparsity, dp_profile=dp_profile, resume=resume, overwrite=overwrite,
     ).validate()
@@ -111,9 +117,9 @@ def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_
 @click.option("--layer", default=None, help="Only this layer (module path).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--compare", is_flag=True, help="Baselines (CSR, Tiled-CSL, TCA-BME, dense) on the same masks.")
-@click.option("--plot", "plot_file", default=None, help="Write per-layer figures to FILE.png (needs matplotlib).")
+@click.option("--plot", "plot_file", default=None, help="Write per-layer figures to FILE.png (matplotlib).")
 @click.option("--html", "html_file", default=None, help="Write one self-contained HTML page (tables + plot).")
-@click.option("--recipe", is_flag=True, help="Print the stored compress recipe as YAML (for compress --config).")
+@click.option("--recipe", is_flag=True, help="Print the stored recipe as YAML (for compress --config).")
 def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> None:
     """PMR/CR statistics of ARTIFACT, per layer and for the whole model."""
     from rich.console import Console
@@ -123,8 +129,8 @@ def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> 
     if recipe:
         from .recipe import read_recipe, recipe_yaml
 
-        click.echo(recipe_yaml(read_recipe(artifact), f"recipe of {artifact}: unionsparse compress --config FILE -o OUT.zarr"),
-                   nl=False)
+        header = f"recipe of {artifact}: unionsparse compress --config FILE -o OUT.zarr"
+        click.echo(recipe_yaml(read_recipe(artifact), header), nl=False)
         return
     data = inspect_data(artifact, layer, compare or bool(plot_file or html_file))
     if plot_file or html_file:
@@ -219,6 +225,19 @@ def eval_cmd(source, text_path, seqlen, max_windows, device, as_json) -> None:
 
 
 cli.add_command(summarize_command)  # compressor/batch.py: one table over a folder of artifacts
+
+
+def _name_env_vars(group: click.Group) -> None:
+    """UNIONSPARSE_<COMMAND>_<LONG OPTION> for every option (click's own name would use the Python
+    parameter name, e.g. ..._COMPRESS_FMT for --format or ..._INSPECT_AS_JSON for --json)."""
+    for cname, cmd in group.commands.items():
+        for p in cmd.params:
+            longs = [o for o in getattr(p, "opts", []) if o.startswith("--")]
+            if isinstance(p, click.Option) and p.envvar is None and longs:
+                p.envvar = f"UNIONSPARSE_{cname}_{longs[0][2:]}".upper().replace("-", "_")
+
+
+_name_env_vars(cli)
 
 
 def main(argv: list[str] | None = None) -> None:

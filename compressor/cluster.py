@@ -49,7 +49,7 @@ class LayerEncoder:
             raise UserError("--workers/--scheduler: dask.distributed is not installed") from None
         if cfg.scheduler is not None:
             try:
-                self.client = Client(cfg.scheduler, timeout="10s")
+                self.client = Client(cfg.scheduler, timeout="5s")
             except (OSError, TimeoutError, ValueError) as e:
                 raise UserError(f"--scheduler: cannot connect to {cfg.scheduler} ({e})") from None
         else:

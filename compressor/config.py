@@ -26,6 +26,9 @@ class CompressConfig:
     sparsity_profile: str = "uniform"
     quant: str = "w4a4"
     group_size: int = 128
+    gptq: bool = False  # GPTQ error feedback (needs calibration: --prune wanda|sparsegpt)
+    clip_search: bool = False  # per-group weight clip ratios scored on calibration H
+    keep_outliers: int = 0  # Atom 8-bit outlier channels (not supported by the kernels yet)
     format: str = "ie-bme"
     tile: str | None = None
     areas: str = "2x2"
@@ -95,6 +98,13 @@ class CompressConfig:
             raise UserError("--sparsity-profile owl needs a pruning method")
         if self.group_size <= 0:
             raise UserError(f"--group-size must be a positive integer, got {self.group_size}")
+        if (self.gptq or self.clip_search) and self.quant == "none":
+            raise UserError("--gptq/--clip-search quantize weights; pick --quant w4a4|w2a4|w4a16")
+        if (self.gptq or self.clip_search) and self.prune not in ("wanda", "sparsegpt"):
+            raise UserError("--gptq/--clip-search need calibration statistics: use --prune wanda|sparsegpt")
+        if self.keep_outliers:
+            raise UserError(f"--keep-outliers {self.keep_outliers}: 8-bit outlier channels are not supported "
+                            "by the IE-BME/Tiled-CBC kernels or the artifact yet; use --keep-outliers 0")
         hl, kl = self.tile_shape
         if self.format == "ie-bme":
             if self.quant == "none":

@@ -11,17 +11,18 @@ from pathlib import Path
 from .errors import UserError
 from .report import COLUMNS, _fmt
 
-CSS = """body{font:14px system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
-th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}td:first-child{text-align:left}
-tr.model td{font-weight:bold;background:#fafafa}img{max-width:100%}pre{background:#f6f6f6;padding:1em}"""
+CSS = """body{font:14px system-ui,sans-serif;margin:2em;color:#222}
+table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f3f3f3}td:first-child{text-align:left}tr.model td{font-weight:bold;background:#fafafa}
+img{max-width:100%}pre{background:#f6f6f6;padding:1em}"""
 BASELINE_COLUMNS = ("bits_per_weight", "total_bytes", "meta_bytes", "pmr", "cr")
 
 
 def _table(headers: list[str], rows: list[tuple[list[str], bool]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = "".join(
-        ('<tr class="model">' if bold else "<tr>") + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
-        for cells, bold in rows
+        ('<tr class="model">' if bold else "<tr>") + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+        + "</tr>" for cells, bold in rows
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -42,8 +43,8 @@ def layer_table(data: dict) -> str:
 
 def baseline_table(data: dict) -> str:
     rows = [data["model"], *data.get("model_baselines", {}).values()]
-    body = [([r["format"]] + [_fmt(c, r.get(c)) for c in BASELINE_COLUMNS] + [_fmt("x_bytes", r.get("formula_bytes"))],
-             r is data["model"]) for r in rows]
+    body = [([r["format"], *(_fmt(c, r.get(c)) for c in BASELINE_COLUMNS),
+              _fmt("x_bytes", r.get("formula_bytes"))], r is data["model"]) for r in rows]
     return _table(["format", *BASELINE_COLUMNS, "seed formula bytes"], body)
 
 
@@ -55,8 +56,9 @@ def render(data: dict, png: bytes | None) -> str:
     recipe = json.dumps(data.get("config"), indent=2, default=str)
     m = data["model"]
     cr = m.get("cr")
-    lead = (f"{len(data['layers'])} layers, format {m.get('format')}, {_fmt('x', m.get('bits_per_weight'))} bits per "
-            f"weight, CR {_fmt('x', cr) if cr is not None and math.isfinite(cr) else '-'}x vs fp16, "
+    cr_text = _fmt("x", cr) if cr is not None and math.isfinite(cr) else "-"
+    lead = (f"{len(data['layers'])} layers, format {m.get('format')}, "
+            f"{_fmt('x', m.get('bits_per_weight'))} bits per weight, CR {cr_text}x vs fp16, "
             f"sparsity {_fmt('sparsity', m.get('sparsity'))}")
     return (
         f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"

@@ -128,3 +128,46 @@ def quantize_layer(
                              None if channels is None else channels.tolist())
     report["seconds"] = time.perf_counter() - t0
     return QuantizedLayer(q, acts, side, report)
+
+
+def spec_from_config(cfg) -> QuantSpec | None:
+    """The QuantSpec of a CompressConfig (None for ``--quant none``)."""
+    if cfg.quant == "none":
+        return None
+    return QuantSpec.from_mode(cfg.quant, group_size=cfg.group_size, gptq=cfg.gptq,
+                               clip_search=cfg.clip_search, keep_outliers=cfg.keep_outliers)
+
+
+def hessian_kind(kind: str | None) -> str | None:
+    """The statistics kind that also holds H (for GPTQ / clip search), from the pruning method's kind."""
+    return {"wanda": "both", "sparsegpt": "sparsegpt", "both": "both"}.get(kind or "", kind)
+
+
+class TokenTap:
+    """Forward hooks on every linear of ``blocks`` keeping a token sample of its input from the first pass.
+
+    The layer-wise engine runs each block twice (statistics, then the next block's inputs); the tap keeps
+    the first pass only: :meth:`pop` hands a layer's sample over and removes its hook.
+    """
+
+    def __init__(self, blocks, linears_of, prefix: str, per_batch: int = 16, seed: int = 0):
+        self.samplers: dict[str, TokenSampler] = {}
+        self.handles: dict[str, object] = {}
+        for i, block in enumerate(blocks):
+            for sub, mod in linears_of(block):
+                name = f"{prefix}.{i}.{sub}"
+                s = self.samplers[name] = TokenSampler(per_batch, seed)
+                self.handles[name] = mod.register_forward_hook(lambda _m, a, _o, s=s: s.add_batch(a[0]))
+
+    def pop(self, name: str) -> torch.Tensor | None:
+        h = self.handles.pop(name, None)
+        if h is not None:
+            h.remove()
+        s = self.samplers.pop(name, None)
+        return None if s is None else s.tokens()
+
+    def close(self) -> None:
+        for h in self.handles.values():
+            h.remove()
+        self.handles.clear()
+        self.samplers.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def load_model(source: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         raise
     except OSError as e:
         raise UserError(f"MODEL: cannot load {source}: {_first_line(e)}") from None
-    except (ValueError, KeyError, RuntimeError, TypeError) as e:
+    except (ValueError, KeyError, RuntimeError, TypeError, struct.error, EOFError) as e:
         raise UserError(f"MODEL: {source} is not a loadable causal LM: {_first_line(e)}") from None
     model.eval()
     fp = fingerprint(files) if files else f"hub:{source}"
@@ -124,8 +125,8 @@ def _check_safetensors_headers(files: list[Path]) -> None:
     for f in files:
         if f.suffix != ".safetensors":
             continue
-        size = f.stat().st_size
         try:
+            size = f.stat().st_size
             with open(f, "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
                 if n <= 0 or n > min(size - 8, 100 << 20):
@@ -133,8 +134,8 @@ def _check_safetensors_headers(files: list[Path]) -> None:
                 json.loads(fh.read(n))
         except (ValueError, UnicodeDecodeError):
             raise UserError(f"MODEL: {f} has a broken safetensors header") from None
-        except PermissionError:
-            raise UserError(f"MODEL: {f} is not readable") from None
+        except OSError as e:  # permissions, a dangling link, a folder named *.safetensors
+            raise UserError(f"MODEL: {f} is not readable ({e.strerror or type(e).__name__})") from None
 
 
 def find_blocks(model: nn.Module) -> tuple[nn.ModuleList, str]:

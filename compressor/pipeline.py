@@ -15,9 +15,9 @@ from .artifact import ArtifactWriter, LayerRecord, new_root_attrs
 from .cluster import LayerEncoder
 from .config import CompressConfig, parse_nm
 from .errors import UserError
+from .layer_quant import QuantizedLayer, TokenTap, hessian_kind, quantize_layer, spec_from_config
 from .model_io import block_linears, find_blocks
 from .progress import Reporter
-from .quant import rtn
 from .streaming import StreamingModel, layer_weight, model_dense_tensors, open_model
 
 
@@ -97,8 +97,8 @@ def reorder_perms(codes: np.ndarray, cfg: CompressConfig) -> tuple[np.ndarray | 
     }
 
 
-def encode_layer(name: str, w: torch.Tensor, cfg: CompressConfig) -> LayerRecord:
-    """Quantize and encode one pruned weight [M, K] into its stored record."""
+def encode_layer(name: str, w: torch.Tensor | QuantizedLayer, cfg: CompressConfig) -> LayerRecord:
+    """Quantize (round to nearest, unless ``w`` comes already quantized) and encode one pruned layer."""
     bits = cfg.bits
     attrs: dict = {"prune": cfg.prune, "quant": cfg.quant}
     if bits is None:
@@ -108,12 +108,13 @@ def encode_layer(name: str, w: torch.Tensor, cfg: CompressConfig) -> LayerRecord
         enc = tiled_cbc.encode(values, tile=cfg.tile_shape)
         scales, group = None, None
     else:
-        group = min(cfg.group_size, w.shape[1])
-        q = rtn(w, bits, group)
+        ql = w if isinstance(w, QuantizedLayer) else quantize_layer(w, spec_from_config(cfg))
+        q = ql.qweight
+        group = q.group_size
         scales = q.scales
         attrs["group_size"] = group
-        if cfg.act_bits is not None:
-            attrs["activations"] = {"bits": cfg.act_bits, "group_size": group, "scheme": "per-token-symmetric"}
+        if cfg.act_bits is not None:  # act_quant.activation_scheme: how kernels quantize inputs
+            attrs["activations"] = ql.activations
         if cfg.format == "ie-bme":
             perm, report = reorder_perms(q.codes, cfg)
             enc = iebme.encode(q.codes, bits, cfg.tile_shape, cfg.area_grid, perm)
@@ -168,8 +169,11 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         names = [(i, n) for i, b in enumerate(blocks) for n, _ in block_linears(b)]
         with reporter.stage("compressing layers", total=len(names)) as bar:
             # each block's statistics come from the outputs of the already-pruned blocks before it
+            kind = hessian_kind(plan.kind) if cfg.gptq or cfg.clip_search else plan.kind  # GPTQ needs H
+            # a token sample of every layer's input calibrates its activation clip ratio
+            tap = TokenTap(blocks, block_linears, prefix) if kind is not None and cfg.act_bits else None
             blocks_iter = layerwise.calibrated_blocks(
-                model, plan.samples, plan.kind, "meta" if isinstance(loaded, StreamingModel) else cfg.device)
+                model, plan.samples, kind, "meta" if isinstance(loaded, StreamingModel) else cfg.device)
             for i, block, block_stats in blocks_iter:
                 for sub, lin in block_linears(block):
                     full = f"{prefix}.{i}.{sub}"
@@ -181,17 +185,26 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
                     w = layer_weight(loaded, full, lin)
                     if not torch.isfinite(w).all():
                         raise UserError(f"MODEL: layer {full} has NaN or inf weights")
-                    w_pruned, _ = prune_weight(w, cfg, plan.block_sparsity[i], block_stats.pop(sub, None))
+                    st = block_stats.pop(sub, None)
+                    w_pruned, mask = prune_weight(w, cfg, plan.block_sparsity[i], st)
+                    tokens = tap.pop(full) if tap is not None else None
+                    ql = None
+                    if st is not None and cfg.bits is not None and full not in done:
+                        ql = quantize_layer(w_pruned, spec_from_config(cfg), mask=mask, h=st.H,
+                                            x_sq_norm=st.x_sq_norm, tokens=tokens)
+                        w_pruned = torch.from_numpy(ql.qweight.dequantize())  # later blocks see it quantized
                     if not lin.weight.is_meta:
                         lin.weight.data.copy_(w_pruned.to(lin.weight.dtype))
                     w_pruned = w_pruned.cpu()
                     if full in done:
                         encoder.done(full, writer.layer_attrs(full))
                     else:
-                        encoder.submit(full, w_pruned, cfg)  # written in layer order
+                        encoder.submit(full, w_pruned if ql is None else ql, cfg)  # written in layer order
                     del w, w_pruned  # one layer in memory at a time
                     bar.advance()
             encoder.finish()
+            if tap is not None:
+                tap.close()
         dense, tied = model_dense_tensors(loaded, compressed)
         with reporter.stage("writing dense tensors", total=len(dense)) as bar:
             for name, t in dense.items():

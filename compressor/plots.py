@@ -18,7 +18,8 @@ DPI = 100  # -> 1200 x 1000 pixels
 LEGEND = {"fontsize": 8, "loc": "upper left", "bbox_to_anchor": (1.005, 1.0), "borderaxespad": 0.0}
 SPARSE_BASELINES = ("csr", "tiled-csl", "tca-bme")
 COLORS = {"ie-bme": "#1f77b4", "tiled-cbc": "#1f77b4", "csr": "#2ca02c", "tiled-csl": "#d62728",
-          "tca-bme": "#9467bd", "before reorder": "#ff7f0e", "after reorder": "#1f77b4", "no reordering": "#1f77b4"}
+          "tca-bme": "#9467bd",
+          "before reorder": "#ff7f0e", "after reorder": "#1f77b4", "no reordering": "#1f77b4"}
 
 
 def _pyplot():

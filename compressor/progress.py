@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import logging
 import sys
-from contextlib import contextmanager
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+log = logging.getLogger("unionsparse")
 
 
 class Reporter:
-    """Stage progress on stderr. ``quiet`` silences bars and notes (errors still print)."""
+    """Stage progress on stderr. ``quiet`` silences bars and notes (errors still print).
+
+    Notes and finished stages also go to the ``unionsparse`` logger (INFO), so ``--log-level info``
+    gives a plain line per stage where bars do not render (CI logs, ``--quiet``, ``--json``).
+    """
 
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
@@ -34,6 +49,7 @@ class Reporter:
             self._progress = None
 
     def note(self, msg: str) -> None:
+        log.info(msg)
         if not self.quiet:
             self.console.print(msg, highlight=False)
 
@@ -50,16 +66,23 @@ class StageHandle:
     def __init__(self, progress: Progress | None, description: str, total: int):
         self._p = progress
         self._id = progress.add_task(description, total=total) if progress is not None else None
+        self._desc, self._total, self._done, self._t0 = description, total, 0, time.perf_counter()
 
     def advance(self, n: int = 1) -> None:
+        self._done += n
         if self._p is not None:
             self._p.advance(self._id, n)
 
     def update(self, completed: int, total: int | None = None) -> None:
+        self._done, self._total = completed, total if total is not None else self._total
         if self._p is not None:
             self._p.update(self._id, completed=completed, total=total)
 
     def close(self) -> None:
+        if self._t0 is not None:
+            secs = time.perf_counter() - self._t0
+            log.info("%s: %d/%s in %.1f s", self._desc, self._done, self._total, secs)
+            self._t0 = None
         if self._p is not None:
             self._p.remove_task(self._id)
             self._p = None

@@ -67,7 +67,7 @@ def iebme_product_check(rec: LayerRecord, codes: np.ndarray, rng: np.random.Gene
     out = []
     for n in ns:
         x = rng.standard_normal((n, k)).astype(np.float32)
-        xq, xs = quantize_activations(x, bits_x, gs)
+        xq, xs = quantize_activations(x, bits_x, gs, float(act.get("clip", 1.0)))  # the layer's recorded clip
         part = iebme_partial_sums(e, xq, gs)
         pad = n_groups * gs - k
         cw = np.pad(codes.astype(np.int64), ((0, 0), (0, pad))).reshape(m, n_groups, gs)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-
 from unionsparse.compressor.quant import rtn
 from unionsparse.formats import baselines, iebme, stats, tiled_cbc
 from unionsparse.solvers import reorder_matrix
@@ -17,10 +16,10 @@ from unionsparse.solvers import reorder_matrix
 def bits_per_weight(codes: np.ndarray, group: int) -> dict[str, float]:
     """bits/weight of IE-BME (DP-reordered), Tiled-CBC and the baselines on the mask of ``codes``."""
     perm, _ = reorder_matrix(codes != 0, tile=(16, 64), areas=(2, 2), method="dp")
-    out = {
-        "ie-bme": stats(iebme.encode(codes, 4, (16, 64), (2, 2), perm), group_size=group)["bits_per_weight"],
-        "tiled-cbc": stats(tiled_cbc.encode(codes, tile=(256, 16), bits=4), group_size=group)["bits_per_weight"],
-    }
+    ie = iebme.encode(codes, 4, (16, 64), (2, 2), perm)
+    cbc = tiled_cbc.encode(codes, tile=(256, 16), bits=4)
+    out = {"ie-bme": stats(ie, group_size=group)["bits_per_weight"],
+           "tiled-cbc": stats(cbc, group_size=group)["bits_per_weight"]}
     for name, s in baselines(codes != 0, 4, group).items():
         out[name] = s["bits_per_weight"]
     return out

@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from unionsparse.compressor.artifact import Artifact
 from unionsparse.compressor.quant import dequantize
 

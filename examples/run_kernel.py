@@ -10,14 +10,12 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-
 from unionsparse import kernels
 from unionsparse.compressor.act_quant import dequantize_activations, quantize_activations
 from unionsparse.compressor.quant import dequantize, rtn
 from unionsparse.formats import iebme, tiled_cbc
 from unionsparse.kernels.iebme_reference import iebme_spmm_reference
 from unionsparse.kernels.tiled_cbc_reference import spmm_reference, spmspv_reference
-
 
 FP16_TOL = 2e-3  # fp16 outputs: a few ulps of the largest |y|
 
@@ -43,7 +41,8 @@ def main() -> None:
     m = iebme.encode(q.codes, bits=4, tile=(16, 64), areas=(2, 2))
     xq, xs = quantize_activations(x, 4, g)
     y, _ = iebme_spmm_reference(m, q.scales, xq, xs, g)
-    want = dequantize_activations(xq, xs, g).astype(np.float64) @ dequantize(q.codes, q.scales, g).T.astype(np.float64)
+    w_deq = dequantize(q.codes, q.scales, g).astype(np.float64)
+    want = dequantize_activations(xq, xs, g).astype(np.float64) @ w_deq.T
     print(f"IE-BME W4A4 SpMM (CPU reference), N={args.n}: max rel. error vs dense {max_rel(y, want):.2e}")
     assert max_rel(y, want) < FP16_TOL
 
@@ -67,7 +66,6 @@ def main() -> None:
         print("no CuPy/GPU here: the CUDA kernels were not run")
         return
     import cupy as cp
-
     from unionsparse.kernels.iebme_spmm import prepare_layer, spmm_iebme
     from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
     from unionsparse.kernels.tiled_cbc_spmspv import spmspv

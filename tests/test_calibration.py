@@ -215,10 +215,14 @@ def test_hub_unreachable_names_local_option(monkeypatch):
         raise ConnectionError("Couldn't reach 'allenai/c4' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(calibration, "_hub_unreachable", lambda: None)  # DNS fine, the hub client fails
     for src in ("c4", "alpaca"):
         with pytest.raises(UserError, match=r"--calib PATH") as e:
             calibration.load_documents(src)
-        assert src in str(e.value)
+        assert src in str(e.value) and "LocalEntryNotFoundError" in str(e.value)
+    monkeypatch.setattr(calibration, "_hub_unreachable", lambda: "huggingface.co does not resolve")
+    with pytest.raises(UserError, match=r"does not resolve.*--calib PATH"):
+        calibration.load_documents("c4")
 
 
 # ------------------------------------------------------------------ real data (shared sample)

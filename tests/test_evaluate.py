@@ -186,3 +186,44 @@ def test_eval_cli_on_model_folder(model_dir, capsys):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model").eval()
     want = evaluate.perplexity(model, _tokenizer(), model_dir / "eval.raw", seqlen=32)
     assert res["ppl"] == pytest.approx(want, rel=1e-5) and res["windows"] >= 1
+
+
+@pytest.mark.parametrize("quant", ["none", "w4a16", "w4a4"])
+def test_eval_on_artifact_rebuilds_stored_weights(model_dir, tmp_path, quant):
+    from unionsparse.compressor import layerwise
+    from unionsparse.compressor import quant as q
+    from unionsparse.compressor.cli import main
+
+    out = tmp_path / f"{quant}.zarr"
+    fmt = ["--format", "tiled-cbc"] if quant == "none" else []
+    with pytest.raises(SystemExit) as e:
+        main(
+            [
+                "compress",
+                str(model_dir / "model"),
+                "-o",
+                str(out),
+                "--prune",
+                "magnitude",
+                "--quant",
+                quant,
+                "--reorder",
+                "none",
+                "--quiet",
+                *fmt,
+            ]
+        )
+    assert e.value.code == 0
+    res = evaluate.evaluate_source(out, model_dir / "eval.raw", seqlen=32)
+    assert res["kind"] == "artifact"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model").eval()
+    layerwise.prune_model(ref, None, "magnitude", 0.5)
+    if quant == "w4a16":  # the rebuilt weights are the stored code * scale
+        for block in layerwise.find_blocks(ref)[0]:
+            for _, lin in layerwise.block_linears(block):
+                lin.weight.data = torch.from_numpy(
+                    q.rtn(lin.weight.data, 4, min(128, lin.in_features)).dequantize()
+                )
+    want = evaluate.perplexity(ref, _tokenizer(), model_dir / "eval.raw", seqlen=32)
+    # fp16 storage (none) and fp16 output rounding: close; W4A4 also quantizes activations
+    assert res["ppl"] == pytest.approx(want, rel=1e-3 if quant != "w4a4" else 0.05)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -286,3 +288,58 @@ def test_fake_quant_w4a16_and_module_swap():
     assert model[0] is layer
     with pytest.raises(ValueError, match="outlier"):
         FakeQuantLinear.from_quantized(q, activation_scheme(16, 128), outliers=split_outliers(w, [1])[1])
+
+
+# ---------------------------------------------------------------- compress pipeline
+
+
+@pytest.fixture(scope="module")
+def llama_with_tokenizer(tmp_path_factory, model_dirs):
+    """The tiny llama folder plus a byte-level tokenizer (256 tokens), so calibration can run."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("llama_tok") / "llama"
+    shutil.copytree(model_dirs["llama"], root)
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(root)
+    rng = np.random.default_rng(0)
+    words = ["the", "model", "weights", "sparse", "kernel", "tensor", "quantized", "layer", "input", "of"]
+    calib = root.parent / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 200))}) + "\n" for _ in range(8)))
+    return root, calib
+
+
+def test_compress_gptq_clip_search_records_activation_scheme(llama_with_tokenizer, tmp_path, run_cli):
+    from unionsparse.compressor.artifact import Artifact
+
+    model, calib = llama_with_tokenizer
+    out = tmp_path / "q.zarr"
+    r = run_cli("compress", model, "-o", out, "--quiet", "--prune", "wanda", "--calib", calib,
+                "--nsamples", "4", "--seqlen", "64", "--quant", "w4a4", "--gptq", "--clip-search",
+                "--reorder", "none")
+    assert r.code == 0, r.err
+    art = Artifact(out)
+    for name in art.layer_names:
+        rec = art.read_layer(name)
+        act = rec.attrs["activations"]
+        assert act["scheme"] == "per-token-symmetric" and act["bits"] == 4 and 0.6 <= act["clip"] <= 1.0
+        codes = rec.encoding.decode()
+        assert codes.min() >= -8 and codes.max() <= 7
+        assert abs((codes == 0).mean() - 0.5) < 0.1  # Wanda 50 %, few kept weights round to 0 at 4 bits
+    assert art.attrs["config"]["gptq"] is True and art.attrs["config"]["clip_search"] is True
+    r = run_cli("verify", out, "--backend", "cpu")
+    assert r.code == 0, r.out + r.err
+
+
+def test_compress_refuses_unsupported_quant_options(llama_with_tokenizer, tmp_path, run_cli):
+    model, calib = llama_with_tokenizer
+    out = tmp_path / "o.zarr"
+    r = run_cli("compress", model, "-o", out, "--prune", "wanda", "--calib", calib, "--keep-outliers", "128")
+    assert r.code == 2 and "--keep-outliers" in r.err and not out.exists()
+    r = run_cli("compress", model, "-o", out, "--prune", "magnitude", "--gptq")
+    assert r.code == 2 and "--gptq" in r.err and not out.exists()

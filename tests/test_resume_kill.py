@@ -1,0 +1,108 @@
+"""--resume after SIGKILL at a random layer gives the same bytes as an uninterrupted run; runs repeat."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from unionsparse.compressor.artifact import Artifact
+
+CLI = Path(sys.executable).parent / "unionsparse"
+COMMON = ("--quiet", "--prune", "magnitude", "--quant", "w4a4", "--reorder", "dp")
+
+
+def complete_layers(partial: Path) -> list[Path]:
+    out = []
+    for meta in (partial / "layers").glob("**/zarr.json"):
+        try:
+            attrs = json.loads(meta.read_text()).get("attributes", {})
+        except (OSError, ValueError):  # being written right now
+            continue
+        if attrs.get("complete") and "format" in attrs:
+            out.append(meta)
+    return out
+
+
+def same_arrays(a_path: Path, b_path: Path) -> None:
+    a, b = Artifact(a_path), Artifact(b_path)
+    assert a.layer_names == b.layer_names
+    for name in a.layer_names:
+        ra, rb = a.read_layer(name).arrays(), b.read_layer(name).arrays()
+        assert ra.keys() == rb.keys(), name
+        for k in ra:
+            assert ra[k].dtype == rb[k].dtype and np.array_equal(ra[k], rb[k]), (name, k)
+    assert a.dense_names == b.dense_names
+    for name in a.dense_names:
+        x, y = a.read_dense(name), b.read_dense(name)
+        assert x.dtype == y.dtype and np.array_equal(x, y), name
+    for key in ("layers", "dense", "tied", "config"):
+        assert a.attrs[key] == b.attrs[key], key
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model_dirs):
+    from unionsparse.compressor.cli import main
+
+    out = tmp_path_factory.mktemp("ref") / "ref.zarr"
+    with pytest.raises(SystemExit) as e:
+        main(["compress", str(model_dirs["llama"]), "-o", str(out), *COMMON])
+    assert e.value.code == 0
+    return out
+
+
+def test_same_config_twice_gives_identical_arrays(reference, tmp_path, model_dirs, run_cli):
+    again = tmp_path / "again.zarr"
+    assert run_cli("compress", model_dirs["llama"], "-o", again, *COMMON).code == 0
+    same_arrays(reference, again)
+
+
+def test_sigkill_at_random_layer_then_resume(reference, tmp_path, model_dirs, run_cli):
+    n_layers = len(Artifact(reference).layer_names)
+    rnd = random.Random(int(os.environ.get("UNIONSPARSE_TEST_SEED", time.time_ns() % 1000)))
+    target = rnd.randrange(1, n_layers - 1)
+    out = tmp_path / "killed.zarr"
+    partial = tmp_path / "killed.zarr.partial"
+    env = {**os.environ, "NUMBA_NUM_THREADS": "1"}
+    p = subprocess.Popen([str(CLI), "compress", str(model_dirs["llama"]), "-o", str(out), *COMMON], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while p.poll() is None and len(complete_layers(partial)) < target:
+            time.sleep(0.01)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert not out.exists(), "the run finished before it could be killed"
+    before = {m: m.stat().st_mtime_ns for m in complete_layers(partial)}
+    assert len(before) >= target
+    r = run_cli("compress", model_dirs["llama"], "-o", out, *COMMON, "--resume")
+    assert r.code == 0, (target, r.err)
+    assert not partial.exists()
+    same_arrays(reference, out)
+    for meta, mtime in before.items():  # layers completed before the kill were kept, not recomputed
+        moved = out / meta.relative_to(partial)
+        assert moved.stat().st_mtime_ns == mtime, moved
+
+
+def test_resume_refuses_a_different_configuration(tmp_path, model_dirs, run_cli):
+    out = tmp_path / "cfg.zarr"
+    partial = tmp_path / "cfg.zarr.partial"
+    p = subprocess.Popen([str(CLI), "compress", str(model_dirs["llama"]), "-o", str(out), *COMMON],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while p.poll() is None and not complete_layers(partial):
+            time.sleep(0.01)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    r = run_cli("compress", model_dirs["llama"], "-o", out, "--quiet", "--sparsity", "0.6", "--resume")
+    assert r.code == 2 and "different configuration" in r.err and "Traceback" not in r.err
+    assert partial.exists()  # the interrupted run's work is the user's: not deleted
