@@ -147,7 +147,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true")
-    ap.add_argument("--budget", type=float, default=250.0, help="seconds after which no new shape starts")
+    ap.add_argument("--budget", type=float, default=210.0, help="seconds after which no new shape starts")
     ap.add_argument("--tune", action="store_true", help="time a few large shapes at N=1,8 only (pipeline variants)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()

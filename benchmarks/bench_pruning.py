@@ -75,6 +75,7 @@ def run_one(name: str, args) -> dict:
         rec["sparsity"] = round(rep.overall_sparsity(), 6)
         if rep.outlier_ratios is not None:
             rec["owl_block_sparsity"] = [round(s, 4) for s in rep.block_sparsity]
+    model.to(args.device)
     t = time.perf_counter()
     ids = evaluate.tokenize_eval_text(tok, evaluate.load_eval_text(DATA / "wikitext2_test.raw"))
     nlls = evaluate.window_nlls(model, ids, args.eval_seqlen, args.eval_windows, args.device)
@@ -99,7 +100,20 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(RESULTS / "pruning"))
+    ap.add_argument("--parallel", type=int, default=1, help="configurations run at once (1: timings clean)")
+    ap.add_argument("--merge", nargs="+", help="combine earlier result .json files into --out")
     args = ap.parse_args()
+    if args.merge:
+        parts = [_read_part(Path(f)) for f in args.merge]
+        metas = [p["meta"] for p in parts if p["meta"]]
+        meta = {**metas[0], "command": " ".join(["benchmarks/bench_pruning.py", *sys.argv[1:]])}
+        meta["merged_from"] = [p["meta"]["command"] if p["meta"] else p["source"] for p in parts]
+        results = [r for p in parts for r in p["results"]]
+        out = Path(args.out)
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+        out.with_suffix(".md").write_text(render_md(meta, results))
+        print(f"wrote {out}.json and {out}.md")
+        return
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
         return
@@ -108,13 +122,11 @@ def main() -> None:
     import torch
     import transformers
 
-    results = []
-    for name in args.configs.split(","):
-        cmd = [sys.executable, __file__, "--one", name] + [
-            f"--{k.replace('_', '-')}={v}"
-            for k, v in vars(args).items()
-            if k not in ("one", "configs", "out")
-        ]
+    skip = ("one", "configs", "out", "parallel", "merge")
+
+    def run(name: str) -> dict:
+        cmd = [sys.executable, __file__, "--one", name]
+        cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip]
         t = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -123,8 +135,14 @@ def main() -> None:
             raise SystemExit(f"{name} failed (rc {p.returncode})")
         rec = json.loads(line[0][7:])
         rec["process_seconds"] = round(time.perf_counter() - t, 2)
+        rec["concurrent_runs"] = args.parallel
         print(json.dumps(rec), flush=True)
-        results.append(rec)
+        return rec
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        results = list(pool.map(run, args.configs.split(",")))
     meta = {
         "command": " ".join([Path(sys.executable).name, "benchmarks/bench_pruning.py"] + sys.argv[1:]),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
@@ -142,6 +160,14 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     out.with_suffix(".md").write_text(render_md(meta, results))
     print(f"wrote {out}.json and {out}.md")
+
+
+def _read_part(path: Path) -> dict:
+    """A results .json, or the stdout log of a run (one JSON record a line) that did not finish."""
+    if path.suffix == ".json":
+        return {**json.loads(path.read_text()), "source": str(path)}
+    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.startswith('{"config"')]
+    return {"meta": None, "results": recs, "source": f"records from the log {path.name}"}
 
 
 def render_md(meta: dict, results: list[dict]) -> str:

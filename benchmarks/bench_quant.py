@@ -71,7 +71,9 @@ def run_one(
         with torch.no_grad():
             inps, kwargs = capture_block_inputs(model, samples, device)
             outs = torch.empty_like(inps)
-            for block in blocks:
+            for bi, block in enumerate(blocks):
+                if bi >= int(os.environ.get("UNIONSPARSE_BENCH_MAX_BLOCKS", len(blocks))):  # smoke tests only
+                    break
                 linears = block_linears(block)
                 samplers, hooks = {}, []
                 if spec is not None and spec.needs_tokens:

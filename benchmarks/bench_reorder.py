@@ -59,7 +59,7 @@ def bench_dp_throughput(quick: bool) -> list[dict]:
         for threads in sorted({1, all_threads}):
             numba.set_num_threads(threads)
             times = []
-            for _ in range(3):
+            for _ in range(7):
                 t0 = time.perf_counter()
                 _, rep = reorder_matrix(mask, method="dp")
                 times.append(time.perf_counter() - t0)

@@ -119,7 +119,6 @@ def cli(*args) -> float:
 
 def arrays_equal(a: Path, b: Path) -> bool:
     import numpy as np
-
     from unionsparse.compressor.artifact import Artifact
 
     x, y = Artifact(a), Artifact(b)
@@ -186,20 +185,22 @@ def write_md(data: dict) -> None:
                   f"intermediate {b['config']['intermediate_size']}); RAM {data['machine']['ram_gib']} GiB",
                   f"- peak RSS: **{b['peak_rss_gib']:.2f} GiB** (kernel ru_maxrss)",
                   f"- wall time: {b['seconds']:.0f} s for {b['layers_done']} of {b['layers_total']} layers"
-                  + (" (stopped at the time budget; continue with --resume)" if b["stopped_at_budget"] else ""),
+                  + (" (stopped at the budget; --resume continues)" if b["stopped_at_budget"] else ""),
                   ""]
     r = data.get("resume")
     if r:
         lines += ["## Resume", "",
-                  f"- uninterrupted {r['uninterrupted_s']:.1f} s; SIGKILL after {r['killed_after_layers']} layers "
-                  f"then --resume: {r['first_part_s']:.1f} + {r['resume_s']:.1f} s = {r['interrupted_total_s']:.1f} s "
+                  f"- uninterrupted {r['uninterrupted_s']:.1f} s; SIGKILL after "
+                  f"{r['killed_after_layers']} layers then --resume: {r['first_part_s']:.1f} + "
+                  f"{r['resume_s']:.1f} s = {r['interrupted_total_s']:.1f} s "
                   f"(overhead {r['overhead_s']:.1f} s, mostly process start-up); arrays identical: "
                   f"{r['identical_arrays']}", ""]
     d = data.get("dask")
     if d:
         lines += ["## Dask", "",
-                  f"- model hidden {d['model']['hidden']}, {d['model']['layers']} blocks, --reorder dp: inline "
-                  f"{d['inline_s']:.1f} s, 1 worker {d['workers_1_s']:.1f} s, 2 workers {d['workers_2_s']:.1f} s: "
+                  f"- model hidden {d['model']['hidden']}, {d['model']['layers']} blocks, --reorder dp: "
+                  f"inline {d['inline_s']:.1f} s, 1 worker {d['workers_1_s']:.1f} s, "
+                  f"2 workers {d['workers_2_s']:.1f} s: "
                   f"speedup 2 vs 1 workers **{d['speedup_2_vs_1']:.2f}x**; identical arrays: "
                   f"{d['workers_1_identical'] and d['workers_2_identical']}", ""]
     (RESULTS / "scale.md").write_text("\n".join(lines))
@@ -220,12 +221,13 @@ def main() -> None:
     a = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "scale.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data["machine"] = machine()
     t0 = time.perf_counter()
-    data[a.part] = {"big": part_big, "resume": part_resume, "dask": part_dask}[a.part](a)
-    data[a.part]["argv"] = sys.argv[1:]
-    data[a.part]["bench_seconds"] = time.perf_counter() - t0
+    result = {"big": part_big, "resume": part_resume, "dask": part_dask}[a.part](a)
+    result["argv"] = sys.argv[1:]
+    result["bench_seconds"] = time.perf_counter() - t0
+    data = json.loads(path.read_text()) if path.exists() else {}  # read late: parts may run side by side
+    data["machine"] = machine()
+    data[a.part] = result
     path.write_text(json.dumps(data, indent=2))
     write_md(data)
     print(json.dumps(data[a.part], indent=2)[:3000])

@@ -93,7 +93,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     t0 = time.perf_counter()
-    info = write_checkpoint(a.folder, a.layers, a.hidden, a.intermediate, a.heads, a.kv_heads, a.vocab, a.seed)
+    info = write_checkpoint(a.folder, a.layers, a.hidden, a.intermediate, a.heads, a.kv_heads, a.vocab,
+                            a.seed)
     print(json.dumps({**info, "gib": info["bytes"] / 2**30, "seconds": time.perf_counter() - t0}))
 
 

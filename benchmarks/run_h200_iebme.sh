@@ -11,7 +11,7 @@ if [ "$1" != "--tune-only" ]; then
   python3 benchmarks/bench_iebme.py --out "$DEST" 2>&1 | tee "$DEST/log.txt"
 fi
 if [ "$1" = "--tune-variants" ] || [ "$1" = "--tune-only" ]; then
-  for c in 2 8; do UNIONSPARSE_IEBME_CTAS=$c python3 benchmarks/bench_iebme.py --tune 2>&1 | grep -E "TUNE|Error"; done
+  python3 benchmarks/bench_iebme.py --tune 2>&1 | grep -E "TUNE|Error"
   for f in benchmarks/build/tune_s*_st*.cubin; do
     s=$(basename "$f" .cubin | sed 's/tune_s\([0-9]*\)_st\([0-9]*\)/\1 \2/')
     set -- $s

@@ -119,7 +119,8 @@ def to_markdown(rows: list[dict]) -> str:
     cols = [c for c in COLUMNS if any(r.get(c) not in (None, "") for r in rows)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(_cell(r.get(c), markdown=True) for c in cols) + " |")
+        short = {**r, "model": Path(str(r["model"])).name if r.get("model") else None}  # full path in CSV
+        lines.append("| " + " | ".join(_cell(short.get(c), markdown=True) for c in cols) + " |")
     return "\n".join(lines) + "\n"
 
 

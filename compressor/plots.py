@@ -78,9 +78,11 @@ def render(data: dict, dpi: int = DPI) -> bytes:
     try:
         ax = axes[0]
         own_fmt = data["model"]["format"]
+        many = len(x) > 50  # a real model: 200+ layers, markers would hide the lines
+        big, small, ms = ("o", ".", 2.5) if many else ("o", ".", 6.0)
         for name, ys in s["bits"].items():
             own = name == own_fmt
-            ax.plot(x, ys, marker="o" if own else ".", lw=2.2 if own else 1.2, label=name,
+            ax.plot(x, ys, marker=(big if own else small), ms=ms, lw=2.2 if own else 1.2, label=name,
                     zorder=4 if name.startswith("dense") else 3 if own else 2,
                     color=COLORS.get(name, "#7f7f7f"), ls="--" if name.startswith("dense") else "-")
         ax.set_ylim(bottom=0)
@@ -91,11 +93,12 @@ def render(data: dict, dpi: int = DPI) -> bytes:
 
         ax = axes[1]
         for name, ys in s["pmr"].items():
-            ax.plot(x, [_finite(v) for v in ys], marker="o" if name == own_fmt else ".", label=name,
+            ax.plot(x, [_finite(v) for v in ys], marker=big if name == own_fmt else small, ms=ms, label=name,
                     color=COLORS.get(name, "#7f7f7f"), lw=2.2 if name == own_fmt else 1.2)
         ax.set_yscale("log")
-        from matplotlib.ticker import FuncFormatter, NullFormatter
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylabel("PMR = B_w·NNZ / index B")
@@ -105,7 +108,7 @@ def render(data: dict, dpi: int = DPI) -> bytes:
         ax = axes[2]
         if s["union"]:
             for name, ys in s["union"].items():
-                ax.plot(x, [100 * v for v in ys], marker="o", label=name, color=COLORS.get(name))
+                ax.plot(x, [100 * v for v in ys], marker=big, ms=ms, label=name, color=COLORS.get(name))
             ax.set_ylim(0, 105)
             ax.legend(**LEGEND)
         else:

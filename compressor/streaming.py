@@ -24,6 +24,31 @@ from torch import nn
 from .errors import UserError
 from .model_io import LoadedModel, _first_line, classify_source, fingerprint, load_model
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps it otherwise; no-op elsewhere).
+
+    Between layers the process frees gigabytes of large arrays; glibc's adaptive mmap threshold would
+    serve the next ones from per-thread heaps that never shrink, so RSS would creep towards the sum of
+    several layers. A fixed threshold plus ``malloc_trim`` keeps it at one layer.
+    """
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
 
 class ShardedWeights:
     """Name -> shard map of a safetensors folder; tensors are read on demand, one at a time."""
@@ -149,6 +174,7 @@ def open_model(source: str, streaming: bool = True) -> StreamingModel | LoadedMo
 def layer_weight(loaded: StreamingModel | LoadedModel, full: str, lin: nn.Linear) -> torch.Tensor:
     """A linear layer's weight as a float32 tensor the caller owns (read from its shard when streaming)."""
     if isinstance(loaded, StreamingModel):
+        release_freed_memory()  # the previous layer's buffers
         return loaded.weights.get(loaded.aliases.get(f"{full}.weight", f"{full}.weight"))
     return lin.weight.detach().float()
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
-from multiprocessing import get_context
+from multiprocessing import current_process, get_context
 
 import numpy as np
 
@@ -45,7 +45,8 @@ class ReorderReport:
     positions_bound: int  # proven lower bound on the optimum (== positions_after when all proven)
     capacity: int  # n_tiles * h * w, the union mask size
     tiles_optimal: int  # proven optimal
-    tiles_not_proven: int  # CP-SAT stopped by its time limit (best found, never worse than identity)
+    tiles_not_proven: int  # no proof: CP-SAT stopped by its time limit (best found, never worse than
+    #                        identity), or method "none" (nothing searched)
     wall_s: float
     cost_before: np.ndarray = field(repr=False)  # int64 [T]
     cost_after: np.ndarray = field(repr=False)  # int64 [T]
@@ -192,7 +193,7 @@ def reorder_matrix(
         perms[:] = np.arange(h_l, dtype=np.uint8)
         before[:] = iebme.area_view(tiles, g).any(axis=1).sum(axis=1)
         after[:] = before
-        bound[:] = before  # nothing was searched; "proven" here means the report is exact
+        proven[:] = False  # nothing was searched; bound stays 0 (the only bound known without a search)
         methods["none"] = n_t
         if progress:
             progress(n_t, n_t)
@@ -246,6 +247,8 @@ def _reorder_cpsat(tiles, g, time_limit, jobs, cpsat_workers, progress, perms, b
             methods[key] = methods.get(key, 0) + 1
 
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
+    if current_process().daemon:  # e.g. inside a Dask worker: daemonic processes may not have children
+        jobs = 1
     if jobs == 1 or len(todo) < 2:
         for item in todo:
             take(_cpsat_chunk([item], r_a, time_limit, cpsat_workers))

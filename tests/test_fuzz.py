@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from unionsparse.formats import iebme, tiled_cbc
 from unionsparse.formats.errors import FormatError
 
@@ -57,8 +56,8 @@ def mutate(a: np.ndarray, kind: str, pos: int, val: int, n: int) -> np.ndarray:
 
 MUTATION = st.tuples(st.sampled_from(["set", "set", "bitflip", "bitflip", "truncate", "extend", "retype"]),
                      st.integers(0, 1 << 20), st.integers(0, (1 << 64) - 1), st.integers(0, 64))
-SETTINGS = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture],
-                    derandomize=True)
+SETTINGS = settings(max_examples=150, deadline=2000, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def check_decode(decoded: np.ndarray, shape: tuple[int, int], bits: int) -> None:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import zarr
 from safetensors.torch import load_file, save_file
-
 from unionsparse.compressor.artifact import write_manifest
 
 
@@ -43,6 +42,10 @@ def rewrite_array(store: Path, layer: str, key: str, fn) -> None:
                          compressors=[zarr.codecs.Crc32cCodec()])
     arr[...] = data
     write_manifest(store)
+
+
+def first_chunk(array_dir: Path) -> Path:
+    return next(p for p in sorted(array_dir.rglob("*")) if p.is_file() and p.name != "zarr.json")
 
 
 def model_copy(model: Path, tmp: Path, name: str) -> Path:
@@ -85,7 +88,8 @@ def model_cases(model: Path, tmp: Path) -> list[tuple[list, str]]:
     key = "model.layers.0.mlp.down_proj.weight"
     sd[key] = sd[key].clone()
     sd[key][0, 0] = float("inf")
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
     cases.append((["compress", d], "down_proj"))
     g = tmp / "trunc.gguf"
     g.write_bytes(b"GGUF\x03\x00\x00\x00")
@@ -138,7 +142,7 @@ def store_cases(good: Path, tmp: Path) -> list[tuple[list, str]]:
     d.write_text("hello")
     cases += [(["inspect", d], "a_file.zarr"), (["verify", d], "a_file.zarr")]
     d = copy_store(good, tmp, "no_chunk.zarr")
-    chunk = next(p for p in (d / "layers" / LAYER / "values").rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunk = first_chunk(d / "layers" / LAYER / "values")
     chunk.unlink()
     write_manifest(d)  # only the structure can catch it now
     cases.append((["verify", d, "--n", "1"], LAYER))
@@ -194,7 +198,7 @@ def test_verify_reports_every_failing_layer(good, tmp_path, run_cli):
     d = copy_store(good, tmp_path, "two_bad.zarr")
     names = ["model.layers.0.self_attn.k_proj", "model.layers.1.mlp.up_proj"]
     for n in names:
-        chunk = next(p for p in (d / "layers" / n / "values").rglob("*") if p.is_file() and p.name != "zarr.json")
+        chunk = first_chunk(d / "layers" / n / "values")
         b = bytearray(chunk.read_bytes())
         b[len(b) // 2] ^= 0xFF
         chunk.write_bytes(b)

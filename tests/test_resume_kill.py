@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from unionsparse.compressor.artifact import Artifact
 
 CLI = Path(sys.executable).parent / "unionsparse"

@@ -175,6 +175,7 @@ def test_reorder_matrix_ragged_roundtrip(method, tile, areas, kw):
     rep = _roundtrip(codes, tile, areas, method, **kw)
     if method == "none":
         assert rep.positions_after == rep.positions_before
+        assert rep.tiles_not_proven == rep.n_tiles and rep.positions_bound == 0
     else:
         assert rep.positions_after < rep.positions_before
         assert rep.tiles_optimal == rep.n_tiles  # small tiles: every one proven
