@@ -41,13 +41,12 @@ def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.version_option(package_name="unionsparse", prog_name="unionsparse")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-              help="Python logging level (messages go to stderr).")
+              help="Logging level of unionsparse's messages on stderr.")
 def cli(log_level: str) -> None:
     """Offline compression of causal LMs into sparse low-bit IE-BME / Tiled-CBC zarr artifacts."""
-    import logging
+    from .progress import configure_logging
 
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
 
 
 @cli.command()

@@ -21,6 +21,27 @@ from rich.progress import (
 log = logging.getLogger("unionsparse")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (so captured stderr in tests works too)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def configure_logging(level: str) -> None:
+    """``--log-level``: the ``unionsparse`` loggers to stderr at ``level`` (other libraries untouched)."""
+    log.setLevel(level.upper())
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        h = _StderrHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(h)
+
+
 class Reporter:
     """Stage progress on stderr. ``quiet`` silences bars and notes (errors still print).
 

@@ -75,6 +75,7 @@ def main() -> None:
           f"vs CPU reference {max_rel(yg, y.astype(np.float64)):.2e}")
     y1g = cp.asnumpy(spmspv(DeviceTiledCBC(c), cp.asarray(x0), tau))
     print(f"Tiled-CBC spMspV (GPU): max rel. error {max_rel(y1g, want1):.2e}")
+    assert max_rel(yg, want) < FP16_TOL and max_rel(y1g, want1) < FP16_TOL  # fp16 outputs
 
 
 if __name__ == "__main__":

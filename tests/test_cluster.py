@@ -42,6 +42,7 @@ def test_local_cluster_two_workers_identical(single, tmp_path, model_dirs, run_c
     assert Artifact(out).attrs["config"] == Artifact(single).attrs["config"]
 
 
+@pytest.mark.slow
 def test_existing_scheduler_identical(single, tmp_path, model_dirs, run_cli):
     from dask.distributed import LocalCluster
     from unionsparse.compressor.cluster import WORKER_ENV

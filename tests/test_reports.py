@@ -109,12 +109,12 @@ def test_version_log_level_and_env_vars(artifacts, run_cli, monkeypatch):
     import logging
 
     r = run_cli("--log-level", "debug", "inspect", artifacts["ie-bme"], "--json")
-    assert r.code == 0 and logging.getLogger().level == logging.DEBUG
+    assert r.code == 0 and logging.getLogger("unionsparse").level == logging.DEBUG
     monkeypatch.setenv("UNIONSPARSE_LOG_LEVEL", "error")
     monkeypatch.setenv("UNIONSPARSE_INSPECT_JSON", "1")
     r = run_cli("inspect", artifacts["ie-bme"])
     assert r.code == 0 and json.loads(r.out)["model"]["format"] == "ie-bme"
-    assert logging.getLogger().level == logging.ERROR
+    assert logging.getLogger("unionsparse").level == logging.ERROR
 
 
 def test_env_var_names_follow_the_long_option():
@@ -129,7 +129,8 @@ def test_env_var_names_follow_the_long_option():
 
 
 def test_log_level_info_gives_one_line_per_stage(artifacts, run_cli):
-    r = run_cli("--log-level", "info", "verify", artifacts["tiled-cbc"], "--quiet", "--n", "1", "--backend", "cpu")
+    art = artifacts["tiled-cbc"]
+    r = run_cli("--log-level", "info", "verify", art, "--quiet", "--n", "1", "--backend", "cpu")
     assert r.code == 0, r.err
     assert re.search(r"INFO unionsparse: verifying layers: 14/14 in \d+\.\d s", r.err), r.err
     r = run_cli("verify", artifacts["tiled-cbc"], "--quiet", "--n", "1", "--backend", "cpu")
