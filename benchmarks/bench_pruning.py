@@ -105,13 +105,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.merge:
         parts = [_read_part(Path(f)) for f in args.merge]
-        metas = [p["meta"] for p in parts if p["meta"]]
-        meta = {**metas[0], "command": " ".join(["benchmarks/bench_pruning.py", *sys.argv[1:]])}
-        meta["merged_from"] = [p["meta"]["command"] if p["meta"] else p["source"] for p in parts]
-        results = [r for p in parts for r in p["results"]]
         out = Path(args.out)
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-        out.with_suffix(".md").write_text(render_md(meta, results))
+        doc = {"command": " ".join(["benchmarks/bench_pruning.py", *sys.argv[1:]]), "runs": parts}
+        out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+        md = ["# Pruning: quality and cost (SmolLM2-135M)", ""]
+        for p in parts:
+            md += [render_md(p["meta"] or {"source": p["source"]}, p["results"], level="##"), ""]
+        out.with_suffix(".md").write_text("\n".join(md))
         print(f"wrote {out}.json and {out}.md")
         return
     if args.one:
@@ -152,7 +152,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "model": "SmolLM2-135M-Instruct Q4_1 GGUF, dequantized to fp32",
         "calibration": f"c4_sample.jsonl, {args.nsamples} samples x {args.seqlen} tokens, seed {args.seed}",
-        "evaluation": f"wikitext2_test.raw, {args.eval_windows} windows x {args.eval_seqlen} tokens",
+        "evaluation": f"wikitext2_test.raw, at most {args.eval_windows} windows x {args.eval_seqlen} tokens",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     out = Path(args.out)
@@ -170,17 +170,18 @@ def _read_part(path: Path) -> dict:
     return {"meta": None, "results": recs, "source": f"records from the log {path.name}"}
 
 
-def render_md(meta: dict, results: list[dict]) -> str:
-    lines = ["# Pruning: quality and cost (SmolLM2-135M)", ""]
+def render_md(meta: dict, results: list[dict], level: str = "#") -> str:
+    title = meta.get("title", "Pruning: quality and cost (SmolLM2-135M)")
+    lines = [f"{level} {title}", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += [
         "",
-        "| config | sparsity | WikiText-2 ppl | prune wall s | calib s | peak RSS MiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| config | sparsity | WikiText-2 ppl | windows | prune wall s | calib s | peak RSS MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         lines.append(
-            f"| {r['config']} | {r.get('sparsity', 0.0):.4f} | {r['ppl']:.2f} | "
+            f"| {r['config']} | {r.get('sparsity', 0.0):.4f} | {r['ppl']:.2f} | {r['eval_windows']} | "
             f"{r.get('prune_seconds', 0.0):.1f} | {r.get('calib_seconds', 0.0):.1f} | "
             f"{r['peak_rss_mib']:.0f} |"
         )
