@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from unionsparse.formats import iebme, tiled_cbc
 
 RESULTS = Path(__file__).resolve().parent / "results"

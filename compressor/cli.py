@@ -190,19 +190,23 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
 @click.option("--shapes", default="spinfer", show_default=True, help="spinfer|unionsparse (without ARTIFACT).")
 @click.option("--n", "ns", default="1,2,4,8,16,32", show_default=True, help="Decode widths.")
 @click.option("--sparsity", default=0.5, show_default=True, type=float)
+@click.option("--format", "fmt", default="ie-bme", show_default=True, help="ie-bme|tiled-cbc kernels.")
 @click.option("--json", "as_json", is_flag=True)
-def bench(artifact, shapes, ns, sparsity, as_json) -> None:
-    """Time the IE-BME kernel beside cuBLAS fp16 and int8 on the same shapes (needs a GPU)."""
+def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
+    """Time the project's kernels beside cuBLAS fp16 (and int8) on the same shapes (needs a GPU)."""
     from ..kernels.bench import bench_command
+    from .config import choice
 
     if not 0.0 <= sparsity < 1.0:
         raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")
-    data = bench_command(artifact, shapes, _ns(ns), sparsity, as_json)
+    choice("--format", fmt, ("ie-bme", "tiled-cbc"))
+    data = bench_command(artifact, shapes, _ns(ns), sparsity, as_json, fmt=fmt)
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
         for n, s in data["summary"].items():
-            click.echo(f"N={n}: geomean speedup vs cuBLAS {s['geomean_speedup_vs_cublas']:.2f}x over {s['cases']} shapes")
+            speedup = s["geomean_speedup_vs_cublas"]
+            click.echo(f"N={n}: geomean speedup vs cuBLAS {speedup:.2f}x over {s['cases']} shapes")
 
 
 @cli.command(name="eval")

@@ -40,7 +40,7 @@ class LayerEncoder:
         self.on_attrs = on_attrs
         self.client = None
         self.cluster = None
-        self.queue: deque = deque()  # (name, future or None, attrs or None)
+        self.queue: deque = deque()  # (name, future, extra attrs) or (name, None, stored attrs)
         if cfg.workers is None and cfg.scheduler is None:
             return
         try:
@@ -70,15 +70,18 @@ class LayerEncoder:
         self.queue.append((name, None, attrs))
         self._drain(self._limit())
 
-    def submit(self, name: str, w: torch.Tensor, cfg: CompressConfig) -> None:
+    def submit(self, name: str, w: torch.Tensor, cfg: CompressConfig, extra_attrs: dict | None = None) -> None:
+        """Encode one layer; ``extra_attrs`` (e.g. the dynamic-pruning threshold) join its stored attrs."""
         if self.client is None:
             from .pipeline import encode_layer
 
-            self.on_attrs(name, self.write(encode_layer(name, w, cfg)))
+            rec = encode_layer(name, w, cfg)
+            rec.attrs.update(extra_attrs or {})
+            self.on_attrs(name, self.write(rec))
             return
         data = self.client.scatter(w, direct=False)
         fut = self.client.submit(_encode_remote, name, data, cfg, pure=False)
-        self.queue.append((name, fut, None))
+        self.queue.append((name, fut, extra_attrs or {}))
         self._drain(self._limit())
 
     def _limit(self) -> int:
@@ -87,9 +90,10 @@ class LayerEncoder:
     def _drain(self, keep: int) -> None:
         while len(self.queue) > keep:
             name, fut, attrs = self.queue.popleft()
-            if fut is not None:
+            if fut is not None:  # attrs holds the extra attrs of a submitted layer
                 rec = fut.result()
                 fut.release()
+                rec.attrs.update(attrs)
                 attrs = self.write(rec)
             self.on_attrs(name, attrs)
 

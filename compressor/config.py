@@ -89,6 +89,12 @@ class CompressConfig:
             raise UserError(f"--dp-sparsity must lie in [0, 1), got {self.dp_sparsity}")
         if self.dp_sparsity > 0 and self.format != "tiled-cbc":
             raise UserError("--dp-sparsity: dynamic pruning thresholds apply to --format tiled-cbc only")
+        if self.dp_sparsity > 0 and self.prune not in ("wanda", "sparsegpt"):
+            raise UserError("--dp-sparsity: thresholds are calibrated in the Wanda/SparseGPT calibration pass; "
+                            "use --prune wanda or sparsegpt")
+        if self.dp_profile != "uniform":
+            raise UserError("--dp-profile greedy is not wired into compress yet (thresholds.greedy_profile exists); "
+                            "use uniform")
         if self.nm is not None:
             n, m = parse_nm(self.nm)
             if self.prune == "none":

@@ -19,6 +19,7 @@ from .layer_quant import QuantizedLayer, TokenTap, hessian_kind, quantize_layer,
 from .model_io import block_linears, find_blocks
 from .progress import Reporter
 from .streaming import StreamingModel, layer_weight, model_dense_tensors, open_model
+from .thresholds import tau_from_samples
 
 
 @dataclass
@@ -171,7 +172,8 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
             # each block's statistics come from the outputs of the already-pruned blocks before it
             kind = hessian_kind(plan.kind) if cfg.gptq or cfg.clip_search else plan.kind  # GPTQ needs H
             # a token sample of every layer's input calibrates its activation clip ratio
-            tap = TokenTap(blocks, block_linears, prefix) if kind is not None and cfg.act_bits else None
+            tap = (TokenTap(blocks, block_linears, prefix)
+                   if kind is not None and (cfg.act_bits or cfg.dp_sparsity > 0) else None)
             blocks_iter = layerwise.calibrated_blocks(
                 model, plan.samples, kind, "meta" if isinstance(loaded, StreamingModel) else cfg.device)
             for i, block, block_stats in blocks_iter:
@@ -199,7 +201,11 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
                     if full in done:
                         encoder.done(full, writer.layer_attrs(full))
                     else:
-                        encoder.submit(full, w_pruned if ql is None else ql, cfg)  # written in layer order
+                        extra = {}
+                        if cfg.dp_sparsity > 0:  # TEAL: the |x| quantile of this layer's calibration inputs
+                            extra["dp_threshold"] = tau_from_samples(tokens.abs().numpy(), cfg.dp_sparsity)
+                            extra["dp_sparsity"] = cfg.dp_sparsity
+                        encoder.submit(full, w_pruned if ql is None else ql, cfg, extra)  # in layer order
                     del w, w_pruned  # one layer in memory at a time
                     bar.advance()
             encoder.finish()

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from unionsparse.compressor.artifact import Artifact, write_manifest
 from unionsparse.compressor.pruning import magnitude
 from unionsparse.compressor.quant import rtn

@@ -6,6 +6,7 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from unionsparse.compressor import evaluate
@@ -227,3 +228,37 @@ def test_eval_on_artifact_rebuilds_stored_weights(model_dir, tmp_path, quant):
     want = evaluate.perplexity(ref, _tokenizer(), model_dir / "eval.raw", seqlen=32)
     # fp16 storage (none) and fp16 output rounding: close; W4A4 also quantizes activations
     assert res["ppl"] == pytest.approx(want, rel=1e-3 if quant != "w4a4" else 0.05)
+
+
+def test_compress_tiled_cbc_dynamic_pruning_thresholds(model_dir, tmp_path):
+    """--dp-sparsity stores per layer tau = the |x| quantile of that layer's calibration inputs."""
+    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.cli import main
+    from unionsparse.kernels.tiled_cbc_reference import spmspv_reference
+
+    out = tmp_path / "dp.zarr"
+    with pytest.raises(SystemExit) as e:
+        main(["compress", str(model_dir / "model"), "-o", str(out), "--calib", str(model_dir / "calib.jsonl"),
+              "--nsamples", "4", "--seqlen", "16", "--prune", "wanda", "--format", "tiled-cbc", "--quant", "none",
+              "--dp-sparsity", "0.3", "--quiet"])
+    assert e.value.code == 0
+    art = Artifact(out)
+    taus = [art.layer_attrs(n)["dp_threshold"] for n in art.layer_names]
+    assert all(isinstance(t, float) and t > 0 for t in taus)
+    assert len(set(taus)) > 1  # per layer, not one global value
+    # tau prunes the stated fraction of a layer's input distribution: check on the first layer's own inputs
+    rec = art.read_layer(art.layer_names[0])
+    x = np.random.default_rng(0).standard_normal(rec.encoding.shape[1]).astype(np.float16)
+    y_all = spmspv_reference(rec.encoding, x, None)
+    y_dp = spmspv_reference(rec.encoding, x, taus[0])
+    assert not np.array_equal(y_all, y_dp)  # the threshold really skips columns
+
+
+def test_dp_sparsity_needs_calibrated_pruning(model_dir, tmp_path, capsys):
+    from unionsparse.compressor.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["compress", str(model_dir / "model"), "-o", str(tmp_path / "x.zarr"), "--format", "tiled-cbc",
+              "--quant", "none", "--dp-sparsity", "0.3", "--prune", "magnitude"])
+    assert e.value.code == 2
+    assert "--dp-sparsity" in capsys.readouterr().err

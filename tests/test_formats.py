@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from unionsparse.formats import FormatError, baselines, iebme, stats, tca_bme_formula, tiled_cbc, tiled_cbc_formula
 from unionsparse.formats.bitpack import code_range, pack_codes, unpack_codes
 
