@@ -40,6 +40,7 @@ class LayerEncoder:
         self.on_attrs = on_attrs
         self.client = None
         self.cluster = None
+        self.reorder_progress: Callable[[int, int], None] | None = None  # inline runs only
         self.queue: deque = deque()  # (name, future, extra attrs) or (name, None, stored attrs)
         if cfg.workers is None and cfg.scheduler is None:
             return
@@ -75,7 +76,7 @@ class LayerEncoder:
         if self.client is None:
             from .pipeline import encode_layer
 
-            rec = encode_layer(name, w, cfg)
+            rec = encode_layer(name, w, cfg, progress=self.reorder_progress)
             rec.attrs.update(extra_attrs or {})
             self.on_attrs(name, self.write(rec))
             return

@@ -82,13 +82,17 @@ def prune_weight(w: torch.Tensor, cfg: CompressConfig, sparsity: float, calib_st
     return w2, mask
 
 
-def reorder_perms(codes: np.ndarray, cfg: CompressConfig) -> tuple[np.ndarray | None, dict | None]:
-    """Per-tile row permutations minimising the union mask (None when --reorder none)."""
+def reorder_perms(codes: np.ndarray, cfg: CompressConfig, progress=None) -> tuple[np.ndarray | None, dict | None]:
+    """Per-tile row permutations minimising the union mask (None when --reorder none).
+
+    ``progress(n_done, n_total)`` is called as batches of tiles finish.
+    """
     if cfg.reorder == "none":
         return None, None
     from ..solvers import reorder_matrix
 
-    perm, r = reorder_matrix(codes != 0, tile=cfg.tile_shape, areas=cfg.area_grid, method=cfg.reorder)
+    perm, r = reorder_matrix(codes != 0, tile=cfg.tile_shape, areas=cfg.area_grid, method=cfg.reorder,
+                             progress=progress)
     return perm, {
         "method": r.method, "methods": r.methods, "union_positions_before": r.positions_before,
         "union_positions_after": r.positions_after, "union_positions_bound": r.positions_bound,
@@ -98,7 +102,7 @@ def reorder_perms(codes: np.ndarray, cfg: CompressConfig) -> tuple[np.ndarray | 
     }
 
 
-def encode_layer(name: str, w: torch.Tensor | QuantizedLayer, cfg: CompressConfig) -> LayerRecord:
+def encode_layer(name: str, w: torch.Tensor | QuantizedLayer, cfg: CompressConfig, progress=None) -> LayerRecord:
     """Quantize (round to nearest, unless ``w`` comes already quantized) and encode one pruned layer."""
     bits = cfg.bits
     attrs: dict = {"prune": cfg.prune, "quant": cfg.quant}
@@ -117,7 +121,7 @@ def encode_layer(name: str, w: torch.Tensor | QuantizedLayer, cfg: CompressConfi
         if cfg.act_bits is not None:  # act_quant.activation_scheme: how kernels quantize inputs
             attrs["activations"] = ql.activations
         if cfg.format == "ie-bme":
-            perm, report = reorder_perms(q.codes, cfg)
+            perm, report = reorder_perms(q.codes, cfg, progress)
             enc = iebme.encode(q.codes, bits, cfg.tile_shape, cfg.area_grid, perm)
             if report is not None:
                 attrs["reorder"] = report
@@ -150,9 +154,9 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         raise UserError(f"-o: {out} must end in .zarr")
     if not out.parent.exists():
         raise UserError(f"-o: folder {out.parent} does not exist")
-    reporter.note(f"loading {cfg.model}")
     # safetensors folders stream (meta skeleton, one layer in memory) unless calibration runs forward passes
-    loaded = open_model(cfg.model, streaming=not cfg.needs_calibration and cfg.sparsity_profile == "uniform")
+    with reporter.stage(f"loading {Path(cfg.model).name}", total=None):
+        loaded = open_model(cfg.model, streaming=not cfg.needs_calibration and cfg.sparsity_profile == "uniform")
     model = loaded.model
     blocks, prefix = find_blocks(model)
     writer = ArtifactWriter(out, new_root_attrs(cfg.model, loaded.fingerprint, cfg.to_dict(), loaded.config),
@@ -168,7 +172,10 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         done = writer.completed_layers()
         compressed: set[str] = set()
         names = [(i, n) for i, b in enumerate(blocks) for n, _ in block_linears(b)]
-        with reporter.stage("compressing layers", total=len(names)) as bar:
+        with reporter.stage("blocks", total=len(blocks)) as block_bar, \
+                reporter.stage("layers (prune, quantize, encode, write)", total=len(names)) as bar, \
+                reporter.stage("reordering tiles of the current layer", total=None) as tile_bar:
+            encoder.reorder_progress = tile_bar.update
             # each block's statistics come from the outputs of the already-pruned blocks before it
             kind = hessian_kind(plan.kind) if cfg.gptq or cfg.clip_search else plan.kind  # GPTQ needs H
             # a token sample of every layer's input calibrates its activation clip ratio
@@ -208,6 +215,7 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
                         encoder.submit(full, w_pruned if ql is None else ql, cfg, extra)  # in layer order
                     del w, w_pruned  # one layer in memory at a time
                     bar.advance()
+                block_bar.advance()
             encoder.finish()
             if tap is not None:
                 tap.close()

@@ -75,7 +75,8 @@ class Reporter:
             self.console.print(msg, highlight=False)
 
     @contextmanager
-    def stage(self, description: str, total: int) -> Iterator[StageHandle]:
+    def stage(self, description: str, total: int | None) -> Iterator[StageHandle]:
+        """A bar for one stage (``total`` None: a pulsing bar for a stage of unknown length)."""
         handle = StageHandle(self._progress, description, total)
         try:
             yield handle
@@ -84,7 +85,7 @@ class Reporter:
 
 
 class StageHandle:
-    def __init__(self, progress: Progress | None, description: str, total: int):
+    def __init__(self, progress: Progress | None, description: str, total: int | None):
         self._p = progress
         self._id = progress.add_task(description, total=total) if progress is not None else None
         self._desc, self._total, self._done, self._t0 = description, total, 0, time.perf_counter()
