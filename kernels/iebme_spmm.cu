@@ -22,7 +22,13 @@
 // Scaling: at the end of every group (and of the CTA's K range) acc += (s_w * s_x) * float(partial),
 // with round-to-nearest multiplies and add (no FMA), matching the CPU reference bit for bit when
 // there is no split-K. DEBUG writes the exact int32 group partial sums instead (atomicAdd, exact).
-#include <stdint.h>
+// NVRTC (CuPy's run-time compiler) ships no C library headers: fixed-width types by hand
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef signed char int8_t;
+typedef int int32_t;
+typedef unsigned long long uint64_t;
 
 #define DEVI __device__ __forceinline__
 

@@ -131,3 +131,19 @@ def test_gpu_check_layer():
     _, mat = random_layer(rng, 256, 1024, 4)
     ws = (rng.random((256, 8)) + 0.5).astype(np.float16)
     assert check_iebme_layer(mat, ws, 128, 4, [1, 8, 32], "cupy", rng) == []
+
+
+def test_kernel_sources_compile_under_nvrtc_without_libc_headers():
+    """CuPy compiles the .cu files at run time with NVRTC, which has no C library headers.
+
+    The H200 run of `verify --backend cupy` once failed with "cannot open source file stdint.h" when no
+    prebuilt cubin was present; this guards every bundled kernel source against it.
+    """
+    import re
+    from pathlib import Path
+
+    kdir = Path(__file__).resolve().parents[1] / "kernels"
+    for cu in sorted(kdir.glob("*.cu")):
+        bad = re.findall(r"#include\s*<([^>]+)>", cu.read_text())
+        libc = [h for h in bad if h.endswith(".h") and not h.startswith(("cuda", "mma", "cuda_fp16"))]
+        assert not libc, f"{cu.name} includes {libc}"
