@@ -137,6 +137,14 @@ def _prepare(m: TiledCBCMatrix, w_scales, group_size):
     return vals, scales.astype(np.float32), int(group_size)
 
 
+def _layout_args(m: TiledCBCMatrix, w_scales, group_size) -> tuple:
+    """The stored arrays and geometry in the order the numba kernels take them."""
+    g = m.geometry
+    vals, scales, group = _prepare(m, w_scales, group_size)
+    return (m.bitmap, m.colinfo, m.tile_offset, vals, scales, group, g.grid[1], g.tile[0], g.tile[1],
+            g.shape[0], g.shape[1])
+
+
 def _threshold(tau) -> np.float32:
     return np.float32(-1.0) if tau is None else np.float32(tau)
 
@@ -149,22 +157,7 @@ def spmspv_reference(
     x = np.asarray(x)
     if x.shape != (g.shape[1],):
         raise ValueError(f"x must have shape ({g.shape[1]},), got {x.shape}")
-    vals, scales, group = _prepare(m, w_scales, group_size)
-    y = _spmspv(
-        m.bitmap,
-        m.colinfo,
-        m.tile_offset,
-        vals,
-        scales,
-        group,
-        g.grid[1],
-        g.tile[0],
-        g.tile[1],
-        g.shape[0],
-        g.shape[1],
-        x.astype(np.float16).astype(np.float32),
-        _threshold(tau),
-    )
+    y = _spmspv(*_layout_args(m, w_scales, group_size), x.astype(np.float16).astype(np.float32), _threshold(tau))
     return y.astype(out_dtype)
 
 
@@ -176,21 +169,7 @@ def spmm_reference(
     X = np.asarray(X)
     if X.ndim != 2 or X.shape[1] != g.shape[1]:
         raise ValueError(f"X must have shape (N, {g.shape[1]}), got {X.shape}")
-    vals, scales, group = _prepare(m, w_scales, group_size)
-    Y = _spmm(
-        m.bitmap,
-        m.colinfo,
-        m.tile_offset,
-        vals,
-        scales,
-        group,
-        g.grid[1],
-        g.tile[0],
-        g.tile[1],
-        g.shape[0],
-        g.shape[1],
-        np.ascontiguousarray(X.astype(np.float16).astype(np.float32)),
-    )
+    Y = _spmm(*_layout_args(m, w_scales, group_size), np.ascontiguousarray(X.astype(np.float16).astype(np.float32)))
     return Y.astype(out_dtype)
 
 
