@@ -15,7 +15,8 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "2")
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
-def tiny_model(arch: str):
+def tiny_model(arch: str, hidden: int = 128, vocab: int = 256, seed: int = 0):
+    """A randomly initialised 2-block causal LM of a real architecture (llama, qwen2 or opt), in eval mode."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -25,19 +26,15 @@ def tiny_model(arch: str):
         Qwen2ForCausalLM,
     )
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
+    common = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, vocab_size=vocab,
+                  max_position_embeddings=256)
     if arch == "llama":
-        cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
-        return LlamaForCausalLM(cfg)
+        return LlamaForCausalLM(LlamaConfig(intermediate_size=2 * hidden, num_key_value_heads=2, **common)).eval()
     if arch == "qwen2":
-        cfg = Qwen2Config(hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
-        return Qwen2ForCausalLM(cfg)
+        return Qwen2ForCausalLM(Qwen2Config(intermediate_size=2 * hidden, num_key_value_heads=2, **common)).eval()
     if arch == "opt":
-        cfg = OPTConfig(hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
-                        max_position_embeddings=256, word_embed_proj_dim=128)
-        return OPTForCausalLM(cfg)
+        return OPTForCausalLM(OPTConfig(ffn_dim=2 * hidden, word_embed_proj_dim=hidden, **common)).eval()
     raise ValueError(arch)
 
 

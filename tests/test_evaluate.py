@@ -13,6 +13,8 @@ from unionsparse.compressor import evaluate
 from unionsparse.compressor.errors import UserError
 
 transformers = pytest.importorskip("transformers")
+from conftest import tiny_model  # noqa: E402
+
 WORDS = [f"w{i}" for i in range(120)]
 
 
@@ -27,17 +29,7 @@ def _tokenizer():
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_model("llama", hidden=64, vocab=128)
 
 
 def test_eval_text_rows_joined_like_the_reference(tmp_path):

@@ -10,48 +10,19 @@ from unionsparse.compressor import layerwise, pruning
 from unionsparse.compressor.errors import UserError
 
 transformers = pytest.importorskip("transformers")
+from conftest import tiny_model  # noqa: E402
 
 
 def _llama(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_model("llama", hidden=64, vocab=128, seed=seed)
 
 
 def _opt(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.OPTConfig(
-        hidden_size=64,
-        ffn_dim=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        vocab_size=128,
-        word_embed_proj_dim=64,
-        max_position_embeddings=64,
-    )
-    return transformers.OPTForCausalLM(cfg).eval()
+    return tiny_model("opt", hidden=64, vocab=128, seed=seed)
 
 
 def _qwen2(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
-    return transformers.Qwen2ForCausalLM(cfg).eval()
+    return tiny_model("qwen2", hidden=64, vocab=128, seed=seed)
 
 
 def _samples(n=4, seqlen=16, seed=1):
