@@ -76,3 +76,38 @@ def run_cli(capsys):
 
 def load_json(text: str) -> dict:
     return json.loads(text)
+
+
+REFERENCE_FLAGS = ("--quiet", "--prune", "magnitude", "--quant", "w4a4", "--reorder", "dp")
+
+
+def assert_same_artifacts(a_path, b_path) -> None:
+    """Two artifacts hold the same layers, dense tensors and index: every array equal, dtype included."""
+    import numpy as np
+    from unionsparse.compressor.artifact import Artifact
+
+    a, b = Artifact(a_path), Artifact(b_path)
+    assert a.layer_names == b.layer_names  # layer order in the index is the submission order
+    for name in a.layer_names:
+        ra, rb = a.read_layer(name).arrays(), b.read_layer(name).arrays()
+        assert ra.keys() == rb.keys(), name
+        for k in ra:
+            assert ra[k].dtype == rb[k].dtype and np.array_equal(ra[k], rb[k]), (name, k)
+    assert a.dense_names == b.dense_names
+    for name in a.dense_names:
+        x, y = a.read_dense(name), b.read_dense(name)
+        assert x.dtype == y.dtype and np.array_equal(x, y), name
+    for key in ("layers", "dense", "tied", "config"):
+        assert a.attrs[key] == b.attrs[key], key
+
+
+@pytest.fixture(scope="session")
+def reference_artifact(tmp_path_factory, model_dirs) -> Path:
+    """The tiny LLaMA compressed single-process with REFERENCE_FLAGS (what other runs must equal)."""
+    from unionsparse.compressor.cli import main
+
+    out = tmp_path_factory.mktemp("reference") / "ref.zarr"
+    with pytest.raises(SystemExit) as e:
+        main(["compress", str(model_dirs["llama"]), "-o", str(out), *REFERENCE_FLAGS])
+    assert e.value.code == 0
+    return out

@@ -11,12 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import pytest
+from conftest import REFERENCE_FLAGS, assert_same_artifacts
 from unionsparse.compressor.artifact import Artifact
 
 CLI = Path(sys.executable).parent / "unionsparse"
-COMMON = ("--quiet", "--prune", "magnitude", "--quant", "w4a4", "--reorder", "dp")
+COMMON = REFERENCE_FLAGS
 
 
 def complete_layers(partial: Path) -> list[Path]:
@@ -31,41 +30,14 @@ def complete_layers(partial: Path) -> list[Path]:
     return out
 
 
-def same_arrays(a_path: Path, b_path: Path) -> None:
-    a, b = Artifact(a_path), Artifact(b_path)
-    assert a.layer_names == b.layer_names
-    for name in a.layer_names:
-        ra, rb = a.read_layer(name).arrays(), b.read_layer(name).arrays()
-        assert ra.keys() == rb.keys(), name
-        for k in ra:
-            assert ra[k].dtype == rb[k].dtype and np.array_equal(ra[k], rb[k]), (name, k)
-    assert a.dense_names == b.dense_names
-    for name in a.dense_names:
-        x, y = a.read_dense(name), b.read_dense(name)
-        assert x.dtype == y.dtype and np.array_equal(x, y), name
-    for key in ("layers", "dense", "tied", "config"):
-        assert a.attrs[key] == b.attrs[key], key
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, model_dirs):
-    from unionsparse.compressor.cli import main
-
-    out = tmp_path_factory.mktemp("ref") / "ref.zarr"
-    with pytest.raises(SystemExit) as e:
-        main(["compress", str(model_dirs["llama"]), "-o", str(out), *COMMON])
-    assert e.value.code == 0
-    return out
-
-
-def test_same_config_twice_gives_identical_arrays(reference, tmp_path, model_dirs, run_cli):
+def test_same_config_twice_gives_identical_arrays(reference_artifact, tmp_path, model_dirs, run_cli):
     again = tmp_path / "again.zarr"
     assert run_cli("compress", model_dirs["llama"], "-o", again, *COMMON).code == 0
-    same_arrays(reference, again)
+    assert_same_artifacts(reference_artifact, again)
 
 
-def test_sigkill_at_random_layer_then_resume(reference, tmp_path, model_dirs, run_cli):
-    n_layers = len(Artifact(reference).layer_names)
+def test_sigkill_at_random_layer_then_resume(reference_artifact, tmp_path, model_dirs, run_cli):
+    n_layers = len(Artifact(reference_artifact).layer_names)
     rnd = random.Random(int(os.environ.get("UNIONSPARSE_TEST_SEED", time.time_ns() % 1000)))
     target = rnd.randrange(1, n_layers - 1)
     out = tmp_path / "killed.zarr"
@@ -85,7 +57,7 @@ def test_sigkill_at_random_layer_then_resume(reference, tmp_path, model_dirs, ru
     r = run_cli("compress", model_dirs["llama"], "-o", out, *COMMON, "--resume")
     assert r.code == 0, (target, r.err)
     assert not partial.exists()
-    same_arrays(reference, out)
+    assert_same_artifacts(reference_artifact, out)
     for meta, mtime in before.items():  # layers completed before the kill were kept, not recomputed
         moved = out / meta.relative_to(partial)
         assert moved.stat().st_mtime_ns == mtime, moved
