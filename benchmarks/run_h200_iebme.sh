@@ -1,21 +1,25 @@
-#!/bin/bash
-# One device call: import shim, correctness sweep + benchmarks (+ pipeline-variant timings with --tune-variants).
-# Results land in $OUT (when run through the device tool) or benchmarks/results.
+#!/usr/bin/env bash
+# One device call (device tool, carrying .whl): wheels + import shim, then
+#   (no flag)  correctness sweep + full benchmark (SpInfer and UnionSparse corpora, perms, W2)
+#   --tune     pipeline variants (ring depth, warps per CTA, tiles decoded back to back) on four large shapes
+#   --quick    correctness sweep + the first 6 SpInfer shapes
+# Results land in $OUT (through the device tool) or benchmarks/results.
 set -o pipefail
-mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
-export PYTHONPATH=/tmp/shim PYTHONUNBUFFERED=1
 DEST="${OUT:-benchmarks/results}"
+mkdir -p "$DEST"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
+export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-[ -f benchmarks/build/iebme_spmm_sm90.cubin ] && export UNIONSPARSE_IEBME_CUBIN=$PWD/benchmarks/build/iebme_spmm_sm90.cubin
-if [ "$1" != "--tune-only" ]; then
-  python3 benchmarks/bench_iebme.py --out "$DEST" 2>&1 | tee "$DEST/log.txt"
-fi
-if [ "$1" = "--tune-variants" ] || [ "$1" = "--tune-only" ]; then
-  python3 benchmarks/bench_iebme.py --tune 2>&1 | grep -E "TUNE|Error"
-  for f in benchmarks/build/tune_s*_st*.cubin; do
-    s=$(basename "$f" .cubin | sed 's/tune_s\([0-9]*\)_st\([0-9]*\)/\1 \2/')
-    set -- $s
-    UNIONSPARSE_IEBME_CUBIN=$PWD/$f UNIONSPARSE_IEBME_S=$1 UNIONSPARSE_IEBME_STAGES=$2 \
-      python3 benchmarks/bench_iebme.py --tune 2>&1 | grep -E "TUNE|Error"
-  done | tee "$DEST/tune.txt"
-fi
+case "$1" in
+  --tune)
+    for v in "2 4 1" "2 4 2" "2 4 4" "2 8 2" "3 4 2"; do
+      set -- $v
+      UNIONSPARSE_IEBME_NSTAGE=$1 UNIONSPARSE_IEBME_WARPS=$2 UNIONSPARSE_IEBME_ILP=$3 \
+        python3 benchmarks/bench_iebme.py --tune 2>&1 | grep -E "TUNE|Error|error"
+    done | tee "$DEST/iebme_tune.txt" ;;
+  --quick) python3 benchmarks/bench_iebme.py --quick --out "$DEST" 2>&1 | tee "$DEST/iebme_log.txt" ;;
+  *) python3 benchmarks/bench_iebme.py --out "$DEST" 2>&1 | tee "$DEST/iebme_log.txt" ;;
+esac

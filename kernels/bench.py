@@ -53,7 +53,7 @@ def synth_layer(m: int, k: int, bits: int, sparsity: float, perm: str, group_siz
     """
     import cupy as cp
 
-    from .iebme_spmm import MAX_N, WARPS, DeviceLayer
+    from .iebme_spmm import device_layer, padded_rows
 
     rs = cp.random.RandomState(seed)
     tr, tc = -(-m // 16), -(-k // 64)
@@ -68,17 +68,13 @@ def synth_layer(m: int, k: int, bits: int, sparsity: float, perm: str, group_siz
     nbytes = int(offsets[-1]) * bits // 8
     values = rs.randint(0, 256, nbytes + 16, dtype=cp.int32).astype(cp.uint8)
     g = -(-k // group_size)
-    grid_x = -(-tr // WARPS)
-    mp64 = grid_x * 64
-    wst = (rs.random_sample((g, mp64), dtype=cp.float32) * 0.5 + 0.5).astype(cp.float16)
-    pm = None
+    wst = (rs.random_sample((g, padded_rows(m)), dtype=cp.float32) * 0.5 + 0.5).astype(cp.float16)
+    pinv = None
     if perm == "identity":
-        pm = cp.tile(cp.arange(16, dtype=cp.uint8), (t, 1))
+        pinv = cp.tile(cp.arange(16, dtype=cp.uint8), (t, 1))
     elif perm == "random":
-        pm = cp.argsort(rs.random_sample((t, 16), dtype=cp.float32), axis=1).astype(cp.uint8)
-    return DeviceLayer((m, k), bits, group_size, g, values, bitmaps, offsets.astype(cp.uint32), pm, wst,
-                       cp.zeros((MAX_N, mp64), cp.float32), cp.zeros(grid_x, cp.int32), tr, tc, mp64,
-                       cp.zeros(16, dtype=cp.int32))
+        pinv = cp.argsort(rs.random_sample((t, 16), dtype=cp.float32), axis=1).astype(cp.uint8)
+    return device_layer((m, k), bits, group_size, values, bitmaps, offsets.astype(cp.uint32), pinv, wst)
 
 
 def _graph_time_cupy(launch_i, n_copies: int, est_s: float) -> float:

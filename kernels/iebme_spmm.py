@@ -6,9 +6,10 @@ Usage::
     y = spmm_iebme(layer, x_codes, x_scales)             # fp16 [N, M] on the GPU
     p = spmm_iebme(layer, x_codes, x_scales, debug_partials=True)   # int32 [N, M, G], exact
 
-Only the default geometry (tile 16x64, areas 2x2) and 4- or 2-bit codes have a kernel. The weight
-scales are transposed once to [G, Mp64] at upload so the producer warp can stage a group's 64 row
-scales with two 16-byte copies; all IE-BME arrays are used as stored.
+Only the default geometry (tile 16x64, areas 2x2) and 4- or 2-bit codes have a kernel. Two derived
+arrays are made once at upload: the weight scales transposed to [G, Mp] (a group's 16 row scales of a
+tile row are one 32-byte copy) and the inverse of each tile's row permutation (the kernel asks "which
+reordered row is output row r"); the IE-BME bitmaps, offsets and values are used as stored.
 """
 
 from __future__ import annotations
@@ -24,10 +25,30 @@ from ..formats.iebme import IEBMEMatrix
 from .iebme_reference import check_group_size
 
 SOURCE = Path(__file__).with_name("iebme_spmm.cu")
-S = int(os.environ.get("UNIONSPARSE_IEBME_S", 4))  # tiles per row per stage (IEBME_S in the .cu)
-STAGES = int(os.environ.get("UNIONSPARSE_IEBME_STAGES", 3))  # ring depth (IEBME_STAGES)
-WARPS = 4
-MAX_N = 32       # columns per launch; larger N is cut into launches of 32
+BT = 4                                                       # tiles per batch (fixed in the .cu)
+MAX_WARPS = 8                                                # row padding of scales / workspace: 128 rows
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v else None
+
+
+def config(n: int) -> tuple[int, int, int]:
+    """(ring depth in batches, warps per CTA, tiles decoded back to back) for a launch of ``n`` columns,
+    as measured on the H200 (docs/kernels.md): 2-deep rings; 4 warps and ILP 1 for N <= 16, 8 warps and
+    ILP 4 above. Environment overrides (UNIONSPARSE_IEBME_NSTAGE / _WARPS / _ILP) are for tuning runs."""
+    nstage = _env_int("UNIONSPARSE_IEBME_NSTAGE") or 2
+    warps = _env_int("UNIONSPARSE_IEBME_WARPS") or (4 if n <= 16 else 8)
+    ilp = _env_int("UNIONSPARSE_IEBME_ILP") or (1 if n <= 16 else 4)
+    return nstage, warps, ilp
+
+
+MAX_N = 32            # columns per launch; larger N is cut into launches of 32
+MAX_BATCHES = 31      # per chunk: batch boundaries live in one register per lane
+X_BUDGET = int(os.environ.get("UNIONSPARSE_IEBME_XBYTES", 24 * 1024))  # shared bytes for a chunk's X codes...
+MIN_CHUNK = 32        # ...but never fewer tiles than this per chunk (large N: more X, fewer CTA start-ups)
+SMEM_PER_SM = 227 * 1024 - 1024  # opt-in limit less the static `last` flag
 
 
 def _cupy():
@@ -36,15 +57,19 @@ def _cupy():
     return cupy
 
 
-def smem_bytes(bits: int, nt: int, perm: bool) -> int:
-    """Dynamic shared memory of one CTA; mirrors ``Layout`` in the .cu."""
-    vb = 1024 * bits // 8
-    vrow = S * vb + 16
-    np_ = nt * 8
-    xs = S * 64 + 32
-    stage = WARPS * vrow + WARPS * S * 32 + (WARPS * S * 16 if perm else 0) + np_ * xs + 2 * S * 128
-    acc = WARPS * 16 * np_ * 4 if perm else 0
-    return 1024 + acc + STAGES * stage
+def ring_bytes(bits: int, perm: bool, nstage: int, warps: int) -> int:
+    """Shared bytes before the X chunk: selector table + every warp's ring; mirrors ``Ring`` in the .cu."""
+    slot = (BT * 128 * bits + 16) + BT * 32 + (BT * 16 if perm else 0)
+    return 1024 + warps * nstage * slot
+
+
+def x_stride(nk: int) -> int:
+    return -(-nk * 64 // 128) * 128 + 32
+
+
+def smem_bytes(bits: int, perm: bool, n: int, chunk: int, n_groups_chunk: int) -> int:
+    """Dynamic shared memory of one CTA for ``n`` activation rows and a chunk of ``chunk`` tiles."""
+    return ring_bytes(bits, perm, *config(n)[:2]) + n * x_stride(chunk) + 4 * 8 * -(-n // 8) * n_groups_chunk
 
 
 def kernel_name(bits: int, nt: int, perm: bool, debug: bool) -> str:
@@ -52,23 +77,21 @@ def kernel_name(bits: int, nt: int, perm: bool, debug: bool) -> str:
 
 
 @cache
-def _kernel(bits: int, nt: int, perm: bool, debug: bool):
+def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int):
     cp = _cupy()
     name = kernel_name(bits, nt, perm, debug)
-    cubin = os.environ.get("UNIONSPARSE_IEBME_CUBIN")
-    mod = None
-    if cubin and Path(cubin).is_file():
-        try:
-            mod = cp.RawModule(path=cubin)
-            fn = mod.get_function(name)
-        except Exception:  # fall back to a run-time compile
-            mod = None
-    if mod is None:
-        code = SOURCE.read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
-        mod = cp.RawModule(code=code, options=("-std=c++17", f"-DIEBME_S={S}", f"-DIEBME_STAGES={STAGES}"))
-        fn = mod.get_function(name)
-    fn.max_dynamic_shared_size_bytes = smem_bytes(bits, nt, perm)
+    code = SOURCE.read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
+    opts = ("-std=c++17", f"-DIEBME_NSTAGE={nstage}", f"-DIEBME_WARPS={warps}", f"-DIEBME_ILP={ilp}")
+    fn = cp.RawModule(code=code, options=opts).get_function(name)
+    fn.max_dynamic_shared_size_bytes = SMEM_PER_SM
+    fn.preferred_shared_memory_carveout = 100  # all of L1 as shared memory: the most CTAs per SM
     return fn
+
+
+@cache
+def _sm_count() -> int:
+    cp = _cupy()
+    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
 
 
 @dataclass
@@ -82,13 +105,13 @@ class DeviceLayer:
     values: object
     bitmaps: object
     offsets: object
-    perm: object | None
-    wsT: object          # fp16 [G, Mp64]
-    ws_acc: object       # fp32 [MAX_N, Mp64], zero between calls
-    counters: object     # int32 [grid_x], zero between calls
+    pinv: object | None   # uint8 [T, 16] inverse row permutations, or None
+    wsT: object           # fp16 [G, Mp]
+    ws_acc: object        # fp32 [MAX_N, Mp], zero between calls
+    counters: object      # int32 [grid_x], zero between calls
     tr: int
     tc: int
-    mp64: int
+    mp: int
     dummy: object = None  # 16-byte buffer passed for unused pointers (no allocation inside graphs)
 
     @property
@@ -96,13 +119,40 @@ class DeviceLayer:
         k = self.shape[1]
         return self.group_size // 64 if self.group_size < k else self.tc
 
+    @property
+    def perm(self):
+        return self.pinv
+
     def kernel_bytes(self, n: int) -> int:
         """Bytes one launch must move: every array read once, Y written once."""
         m, k = self.shape
         b = self.values.nbytes + self.bitmaps.nbytes + self.offsets.nbytes + self.wsT.nbytes
-        if self.perm is not None:
-            b += self.perm.nbytes
+        if self.pinv is not None:
+            b += self.pinv.nbytes
         return int(b + n * self.tc * 64 + n * self.n_groups * 4 + n * m * 2)
+
+
+def device_layer(shape: tuple[int, int], bits: int, group_size: int, values, bitmaps, offsets, pinv,
+                 w_scales_t) -> DeviceLayer:
+    """Wrap CuPy arrays (values with a 16-byte tail, bitmaps as bytes, offsets uint32, pinv uint8 [T, 16]
+    or None, weight scales fp16 [G, Mp]) and allocate the split-K workspace."""
+    cp = _cupy()
+    m, k = shape
+    tr, tc = -(-m // 16), -(-k // 64)
+    grid_x = -(-tr // 4)                   # the most CTAs along M (4 warps per CTA)
+    mp = padded_rows(m)
+    if tuple(w_scales_t.shape) != (-(-k // min(group_size, k)), mp):
+        raise ValueError(f"transposed scales must be [G, {mp}], got {tuple(w_scales_t.shape)}")
+    return DeviceLayer(shape=(m, k), bits=bits, group_size=int(group_size), n_groups=int(w_scales_t.shape[0]),
+                       values=values, bitmaps=bitmaps, offsets=offsets, pinv=pinv, wsT=w_scales_t,
+                       ws_acc=cp.zeros((MAX_N, mp), dtype=cp.float32), counters=cp.zeros(grid_x, dtype=cp.int32),
+                       tr=tr, tc=tc, mp=mp, dummy=cp.zeros(16, dtype=cp.int32))
+
+
+def padded_rows(m: int) -> int:
+    """Rows of the transposed scale array and the workspace (whole CTAs of up to MAX_WARPS tile rows)."""
+    tr = -(-m // 16)
+    return -(-tr // MAX_WARPS) * MAX_WARPS * 16
 
 
 def prepare_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> DeviceLayer:
@@ -118,42 +168,69 @@ def prepare_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> Devi
     ws = np.asarray(w_scales)
     if ws.shape != (mm, n_groups):
         raise ValueError(f"w_scales must be [{mm}, {n_groups}], got {ws.shape}")
-    tr, tc = g.grid
-    grid_x = -(-tr // WARPS)
-    mp64 = grid_x * 64
-    wst = np.zeros((n_groups, mp64), dtype=np.float16)
+    wst = np.zeros((n_groups, padded_rows(mm)), dtype=np.float16)
     wst[:, :mm] = ws.astype(np.float16).T
-    return DeviceLayer(
-        shape=(mm, k), bits=g.bits, group_size=int(group_size), n_groups=n_groups,
-        values=cp.asarray(np.concatenate([m.values, np.zeros(16, np.uint8)])),  # 16 B tail for windows
-        bitmaps=cp.asarray(m.bitmaps.view(np.uint8)),
-        offsets=cp.asarray(m.offsets.astype(np.uint32)),
-        perm=None if m.perm is None else cp.asarray(np.ascontiguousarray(m.perm, dtype=np.uint8)),
-        wsT=cp.asarray(wst), ws_acc=cp.zeros((MAX_N, mp64), dtype=cp.float32),
-        counters=cp.zeros(grid_x, dtype=cp.int32), tr=tr, tc=tc, mp64=mp64,
-        dummy=cp.zeros(16, dtype=cp.int32),
-    )
+    pinv = None
+    if m.perm is not None:
+        perm = np.asarray(m.perm, dtype=np.int64).reshape(-1, 16)
+        inv = np.empty_like(perm)
+        np.put_along_axis(inv, perm, np.broadcast_to(np.arange(16), perm.shape), axis=1)
+        pinv = cp.asarray(inv.astype(np.uint8))
+    return device_layer((mm, k), g.bits, group_size,
+                        cp.asarray(np.concatenate([m.values, np.zeros(16, np.uint8)])),  # 16 B tail for windows
+                        cp.asarray(m.bitmaps.view(np.uint8)), cp.asarray(m.offsets.astype(np.uint32)), pinv,
+                        cp.asarray(wst))
 
 
-CTAS_PER_SM = int(os.environ.get("UNIONSPARSE_IEBME_CTAS", 4))
-
-
-def pick_splits(layer: DeviceLayer, sms: int = 132, ctas_per_sm: int | None = None,
-                min_tiles: int = 16) -> int:
-    """Split-K factor: enough CTAs to fill the GPU, each with at least ``min_tiles`` tiles per row."""
-    ctas_per_sm = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
-    grid_x = -(-layer.tr // WARPS)
-    want = -(-sms * ctas_per_sm // grid_x)
-    return int(max(1, min(want, layer.tc // min_tiles)))
-
-
-def chunk_for(layer: DeviceLayer, splits: int) -> int:
-    """Tiles per CTA: ceil(TC / splits), rounded up to whole groups when groups are shorter."""
-    chunk = -(-layer.tc // max(1, splits))
+def max_chunk(layer: DeviceLayer, n: int) -> int:
+    """Largest chunk (tiles) allowed: batch boundaries in one register, the chunk's X within ``X_BUDGET``
+    (at least ``MIN_CHUNK`` tiles)."""
+    cap = min(MAX_BATCHES * BT, max(MIN_CHUNK, X_BUDGET // (64 * max(n, 1))))
     gt = layer.gs_tiles
-    if gt < chunk:
-        chunk = -(-chunk // gt) * gt
-    return chunk
+    if gt <= cap:
+        cap = cap // gt * gt
+    return max(1, cap)
+
+
+def ctas_per_sm(layer: DeviceLayer, n: int, chunk: int) -> int:
+    ngc = -(-chunk // layer.gs_tiles) + 1
+    smem = smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc)
+    return max(1, min((SMEM_PER_SM + 1024) // (smem + 1024), 2048 // (config(n)[1] * 32)))
+
+
+def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None) -> int:
+    """Tiles per CTA along K. With ``splits`` given: ceil(TC / splits) (whole groups, capped); otherwise
+    the chunk that minimises (waves of CTAs) x (tiles per CTA), i.e. fills the GPU with the fewest
+    partial waves."""
+    cap = max_chunk(layer, n)
+    gt = layer.gs_tiles
+
+    def rounded(c: int) -> int:
+        c = max(1, min(c, cap))
+        if gt < c:
+            c = -(-c // gt) * gt
+            if c > cap:
+                c -= gt
+        return max(1, c)
+
+    if splits is not None:
+        return rounded(-(-layer.tc // max(1, splits)))
+    grid_x = -(-layer.tr // config(n)[1])
+    slots = _sm_count() * ctas_per_sm(layer, n, cap)
+    best, best_cost = cap, None
+    for s in range(-(-layer.tc // cap), 4 * -(-layer.tc // cap) + 8):
+        c = rounded(-(-layer.tc // s))
+        ctas = grid_x * -(-layer.tc // c)
+        cost = -(-ctas // slots) * (c + 4)  # + 4: a CTA's fixed start-up, in tiles
+        if best_cost is None or cost < best_cost:
+            best, best_cost = c, cost
+    return best
+
+
+def single_chunk(layer: DeviceLayer, n: int, splits: int | None = None) -> bool:
+    """True when every launch of an ``n``-column product covers the whole K in one CTA (no split-K), so the
+    output is bit-identical to the CPU reference (split-K only changes the fp32 summation order)."""
+    return all(chunk_for(layer, min(MAX_N, n - n0), splits) >= layer.tc for n0 in range(0, n, MAX_N))
 
 
 def prepare_x(layer: DeviceLayer, x_codes, x_scales):
@@ -178,27 +255,28 @@ def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=N
     """Launch on prepared inputs (``prepare_x``); writes y fp16 [N, M] or, with ``partial``, int32 sums."""
     n = x.shape[0]
     m, _ = layer.shape
-    splits = pick_splits(layer) if splits is None else splits
-    chunk = chunk_for(layer, splits)
-    grid = (-(-layer.tr // WARPS), -(-layer.tc // chunk))
     debug = partial is not None
-    null = layer.dummy if layer.perm is None else layer.perm
+    null = layer.dummy if layer.pinv is None else layer.pinv
     for n0 in range(0, n, MAX_N):
         nn = min(MAX_N, n - n0)
         nt = -(-nn // 8)
-        fn = _kernel(layer.bits, nt, layer.perm is not None, debug)
+        chunk = chunk_for(layer, nn, splits)
+        nstage, warps, ilp = config(nn)
+        grid = (-(-layer.tr // warps), -(-layer.tc // chunk))
+        ngc = -(-chunk // layer.gs_tiles) + 1
+        fn = _kernel(layer.bits, nt, layer.pinv is not None, debug, nstage, warps, ilp)
         yp = y[n0:] if not debug else layer.dummy
         pp = partial[n0:] if debug else layer.dummy
         args = (layer.values, layer.bitmaps, layer.offsets, null, layer.wsT, xs[n0:], x[n0:], layer.ws_acc,
                 layer.counters, yp, pp, np.int32(nn), np.int32(m), np.int32(layer.n_groups),
-                np.int32(layer.tc * 64), np.int32(layer.mp64), np.int32(layer.tr), np.int32(layer.tc),
+                np.int32(layer.tc * 64), np.int32(layer.mp), np.int32(layer.tr), np.int32(layer.tc),
                 np.int32(layer.gs_tiles), np.int32(chunk))
-        smem = smem_bytes(layer.bits, nt, layer.perm is not None)
+        smem = smem_bytes(layer.bits, layer.pinv is not None, nn, chunk, ngc)
         if stream is None:
-            fn(grid, (128,), args, shared_mem=smem)
+            fn(grid, (warps * 32,), args, shared_mem=smem)
         else:
             with stream:
-                fn(grid, (128,), args, shared_mem=smem)
+                fn(grid, (warps * 32,), args, shared_mem=smem)
 
 
 def spmm_iebme(layer: DeviceLayer, x_codes, x_scales, *, splits: int | None = None,
