@@ -100,27 +100,39 @@ struct Args {
 };
 
 // One lane's 8 codes of one area stream, as two int8x4 fragment registers (code in the high bits),
-// zeros at inactive positions. v: value index of the segment's first code inside the slot.
+// zeros at inactive positions. v: value index of the segment's first code inside the slot; me / mo: the
+// segment's even / odd code masks in unpacked position (count_masks), so masking costs no extra op.
 template <int BITS>
-DEVI void decode_window(const uint32_t* vals, int v, uint32_t nmask, uint32_t sel, uint32_t& lo, uint32_t& hi) {
+DEVI void decode_window(const uint32_t* vals, int v, uint32_t me, uint32_t mo, uint32_t sel, uint32_t& lo,
+                        uint32_t& hi) {
   const int w = BITS == 4 ? (v >> 3) : (v >> 4);
-  const int sh = BITS == 4 ? ((v & 7) * 4) : ((v & 15) * 2);
-  const uint32_t win = __funnelshift_r(vals[w], vals[w + 1], sh) & nmask;
+  // funnel shifts take the shift amount mod 32: (v * BITS) needs no "& 31"
+  const uint32_t win = __funnelshift_r(vals[w], vals[w + 1], v * BITS);
   uint32_t e, o;
   if (BITS == 4) {
-    e = (win << 4) & 0xf0f0f0f0u;
-    o = win & 0xf0f0f0f0u;
+    e = (win << 4) & me;
+    o = win & mo;
   } else {
-    e = ((win << 6) & 0xc0c0u) | ((win << 20) & 0xc0c00000u);
-    o = ((win << 2) & 0xc0c0u) | ((win << 16) & 0xc0c00000u);
+    e = (((win << 6) & 0xc0c0u) | ((win << 20) & 0xc0c00000u)) & me;
+    o = (((win << 2) & 0xc0c0u) | ((win << 16) & 0xc0c00000u)) & mo;
   }
   lo = __byte_perm(e, o, sel & 0xffffu);
   hi = __byte_perm(e, o, sel >> 16);
 }
 
+// Masks keeping the first n codes of a window, split into the even / odd codes as unpacked to the high
+// bits of bytes (int4: even code c -> bits 8(c/2)+4..; int2: even code -> bits 8(c/2)+6..).
 template <int BITS>
-DEVI uint32_t count_mask(int n) {
-  return BITS == 4 ? (n ? (0xffffffffu >> (32 - 4 * n)) : 0u) : ((1u << (2 * n)) - 1u);
+DEVI void count_masks(int n, uint32_t& me, uint32_t& mo) {
+  if (BITS == 4) {
+    const uint32_t m = n ? (0xffffffffu >> (32 - 4 * n)) : 0u;  // n nibbles
+    me = (m << 4) & 0xf0f0f0f0u;
+    mo = m & 0xf0f0f0f0u;
+  } else {
+    const uint32_t m = (1u << (2 * n)) - 1u;                      // n 2-bit codes (n <= 8: 16 bits)
+    me = ((m << 6) & 0xc0c0u) | ((m << 20) & 0xc0c00000u);
+    mo = ((m << 2) & 0xc0c0u) | ((m << 16) & 0xc0c00000u);
+  }
 }
 
 template <int BITS, int NT, bool PERM, bool DEBUG>
@@ -259,12 +271,18 @@ DEVI void spmm(const Args& a) {
         const uint32_t segA = (wA >> sh8) & 0xffu, segB = (wB >> sh8) & 0xffu;
         const int qa = 2 * ((ra >> 3) & 1), qb = 2 * ((rb >> 3) & 1);
         const uint32_t selA = tab[segA], selB = PERM ? tab[segB] : selA;
-        const uint32_t nmA = count_mask<BITS>(__popc(segA));
-        const uint32_t nmB = PERM ? count_mask<BITS>(__popc(segB)) : nmA;
+        uint32_t meA, moA, meB, moB;
+        count_masks<BITS>(__popc(segA), meA, moA);
+        if (PERM) {
+          count_masks<BITS>(__popc(segB), meB, moB);
+        } else {
+          meB = meA;
+          moB = moA;
+        }
 #pragma unroll
         for (int cs = 0; cs < 2; ++cs) {
-          decode_window<BITS>(vals, vb + (qa + cs) * P + preA, nmA, selA, fr[u][cs][0], fr[u][cs][2]);
-          decode_window<BITS>(vals, vb + (qb + cs) * P + preB, nmB, selB, fr[u][cs][1], fr[u][cs][3]);
+          decode_window<BITS>(vals, vb + (qa + cs) * P + preA, meA, moA, selA, fr[u][cs][0], fr[u][cs][2]);
+          decode_window<BITS>(vals, vb + (qb + cs) * P + preB, meB, moB, selB, fr[u][cs][1], fr[u][cs][3]);
         }
       }
       // ---- tensor cores, then the end of a group (or of this chunk): scale and accumulate ----

@@ -114,8 +114,15 @@ def time_graph_cupy(cp, launch, n_launch, reps=9):
             launch(i)  # compile, allocate workspaces and warm up before capture
         s.synchronize()
         s.begin_capture()
-        for i in range(n_launch):
-            launch(i)
+        try:
+            for i in range(n_launch):
+                launch(i)
+        except Exception:
+            try:
+                s.end_capture()
+            except Exception:
+                pass
+            raise
         g = s.end_capture()
         g.launch(s)
         s.synchronize()
@@ -170,22 +177,23 @@ def random_weights(cp, M, K, sparsity, seed):
     return W
 
 
-def bench_spmspv(
-    cp,
-    torch,
-    shapes,
-    statics,
-    dp,
-    log,
-    chunks_try=(4, 8, 16, 32),
-    stages_try=(4, 8),
-    warps_try=(4, 8),
-    deadline=float("inf"),
-):
+def spmspv_candidates(bits: int = 16, full: bool = True) -> list[dict]:
+    """Launch settings the benchmark tries per shape: v2 (warps, stages) x chunk scale x fp16 decode mode."""
+    from .tiled_cbc_spmspv import DEFAULT_MODE, V2_CONFIGS
+
+    if not full:
+        w, st = next((w, st) for b, w, st in V2_CONFIGS if b == bits)
+        return [dict(warps=w, stages=st, scale=1.0, mode=DEFAULT_MODE)]
+    base = [(4, 2, 1.0), (4, 2, 0.25), (4, 3, 1.0), (8, 2, 1.0)]
+    return [dict(warps=w, stages=st, scale=sc, mode=m) for w, st, sc in base for m in (0, 2)]
+
+
+def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=float("inf"), reps=5):
     from ..compressor.thresholds import tau_from_samples
     from .tiled_cbc_device import DeviceTiledCBC, encode_on_device
-    from .tiled_cbc_spmspv import bytes_read, default_chunk, spmspv
+    from .tiled_cbc_spmspv import bytes_read, spmspv, v2_default_chunk, v2_default_config
 
+    candidates = spmspv_candidates() if candidates is None else candidates
     rows = []
     for si, (M, K) in enumerate(shapes):
         if time.time() > deadline:
@@ -198,15 +206,15 @@ def bench_spmspv(
         xt = torch.as_tensor(x_host, device="cuda")
         dense_bytes = 2 * M * K
         t_cublas = None
+        shape_cands = candidates
         for s in statics:
             W = random_weights(cp, M, K, s, 1000 + si)
             if t_cublas is None:  # cuBLAS time does not depend on the values
                 Wt = torch.from_dlpack(W)
                 nd = copies_for(dense_bytes)
                 Wd = [Wt] + [Wt.clone() for _ in range(nd - 1)]
-                L = max(20, nd)
                 t_cublas = time_graph_torch(
-                    torch, lambda i, Wd=Wd, xt=xt: torch.matmul(Wd[i % len(Wd)], xt), L
+                    torch, lambda i, Wd=Wd, xt=xt: torch.matmul(Wd[i % len(Wd)], xt), max(10, nd), reps
                 )
                 del Wd, Wt
             arrays = encode_on_device(W)
@@ -218,33 +226,60 @@ def bench_spmspv(
             nc = copies_for(nbytes)
             devs = [dev0] + [DeviceTiledCBC(arrays=_clone(cp, arrays)) for _ in range(nc - 1)]
             out = cp.empty(M, dtype=cp.float16)
-            L = max(20, nc)
-            y = cp.empty(M, dtype=cp.float32)
+            L = max(10, nc)
+            y = cp.full(M, cp.nan, dtype=cp.float32)
             spmspv(dev0, x, tau, out=y)
             rel = float(cp.linalg.norm(y - ref) / cp.linalg.norm(ref))
             best = None
             tried = {}
-            for chunk in chunks_try:
-                for st in stages_try:
-                    for nw in warps_try:
+            bad = {}
+            cands = candidates if s == statics[0] else shape_cands  # later statics: the first one's top two
+            timed = []
+            for cand in cands:
+                w, st, md = cand["warps"], cand["stages"], cand["mode"]
+                chunk = v2_default_chunk(dev0, w, st, scale=cand["scale"])
+                key = f"w{w}/d{st}/c{chunk}/m{md}"
+                yc = cp.full(M, cp.nan, dtype=cp.float32)
+                spmspv(dev0, x, tau, out=yc, chunk=chunk, stages=st, warps=w, mode=md)
+                rc = float(cp.linalg.norm(yc - ref) / cp.linalg.norm(ref))
+                if not rc < 1e-4:  # a wrong result is never timed (the strict bound is in gpu_check)
+                    bad[key] = rc
+                    log(f"  candidate {key}: rel err {rc:.1e}, skipped")
+                    continue
 
-                        def run(i, c=chunk, st=st, nw=nw, devs=devs, x=x, tau=tau, out=out):
-                            return spmspv(devs[i % len(devs)], x, tau, out=out, chunk=c, stages=st, warps=nw)
+                def run(i, c=chunk, st=st, w=w, md=md, devs=devs, x=x, tau=tau, out=out):
+                    return spmspv(devs[i % len(devs)], x, tau, out=out, chunk=c, stages=st, warps=w, mode=md)
 
-                        t = time_graph_cupy(cp, run, L)
-                        tried[f"{chunk}/{st}/{nw}"] = t
-                        if best is None or t < best[0]:
-                            best = (t, chunk, st, nw)
+                t = time_graph_cupy(cp, run, L, reps)
+                tried[key] = t * 1e6
+                timed.append((t, cand))
+                if best is None or t < best[0]:
+                    best = (t, chunk, st, w, md)
+
+            if best is None:
+                log(f"spmspv {M}x{K} s={s}: every candidate gave a wrong result; shape skipped")
+                continue
+            if s == statics[0]:
+                shape_cands = [c for _, c in sorted(timed, key=lambda tc: tc[0])[:2]]
 
             def run_default(i, devs=devs, x=x, tau=tau, out=out):
                 return spmspv(devs[i % len(devs)], x, tau, out=out)
 
-            def run_dp_off(i, b=best, devs=devs, x=x, out=out):
-                return spmspv(devs[i % len(devs)], x, None, out=out, chunk=b[1], stages=b[2], warps=b[3])
+            def run_v1(i, devs=devs, x=x, tau=tau, out=out):
+                return spmspv(devs[i % len(devs)], x, tau, out=out, version=1)
 
-            t_def = time_graph_cupy(cp, run_default, L)
-            t_static = time_graph_cupy(cp, run_dp_off, L)
+            def run_dp_off(i, b=best, devs=devs, x=x, out=out):
+                return spmspv(devs[i % len(devs)], x, None, out=out, chunk=b[1], stages=b[2], warps=b[3], mode=b[4])
+
+            def run_nodecode(i, b=best, devs=devs, x=x, tau=tau, out=out):
+                return spmspv(devs[i % len(devs)], x, tau, out=out, chunk=b[1], stages=b[2], warps=b[3], mode=1)
+
+            t_nodec = time_graph_cupy(cp, run_nodecode, L, reps)
+            t_def = time_graph_cupy(cp, run_default, L, reps)
+            t_v1 = time_graph_cupy(cp, run_v1, L, reps)
+            t_static = time_graph_cupy(cp, run_dp_off, L, reps)
             br = bytes_read(dev0, x_host, tau)
+            dw, ds = v2_default_config(dev0)
             row = dict(
                 M=M,
                 K=K,
@@ -257,34 +292,52 @@ def bench_spmspv(
                 best_chunk=best[1],
                 best_stages=best[2],
                 best_warps=best[3],
+                best_mode=best[4],
                 t_default_us=t_def * 1e6,
-                default_chunk=default_chunk(dev0),
+                default_chunk=v2_default_chunk(dev0, dw, ds),
+                t_v1_us=t_v1 * 1e6,
+                t_nodecode_us=t_nodec * 1e6,
+                gbps_nodecode=br / t_nodec / 1e9,
                 t_spmspv_dp_off_us=t_static * 1e6,
                 speedup=t_cublas / best[0],
                 speedup_default=t_cublas / t_def,
+                speedup_v1=t_cublas / t_v1,
                 speedup_dp_off=t_cublas / t_static,
                 bytes_read=br,
                 stored_bytes=nbytes,
                 dense_bytes=dense_bytes,
                 gbps_spmspv=br / best[0] / 1e9,
+                gbps_default=br / t_def / 1e9,
                 gbps_cublas=dense_bytes / t_cublas / 1e9,
-                tried_us={k: v * 1e6 for k, v in tried.items()},
+                tried_us=tried,
+                rejected_rel_err=bad,
                 copies=nc,
             )
             rows.append(row)
             log(
                 f"spmspv {M}x{K} s={s} dp={dp}: cublas {t_cublas * 1e6:.1f}us  ours {best[0] * 1e6:.1f}us "
-                f"(c{best[1]}/s{best[2]}/w{best[3]}; default {t_def * 1e6:.1f}) x{t_cublas / best[0]:.2f} "
-                f"dp-off {t_static * 1e6:.1f}us  {row['gbps_spmspv']:.0f} GB/s  rel {rel:.1e}"
+                f"(w{best[3]}/d{best[2]}/c{best[1]}/m{best[4]}; default {t_def * 1e6:.1f}, v1 {t_v1 * 1e6:.1f}) "
+                f"x{t_cublas / best[0]:.2f} (default x{t_cublas / t_def:.2f}) dp-off {t_static * 1e6:.1f}us "
+                f"{row['gbps_spmspv']:.0f} GB/s (no-decode {t_nodec * 1e6:.1f}us {row['gbps_nodecode']:.0f} GB/s) "
+                f"rel {rel:.1e}"
             )
+            del devs, dev0, arrays
             cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
     return rows
 
 
-def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf")):
+def spmm_candidates(n: int) -> list[tuple[int, int, int]]:
+    if n <= 32:
+        return [(32, 5, 2), (32, 3, 2), (64, 4, 2)]
+    if n <= 256:
+        return [(64, 4, 2), (64, 3, 2), (128, 4, 1)]
+    return [(128, 4, 1), (128, 3, 1), (64, 4, 2)]
+
+
+def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5):
     from .tiled_cbc_device import DeviceTiledCBC, encode_on_device
-    from .tiled_cbc_spmm import CONFIGS, spmm
+    from .tiled_cbc_spmm import DENSE_FROM_N, decode_dense, default_bn, default_config, default_splits, spmm
 
     rows = []
     for si, (M, K) in enumerate(shapes):
@@ -299,36 +352,52 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf")):
         dev0 = DeviceTiledCBC(arrays=arrays)
         nc = copies_for(dev0.nbytes())
         devs = [dev0] + [DeviceTiledCBC(arrays=_clone(cp, arrays)) for _ in range(nc - 1)]
+        ws = cp.empty((M, dev0.grid[1] * 16), dtype=cp.float16)
+        t_decode = time_graph_cupy(cp, lambda i, devs=devs, ws=ws: decode_dense(devs[i % len(devs)], ws), nc, reps)
+        gbs = (dev0.nbytes() + ws.nbytes) / t_decode / 1e9
+        log(f"decode to dense {M}x{K}: {t_decode * 1e6:.1f}us ({gbs:.0f} GB/s)")
+        del ws
         for n in ns:
+            if time.time() > deadline:
+                break
             rs = cp.random.RandomState(n)
             X = rs.standard_normal((n, K), dtype=cp.float32).astype(cp.float16)
             Xt = torch.from_dlpack(X)
             out = cp.empty((n, M), dtype=cp.float16)
             flops = 2.0 * n * M * K
-            Ld = max(nd, int(min(40, max(2, 2e-3 / max(flops / 600e12, 1e-7)))))
+            Ld = max(nd, int(min(20, max(2, 1e-3 / max(flops / 600e12, 1e-7)))))
 
             def dense(i, Xt=Xt, Wd=Wd):
                 return torch.nn.functional.linear(Xt, Wd[i % len(Wd)])
 
-            t_cublas = time_graph_torch(torch, dense, Ld, 5)
-            ref = torch.nn.functional.linear(Xt.float(), Wt.float()) if n <= 256 else None
+            t_cublas = time_graph_torch(torch, dense, Ld, reps)
             best = None
             per = {}
-            for bn in CONFIGS:
-                L = max(nc, Ld)
+            L = max(nc, Ld)
+            for cfg in spmm_candidates(n):
 
-                def sparse(i, bn=bn, devs=devs, X=X, out=out):
-                    return spmm(devs[i % len(devs)], X, out=out, bn=bn)
+                def sparse(i, cfg=cfg, devs=devs, X=X, out=out):
+                    return spmm(devs[i % len(devs)], X, out=out, config=cfg, method="fused")
 
-                t = time_graph_cupy(cp, sparse, L, 5)
-                per[bn] = t
+                t = time_graph_cupy(cp, sparse, L, reps)
+                per[str(cfg)] = t * 1e6
                 if best is None or t < best[0]:
-                    best = (t, bn)
-            rel = None
-            if ref is not None:
-                spmm(dev0, X, out=out, bn=best[1])
-                got = torch.from_dlpack(out).float()
-                rel = float((got - ref).norm() / ref.norm())
+                    best = (t, cfg)
+
+            def sparse_v1(i, devs=devs, X=X, out=out):
+                return spmm(devs[i % len(devs)], X, out=out, version=1)
+
+            t_v1 = time_graph_cupy(cp, sparse_v1, L, reps)
+            # dense path = decode (CuPy graph) + the same cuBLAS GEMM (timed above): CuPy refuses cuBLAS calls
+            # under stream capture, and back-to-back Python launches of cupy.matmul are CPU-bound
+            t_dense, dense_timing = t_decode + t_cublas, "decode graph + cuBLAS graph"
+            yd = spmm(dev0, X, method="dense")
+            spmm(dev0, X, out=out, config=best[1], method="fused")
+            got = torch.from_dlpack(out).float()
+            ref = torch.nn.functional.linear(Xt.float(), Wt.float())
+            rel = float((got - ref).norm() / ref.norm())
+            rel_dense = float((torch.from_dlpack(yd).float() - ref).norm() / ref.norm())
+            del got, ref, yd
             rows.append(
                 dict(
                     M=M,
@@ -337,19 +406,32 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf")):
                     static=static,
                     t_cublas_us=t_cublas * 1e6,
                     t_spmm_us=best[0] * 1e6,
-                    best_bn=best[1],
-                    per_bn_us={str(k): v * 1e6 for k, v in per.items()},
-                    speedup=t_cublas / best[0],
+                    best_config=list(best[1]),
+                    default_config=list(default_config(n)),
+                    splits=default_splits(dev0, n, best[1][0]),
+                    per_config_us=per,
+                    t_v1_us=t_v1 * 1e6,
+                    v1_bn=default_bn(n),
+                    t_dense_path_us=t_dense * 1e6,
+                    t_decode_us=t_decode * 1e6,
+                    dense_path_timing=dense_timing,
+                    rel_err_dense_path=rel_dense,
+                    speedup_fused=t_cublas / best[0],
+                    speedup_dense_path=t_cublas / t_dense,
+                    t_auto_us=(t_dense if n >= DENSE_FROM_N else best[0]) * 1e6,
+                    speedup=t_cublas / (t_dense if n >= DENSE_FROM_N else best[0]),
+                    speedup_v1=t_cublas / t_v1,
                     tflops_cublas=flops / t_cublas / 1e12,
-                    tflops_spmm_dense_equiv=flops / best[0] / 1e12,
+                    tflops_fused_dense_equiv=flops / best[0] / 1e12,
                     rel_err_vs_fp32=rel,
                 )
             )
             log(
                 f"spmm {M}x{K} N={n}: cublas {t_cublas * 1e6:.1f}us ours {best[0] * 1e6:.1f}us "
-                f"(bn {best[1]}) "
-                f"x{t_cublas / best[0]:.2f}" + (f" rel {rel:.1e}" if rel is not None else "")
+                f"({best[1]}) x{t_cublas / best[0]:.2f} (v1 x{t_cublas / t_v1:.2f}) dense-path {t_dense * 1e6:.1f}us "
+                f"x{t_cublas / t_dense:.2f} rel {rel:.1e}/{rel_dense:.1e}"
             )
+        del devs, dev0, arrays, Wd, Wt, W
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
     return rows
@@ -400,9 +482,8 @@ def bench_rows(shapes, ns, sparsity: float = 0.5, dp: float = 0.3, log=print) ->
     rows = []
     for label, m, k in shapes:
         if 1 in ns:
-            for r in bench_spmspv(
-                cp, torch, [(m, k)], (sparsity,), dp, quiet, chunks_try=(8, 16), stages_try=(4,)
-            ):
+            cands = spmspv_candidates(16, full=False)
+            for r in bench_spmspv(cp, torch, [(m, k)], (sparsity,), dp, quiet, candidates=cands):
                 rows.append(
                     dict(
                         shape=label,
@@ -429,12 +510,15 @@ def bench_rows(shapes, ns, sparsity: float = 0.5, dp: float = 0.3, log=print) ->
                         N=r["N"],
                         kernel="spmm",
                         sparsity=sparsity,
-                        tiled_cbc_us=r["t_spmm_us"],
+                        tiled_cbc_us=r["t_auto_us"],
                         cublas_us=r["t_cublas_us"],
                         speedup_vs_cublas=r["speedup"],
                     )
                 )
     return rows
+
+
+DENSE_FROM_N_DOC = 128  # kernels.tiled_cbc_spmm.DENSE_FROM_N (not imported: write_md runs without CuPy)
 
 
 def write_md(res, path):
@@ -451,39 +535,56 @@ def write_md(res, path):
     ]
     for key, g in res["geomean_spmspv"].items():
         L.append(
-            f"- {key}: geomean speedup **{g['best']:.2f}x** (autotuned chunk/stages), "
-            f"{g['default']:.2f}x with "
-            f"the default heuristic, {g['dp_off']:.2f}x with dynamic pruning off (static only)"
+            f"- {key}: geomean speedup **{g['best']:.2f}x** (v2, best of the tried launch settings), "
+            f"{g['default']:.2f}x v2 default settings, {g['v1']:.2f}x the first kernel (v1, same run), "
+            f"{g['dp_off']:.2f}x v2 with dynamic pruning off; median v2 bandwidth {g['median_gbps']:.0f} GB/s "
+            f"on the bytes it must read (n = {g['n_shapes']})"
         )
     L += [
         "",
-        "| M | K | static | cuBLAS us | spMspV us | speedup | default us | DP off us | spMspV GB/s | "
-        "cuBLAS GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| M | K | static | cuBLAS us | v2 best us | speedup | v2 default us | v1 us | DP off us | v2 GB/s | "
+        "cuBLAS GB/s | no-decode us | best w/d/chunk/mode |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["spmspv"]:
         L.append(
             f"| {r['M']} | {r['K']} | {r['static']:.0%} | {r['t_cublas_us']:.1f} | {r['t_spmspv_us']:.1f} | "
-            f"{r['speedup']:.2f} | {r['t_default_us']:.1f} | {r['t_spmspv_dp_off_us']:.1f} | "
-            f"{r['gbps_spmspv']:.0f} | {r['gbps_cublas']:.0f} |"
+            f"{r['speedup']:.2f} | {r['t_default_us']:.1f} | {r['t_v1_us']:.1f} | {r['t_spmspv_dp_off_us']:.1f} | "
+            f"{r['gbps_spmspv']:.0f} | {r['gbps_cublas']:.0f} | {r['t_nodecode_us']:.1f} | "
+            f"{r['best_warps']}/{r['best_stages']}/{r['best_chunk']}/m{r['best_mode']} |"
         )
     if res.get("spmm"):
         L += [
             "",
             f"## SpMM (prefill, static {res['spmm'][0]['static']:.0%}) vs cuBLAS fp16 GEMM (F.linear)",
             "",
-            "| M | K | N | cuBLAS us | SpMM us | speedup | cuBLAS TFLOP/s |",
-            "|---|---|---|---|---|---|---|",
+            f"`speedup` is the default method (`auto`: fused below N = {DENSE_FROM_N_DOC}, decode-once + cuBLAS "
+            "from there on).",
+            "",
+            "| M | K | N | cuBLAS us | fused v2 us | fused speedup | dense-path us | dense-path speedup | "
+            "speedup (auto) | v1 us | v1 speedup | cuBLAS TFLOP/s | fused TFLOP/s (dense-equiv.) | fused config |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in res["spmm"]:
             L.append(
                 f"| {r['M']} | {r['K']} | {r['N']} | {r['t_cublas_us']:.1f} | {r['t_spmm_us']:.1f} | "
-                f"{r['speedup']:.2f} | {r['tflops_cublas']:.0f} |"
+                f"{r['speedup_fused']:.2f} | {r['t_dense_path_us']:.1f} | {r['speedup_dense_path']:.2f} | "
+                f"{r['speedup']:.2f} | {r['t_v1_us']:.1f} | {r['speedup_v1']:.2f} | {r['tflops_cublas']:.0f} | "
+                f"{r['tflops_fused_dense_equiv']:.0f} | {tuple(r['best_config'])} |"
             )
         L += [
             "",
-            "Geomean SpMM speedup by N: "
+            "Geomean SpMM speedup by N (auto): "
             + ", ".join(f"N={n}: {g:.2f}x" for n, g in res["geomean_spmm"].items()),
+            "",
+            "Fused kernel alone: "
+            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_fused", {}).items()),
+            "",
+            "Decode once + cuBLAS alone: "
+            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_dense_path", {}).items()),
+            "",
+            "Same run, the first kernel (v1): "
+            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_v1", {}).items()),
         ]
     path.write_text("\n".join(L) + "\n")
 
@@ -527,26 +628,43 @@ def main(argv=None):
             res["geomean_spmspv"][f"static {s:.0%} + dynamic 30%"] = dict(
                 best=geomean([r["speedup"] for r in rr]),
                 default=geomean([r["speedup_default"] for r in rr]),
+                v1=geomean([r["speedup_v1"] for r in rr]),
                 dp_off=geomean([r["speedup_dp_off"] for r in rr]),
+                median_gbps=float(np.median([r["gbps_spmspv"] for r in rr])),
+                nodecode=geomean([r["t_cublas_us"] / r["t_nodecode_us"] for r in rr]),
                 n_shapes=len(rr),
             )
     (out / "tiled_cbc_h200.json").write_text(json.dumps(res, indent=1))
     write_md(res, out / "tiled_cbc_h200.md")  # again below with the SpMM figures
     for k, g in res["geomean_spmspv"].items():
-        log(f"GEOMEAN spMspV {k}: {g['best']:.2f}x (default {g['default']:.2f}x, dp-off {g['dp_off']:.2f}x)")
+        log(f"GEOMEAN spMspV {k}: {g['best']:.2f}x (default {g['default']:.2f}x, v1 {g['v1']:.2f}x, "
+            f"dp-off {g['dp_off']:.2f}x, no-decode {g['nodecode']:.2f}x, median {g['median_gbps']:.0f} GB/s, "
+            f"n={g['n_shapes']})")
     if not args.no_spmm:
         sh = SPMM_SHAPES[:2] if args.quick else SPMM_SHAPES
         res["spmm"] = bench_spmm(cp, torch, sh, SPMM_NS, 0.5, log, deadline=t0 + args.spmm_seconds)
         res["geomean_spmm"] = {
             str(n): geomean([r["speedup"] for r in res["spmm"] if r["N"] == n]) for n in SPMM_NS
         }
+        res["geomean_spmm_fused"] = {
+            str(n): geomean([r["speedup_fused"] for r in res["spmm"] if r["N"] == n]) for n in SPMM_NS
+        }
+        res["geomean_spmm_dense_path"] = {
+            str(n): geomean([r["speedup_dense_path"] for r in res["spmm"] if r["N"] == n]) for n in SPMM_NS
+        }
+        res["geomean_spmm_v1"] = {
+            str(n): geomean([r["speedup_v1"] for r in res["spmm"] if r["N"] == n]) for n in SPMM_NS
+        }
     res["wall_s"] = time.time() - t0
     (out / "tiled_cbc_h200.json").write_text(json.dumps(res, indent=1))
     write_md(res, out / "tiled_cbc_h200.md")
     for k, g in res["geomean_spmspv"].items():
-        log(f"GEOMEAN spMspV {k}: {g['best']:.2f}x (default {g['default']:.2f}x, dp-off {g['dp_off']:.2f}x)")
+        log(f"GEOMEAN spMspV {k}: {g['best']:.2f}x (default {g['default']:.2f}x, v1 {g['v1']:.2f}x, "
+            f"dp-off {g['dp_off']:.2f}x, no-decode {g['nodecode']:.2f}x, median {g['median_gbps']:.0f} GB/s, "
+            f"n={g['n_shapes']})")
     for n, g in res.get("geomean_spmm", {}).items():
-        log(f"GEOMEAN SpMM N={n}: {g:.2f}x")
+        log(f"GEOMEAN SpMM N={n}: auto {g:.2f}x (fused {res['geomean_spmm_fused'][n]:.2f}x, dense-path "
+            f"{res['geomean_spmm_dense_path'][n]:.2f}x, v1 {res['geomean_spmm_v1'][n]:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -117,9 +117,10 @@ def check_tiled_cbc_layer(
         if dev is not None and m.bits is None:
             from .tiled_cbc_spmm import spmm
 
-            out = cp.full((n, M), cp.nan, dtype=cp.float16)
-            spmm(dev, cp.asarray(X), out=out)
-            fails += _compare(
-                f"spmm gpu n={n}", cp.asnumpy(out), truth, tolerance(w64, X64, 2.0, fp16_out=True)
-            )
+            for method in ("fused", "dense"):
+                out = cp.full((n, M), cp.nan, dtype=cp.float16)
+                spmm(dev, cp.asarray(X), out=out, method=method)
+                fails += _compare(
+                    f"spmm gpu {method} n={n}", cp.asnumpy(out), truth, tolerance(w64, X64, 2.0, fp16_out=True)
+                )
     return fails

@@ -110,6 +110,21 @@ class DeviceTiledCBC:
             best = max(best, int((ends - starts).max()))
         return max(16, best * (2 if self.bits is None else 1))
 
+    def spmm_tickets(self, n: int):
+        """Zeroed split-K tickets of the SpMM (one per output tile; the kernel leaves them zeroed)."""
+        cp = _cupy()
+        if getattr(self, "_spmm_tickets", None) is None or self._spmm_tickets.size < n:
+            self._spmm_tickets = cp.zeros(n, dtype=cp.uint32)
+        return self._spmm_tickets
+
+    def max_gtile_value_bytes(self) -> int:
+        """Largest byte size of one GTile's values (multiple of 16): the spMspV v2 slot size."""
+        if not hasattr(self, "_max_gtile"):
+            d = np.diff(self._tile_offset_host)
+            vb = 16 if self.bits is None else int(self.bits)
+            self._max_gtile = int(d.max(initial=0)) * vb // 8
+        return self._max_gtile
+
     def nbytes(self) -> int:
         """Bytes of the stored arrays (what a kernel could have to read)."""
         n = self.bitmap.nbytes + self.colinfo.nbytes + self.tile_offset.nbytes + self.values_u8.nbytes

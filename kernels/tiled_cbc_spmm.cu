@@ -33,6 +33,11 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, boo
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
 __device__ __forceinline__ u16 f2h(float f) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -189,7 +194,252 @@ __global__ void __launch_bounds__(256, MINB) tcbc_spmm(
         }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// v2: split-K (deterministic, one launch), NST-stage cp.async ring with the step's metadata, and the
+// decode of step t+1 in the same barrier interval as the mma of step t (one __syncthreads per step).
+//
+// Grid (ceil(N/BN), GTile rows, splits); a block covers `sps` steps (GK GTiles each) of its row. The
+// block's TileOffsets are read once into shared memory; per step one cp.async group moves the raw
+// values, the bitmaps (GK x 512 B), the ColInfo (GK x 64 B) and the X tile, so the decode reads only
+// shared memory. At is double-buffered: iteration t (after one barrier) issues step t+NST-1, decodes
+// step t+1 into At[(t+1)&1] and multiplies step t from At[t&1]; the two are independent, so the warp
+// schedulers overlap the decode's shared-memory/ALU work with the mma stream.
+// With splits > 1 each block writes fp32 partials [split][N][Mp]; the last block of an output tile (atomic
+// ticket) adds them in split order (deterministic), writes fp16 and resets the ticket.
+template <int BN, int GK, int NST, int MINB>
+__global__ void __launch_bounds__(256, MINB) tcbc_spmm2(
+    const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
+    const u16* __restrict__ values, const u16* __restrict__ X, u16* __restrict__ Y, int grid_c, int M, int K,
+    int N, int Mp, int raw_bytes, int sps, float* __restrict__ partial, u32* __restrict__ tickets) {
+    constexpr int BK = TILE_K * GK;
+    constexpr int XS = BK + 8;
+    constexpr int WN = BN / 2;
+    constexpr int NT = WN / 8;
+    constexpr int BMB = GK * TILE_K * 32;  // bitmap bytes per step
+    constexpr int CIB = GK * TILE_K * 4;   // colinfo bytes per step
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int last_s;
+    unsigned char* raw = smem;                                                          // NST * raw_bytes
+    u16* At = reinterpret_cast<u16*>(smem + NST * raw_bytes);                          // 2 * BK * AT_STRIDE
+    u16* Xs = At + 2 * BK * AT_STRIDE;                                                  // NST * BN * XS
+    unsigned char* bms = reinterpret_cast<unsigned char*>(Xs + NST * BN * XS);          // NST * BMB
+    unsigned char* cis = bms + NST * BMB;                                               // NST * CIB
+    u32* toffs = reinterpret_cast<u32*>(cis + NST * CIB);                               // sps * GK + 1
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wn = warp >> 2;
+    const int tr = blockIdx.y, n0 = blockIdx.x * BN;
+    const int gt_row = tr * grid_c;
+    const int nsteps = (grid_c + GK - 1) / GK;
+    const int sb = blockIdx.z * sps;
+    const int ns = max(0, min(nsteps, sb + sps) - sb);
+    const int cbase = sb * GK;  // first GTile column of the block
+
+    for (int i = tid; i <= ns * GK; i += 256) toffs[i] = tile_offset[gt_row + min(cbase + i, grid_c)];
+    __syncthreads();
+
+    auto issue = [&](int t) {
+        if (t < ns) {
+            const int st = t % NST;
+            const int c0 = cbase + t * GK, cn = min(GK, grid_c - c0);
+            const u32 v0 = toffs[t * GK], v1 = toffs[t * GK + cn];
+            const int chunks = (int)((v1 - v0) >> 3);
+            unsigned char* dst = raw + st * raw_bytes;
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(values + v0);
+            for (int i = tid; i < chunks; i += 256) cp_async16_zfill(dst + i * 16, src + i * 16, true);
+            const unsigned char* bsrc = reinterpret_cast<const unsigned char*>(bitmap + (size_t)(gt_row + c0) * TILE_K * 4);
+            const unsigned char* csrc = reinterpret_cast<const unsigned char*>(colinfo + (size_t)(gt_row + c0) * TILE_K);
+            for (int i = tid; i < cn * (BMB / GK / 16); i += 256) cp_async16_zfill(bms + st * BMB + i * 16, bsrc + i * 16, true);
+            if (tid < cn * (CIB / GK / 16)) cp_async16_zfill(cis + st * CIB + tid * 16, csrc + tid * 16, true);
+            u16* xd = Xs + st * BN * XS;
+            for (int i = tid; i < BN * BK / 8; i += 256) {
+                const int n = i / (BK / 8), kc = (i % (BK / 8)) * 8;
+                const int k = c0 * TILE_K + kc;
+                const bool ok = n0 + n < N && k < K;
+                const u16* g = ok ? X + (size_t)(n0 + n) * K + k : X;
+                cp_async16_zfill(xd + n * XS + kc, g, ok);
+            }
+        }
+        cp_commit();
+    };
+
+    const int wsel = lane >> 3, sh = (lane & 7) * 8;
+    auto decode = [&](int t) {
+        const int st = t % NST;
+        const int c0 = cbase + t * GK;
+        const u16* rv = reinterpret_cast<const u16*>(raw + st * raw_bytes);
+        const u64* bm = reinterpret_cast<const u64*>(bms + st * BMB);
+        const u32* ci_s = reinterpret_cast<const u32*>(cis + st * CIB);
+        const u32 vbase = toffs[t * GK];
+        u16* at = At + (t & 1) * BK * AT_STRIDE;
+#pragma unroll
+        for (int q = 0; q < BK / 8; ++q) {
+            const int kc = warp * (BK / 8) + q;
+            const int gcl = kc / TILE_K;
+            u32 h[4] = {0u, 0u, 0u, 0u};
+            if (c0 + gcl < grid_c) {
+                const u32 ci = ci_s[kc];
+                const u64 word = bm[kc * 4 + wsel];
+                const int pc = __popcll(word);
+                const int p0 = __shfl_sync(0xFFFFFFFFu, pc, 0), p1 = __shfl_sync(0xFFFFFFFFu, pc, 8),
+                          p2 = __shfl_sync(0xFFFFFFFFu, pc, 16);
+                int rank = (wsel > 0 ? p0 : 0) + (wsel > 1 ? p1 : 0) + (wsel > 2 ? p2 : 0) +
+                           __popcll(word & ((1ull << sh) - 1ull));
+                const u16* cv = rv + (toffs[t * GK + gcl] - vbase) + (ci >> 16);
+                const u32 byte = (u32)(word >> sh) & 0xFFu;
+#pragma unroll
+                for (int r = 0; r < 8; ++r) {
+                    if (byte & (1u << r)) {
+                        h[r >> 1] |= (u32)cv[rank] << ((r & 1) * 16);
+                        ++rank;
+                    }
+                }
+            }
+            *reinterpret_cast<uint4*>(at + kc * AT_STRIDE + lane * 8) = make_uint4(h[0], h[1], h[2], h[3]);
+        }
+    };
+
+    float acc[4][NT][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+
+#pragma unroll
+    for (int t = 0; t < NST - 1; ++t) issue(t);
+    cp_wait<NST - 2>();
+    __syncthreads();
+    if (ns > 0) decode(0);
+    for (int t = 0; t < ns; ++t) {
+        cp_wait<NST - 3>();
+        __syncthreads();
+        issue(t + NST - 1);
+        if (t + 1 < ns) decode(t + 1);
+        const u16* at = At + (t & 1) * BK * AT_STRIDE;
+        const u16* xs = Xs + (t % NST) * BN * XS;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            u32 a[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int j = lane >> 3;
+                const int m = wm * 64 + i * 16 + (j & 1) * 8;
+                const int k = kk + (j >> 1) * 8 + (lane & 7);
+                ldsm_x4_t(a[i], at + k * AT_STRIDE + m);
+            }
+#pragma unroll
+            for (int jj = 0; jj < NT; jj += 2) {
+                u32 b[4];
+                const int j = lane >> 3;
+                const int n = wn * WN + jj * 8 + (j >> 1) * 8 + (lane & 7);
+                const int k = kk + (j & 1) * 8;
+                ldsm_x4(b, xs + n * XS + k);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    mma16816(acc[i][jj], a[i], b);
+                    mma16816(acc[i][jj + 1], a[i], b + 2);
+                }
+            }
+        }
+    }
+    cp_wait<0>();
+
+    const int g = lane >> 2, tq = lane & 3;
+    if (gridDim.z == 1) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const int m = tr * TILE_M + wm * 64 + i * 16 + g;
+                const int n = n0 + wn * WN + j * 8 + 2 * tq;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int mm = m + (q >> 1) * 8, nn = n + (q & 1);
+                    if (mm < M && nn < N) Y[(size_t)nn * M + mm] = f2h(acc[i][j][q]);
+                }
+            }
+        return;
+    }
+    float* part = partial + (size_t)blockIdx.z * N * Mp;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int m = tr * TILE_M + wm * 64 + i * 16 + g;
+            const int n = n0 + wn * WN + j * 8 + 2 * tq;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int mm = m + (q >> 1) * 8, nn = n + (q & 1);
+                if (nn < N) part[(size_t)nn * Mp + mm] = acc[i][j][q];
+            }
+        }
+    __threadfence();
+    __syncthreads();
+    const int tk = tr * gridDim.x + blockIdx.x;
+    if (tid == 0) last_s = atomicAdd(&tickets[tk], 1u) == gridDim.z - 1;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    for (int idx = tid; idx < BN * TILE_M; idx += 256) {
+        const int nn = n0 + idx / TILE_M, mm = tr * TILE_M + idx % TILE_M;
+        if (nn >= N || mm >= M) continue;
+        float v = 0.f;
+        for (int z = 0; z < (int)gridDim.z; ++z) v += ld_cg(partial + ((size_t)z * N + nn) * Mp + mm);
+        Y[(size_t)nn * M + mm] = f2h(v);
+    }
+    if (tid == 0) tickets[tk] = 0u;
+}
+
 template __global__ void tcbc_spmm<128, 2, 1>(const u64*, const u32*, const u32*, const u16*, const u16*, u16*,
                                               int, int, int, int, int);
 template __global__ void tcbc_spmm<64, 2, 2>(const u64*, const u32*, const u32*, const u16*, const u16*, u16*,
                                              int, int, int, int, int);
+
+// Decode to dense (for the large-N prefill path: decode once, then cuBLAS): block = one GTile, thread t
+// = row t of it; per column one masked popcount gives the rank, the 16 values of the row are written as
+// two 16-byte stores (each thread writes its own 32-byte sector). Wd is [M, ldw], ldw >= the padded K.
+__global__ void __launch_bounds__(256) tcbc_decode_dense(const u64* __restrict__ bitmap, const u32* __restrict__ colinfo,
+                                                         const u32* __restrict__ tile_offset,
+                                                         const u16* __restrict__ values, u16* __restrict__ Wd,
+                                                         int grid_c, int M, int ldw) {
+    __shared__ u64 bm[TILE_K * 4];
+    __shared__ u32 ci[TILE_K];
+    __shared__ u32 toff;
+    const int gtc = blockIdx.x, tr = blockIdx.y, t = threadIdx.x;
+    const size_t gt = (size_t)tr * grid_c + gtc;
+    if (t < TILE_K * 4) bm[t] = bitmap[gt * TILE_K * 4 + t];
+    if (t < TILE_K) ci[t] = colinfo[gt * TILE_K + t];
+    if (t == 0) toff = tile_offset[gt];
+    __syncthreads();
+    const int w = t >> 6, b = t & 63;
+    u32 h[8];
+#pragma unroll
+    for (int c = 0; c < TILE_K; ++c) {
+        const u64 wd = bm[c * 4 + w];
+        int rank = __popcll(wd & ((1ull << b) - 1ull));
+        for (int q = 0; q < w; ++q) rank += __popcll(bm[c * 4 + q]);
+        const u32 v = ((wd >> b) & 1ull) ? (u32)values[toff + (ci[c] >> 16) + rank] : 0u;
+        if (c & 1) h[c >> 1] |= v << 16;
+        else h[c >> 1] = v;
+    }
+    const int row = tr * TILE_M + t;
+    if (row < M) {
+        uint4* dst = reinterpret_cast<uint4*>(Wd + (size_t)row * ldw + gtc * TILE_K);
+        dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+        dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    }
+}
+
+#define TCBC_SPMM2(BN, NST, MINB)                                                                          \
+    template __global__ void tcbc_spmm2<BN, 2, NST, MINB>(const u64*, const u32*, const u32*, const u16*, \
+                                                          const u16*, u16*, int, int, int, int, int, int, \
+                                                          int, float*, u32*);
+TCBC_SPMM2(32, 3, 2)
+TCBC_SPMM2(64, 3, 2)
+TCBC_SPMM2(64, 3, 1)
+TCBC_SPMM2(128, 3, 1)
+TCBC_SPMM2(128, 4, 1)
+TCBC_SPMM2(32, 5, 2)
+TCBC_SPMM2(64, 4, 2)

@@ -3,6 +3,9 @@
 ``spmm(dev, X)`` computes ``Y[N, M] = X[N, K] @ W^T`` (fp16 in, fp32 mma accumulation, fp16 out)
 from a float16-valued :class:`DeviceTiledCBC`. b-bit layers are not handled by this kernel (prefill
 of quantized layers: use the reference, or dequantize); it raises ``NotImplementedError``.
+``version=2`` (default): split-K with a deterministic one-launch ticket, NST-stage cp.async ring, decode of
+step t+1 overlapped with the mma of step t. ``version=1``: the first kernel (no split-K, serial
+decode -> mma), kept as the benchmark's same-machine baseline.
 """
 
 from __future__ import annotations
@@ -12,9 +15,18 @@ import numpy as np
 from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
 
 GK = 2
-CONFIGS = {128: 1, 64: 2}  # BN -> min blocks per SM (launch bounds)
-_SMEM_SET: dict[int, int] = {}
-_EXPR = tuple(f"tcbc_spmm<{bn}, {GK}, {mb}>" for bn, mb in CONFIGS.items())
+CONFIGS = {128: 1, 64: 2}  # v1: BN -> min blocks per SM (launch bounds)
+# v2: (BN, NST, MINB) as instantiated in the .cu file
+V2_CONFIGS = ((32, 3, 2), (64, 3, 2), (64, 3, 1), (128, 3, 1), (128, 4, 1), (32, 5, 2), (64, 4, 2))
+_SMEM_SET: dict[str, int] = {}
+_EXPR = (
+    tuple(f"tcbc_spmm<{bn}, {GK}, {mb}>" for bn, mb in CONFIGS.items())
+    + tuple(f"tcbc_spmm2<{bn}, {GK}, {nst}, {mb}>" for bn, nst, mb in V2_CONFIGS)
+    + ("tcbc_decode_dense",)
+)
+DENSE_FROM_N = 128  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
+SMS = 132
+_DENSE_WS: dict[tuple[int, int], object] = {}
 
 
 def _module():
@@ -25,7 +37,72 @@ def default_bn(n: int) -> int:
     return 64 if n <= 256 else 128
 
 
-def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None):
+def default_config(n: int) -> tuple[int, int, int]:
+    """(BN, NST, MINB) of the v2 kernel for N tokens."""
+    if n <= 32:
+        return (32, 5, 2)
+    if n <= 256:
+        return (64, 4, 2)
+    return (128, 4, 1)
+
+
+def decode_dense(dev: DeviceTiledCBC, out=None):
+    """W as a dense CuPy fp16 [M, Kp] (Kp = K padded to 16; columns >= K are zero), decoded on the GPU."""
+    cp = _cupy()
+    if dev.bits is not None:
+        raise NotImplementedError("decode_dense takes float16 Tiled-CBC values only")
+    M, _ = dev.shape
+    gr, gc = dev.grid
+    kp = gc * TILE[1]
+    if out is None:
+        out = cp.empty((M, kp), dtype=cp.float16)
+    if out.shape != (M, kp) or out.dtype != cp.float16 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous float16 [{M}, {kp}] array")
+    _module().get_function("tcbc_decode_dense")(
+        (gc, gr), (256,), (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, out, np.int32(gc),
+                           np.int32(M), np.int32(kp)))
+    return out
+
+
+def spmm_dense(dev: DeviceTiledCBC, X, out=None):
+    """Large-N prefill: decode W once into a workspace (one per shape, reused), then cuBLAS fp16
+    (CuPy matmul, fp32 accumulation). Prefill at large N is compute-bound, so this trades one extra pass over
+    W (~3 bytes per weight) for cuBLAS's wgmma kernels, which mma.sync cannot match on Hopper."""
+    cp = _cupy()
+    M, K = dev.shape
+    key = (M, dev.grid[1] * TILE[1])
+    ws = _DENSE_WS.get(key)
+    if ws is None:  # one workspace per shape, shared by all layers of that shape
+        ws = _DENSE_WS[key] = cp.empty(key, dtype=cp.float16)
+    decode_dense(dev, ws)
+    w = ws if ws.shape[1] == K else ws[:, :K]
+    if out is None:
+        return cp.matmul(X, w.T)
+    cp.matmul(X, w.T, out=out)
+    return out
+
+
+def default_splits(dev: DeviceTiledCBC, n: int, bn: int, min_steps: int = 4) -> int:
+    """Split K so that about two blocks per SM exist, keeping >= ``min_steps`` steps per block."""
+    gr, gc = dev.grid
+    nsteps = -(-gc // GK)
+    blocks = gr * -(-n // bn)
+    want = max(1, -(-2 * SMS // blocks))
+    return int(max(1, min(want, nsteps // min_steps)))
+
+
+def _set_smem(f, name: str, smem: int) -> None:
+    if _SMEM_SET.get(name, -1) < smem:  # once per size: no driver call while a graph is captured
+        f.max_dynamic_shared_size_bytes = smem
+        _SMEM_SET[name] = smem
+
+
+def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int = 2,
+         config: tuple[int, int, int] | None = None, splits: int | None = None, method: str = "auto"):
+    """Launch on the current stream; returns ``out`` (CuPy fp16 [N, M]).
+
+    method (version 2): "fused" (the tensor-core kernel reads the compressed arrays), "dense" (``spmm_dense``)
+    or "auto" (dense from ``DENSE_FROM_N`` tokens on). ``version=1`` is always the first fused kernel."""
     cp = _cupy()
     if dev.bits is not None:
         raise NotImplementedError("the tensor-core SpMM kernel takes float16 Tiled-CBC values only")
@@ -39,9 +116,10 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None):
     else:
         X, Kx = cp.ascontiguousarray(X), K
     N = X.shape[0]
-    bn = default_bn(N) if bn is None else int(bn)
-    if bn not in CONFIGS:
-        raise ValueError(f"bn must be one of {tuple(CONFIGS)}")
+    if method not in ("fused", "dense", "auto"):
+        raise ValueError(f"method must be fused, dense or auto, got {method!r}")
+    if version == 2 and (method == "dense" or (method == "auto" and N >= DENSE_FROM_N)):
+        return spmm_dense(dev, X if Kx == K else X[:, :K], out)
     if out is None:
         out = cp.empty((N, M), dtype=cp.float16)
     gr, gc = dev.grid
@@ -49,11 +127,39 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None):
         dev._spmm_raw = -(-dev.max_window_bytes(GK) // 16) * 16
     raw = dev._spmm_raw
     bk = TILE[1] * GK
+    if version == 2:
+        if config is None:
+            config = default_config(N) if bn is None else next(c for c in V2_CONFIGS if c[0] == bn)
+        if tuple(config) not in V2_CONFIGS:
+            raise ValueError(f"config must be one of {V2_CONFIGS}")
+        bn2, nst, mb = config
+        nsteps = -(-gc // GK)
+        splits = default_splits(dev, N, bn2) if splits is None else max(1, min(int(splits), nsteps))
+        sps = -(-nsteps // splits)
+        splits = -(-nsteps // sps)
+        ntn = -(-N // bn2)
+        smem = (nst * raw + 2 * bk * (TILE[0] + 8) * 2 + nst * bn2 * (bk + 8) * 2 + nst * GK * TILE[1] * 36
+                + (sps * GK + 1) * 4)
+        smem = -(-smem // 16) * 16
+        name = f"tcbc_spmm2<{bn2}, {GK}, {nst}, {mb}>"
+        f = _module().get_function(name)
+        _set_smem(f, name, smem)
+        part = dev.partial(splits * N) if splits > 1 else dev.dummy
+        tickets = dev.spmm_tickets(gr * ntn) if splits > 1 else dev.tickets
+        f((ntn, gr, splits), (256,),
+          (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, X, out, np.int32(gc), np.int32(M),
+           np.int32(Kx), np.int32(N), np.int32(dev.Mp), np.int32(raw), np.int32(sps), part, tickets),
+          shared_mem=smem)
+        return out
+    if version != 1:
+        raise ValueError(f"version must be 1 or 2, got {version}")
+    bn = default_bn(N) if bn is None else int(bn)
+    if bn not in CONFIGS:
+        raise ValueError(f"bn must be one of {tuple(CONFIGS)}")
     smem = 2 * raw + bk * (TILE[0] + 8) * 2 + 2 * bn * (bk + 8) * 2
-    f = _module().get_function(f"tcbc_spmm<{bn}, {GK}, {CONFIGS[bn]}>")
-    if _SMEM_SET.get(bn, -1) < smem:  # set once per size (no driver query while a graph is captured)
-        f.max_dynamic_shared_size_bytes = smem
-        _SMEM_SET[bn] = smem
+    name = f"tcbc_spmm<{bn}, {GK}, {CONFIGS[bn]}>"
+    f = _module().get_function(name)
+    _set_smem(f, name, smem)
     # K passed is X's row length; columns beyond the true K have no weights, so the padding is inert
     f((-(-N // bn), gr), (256,),
       (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, X, out, np.int32(gc), np.int32(M),

@@ -1,4 +1,6 @@
 // Tiled-CBC spMspV (decode, N = 1) on CUDA cores with dynamic pruning (SPDP, HAD-SMBD).
+// Two kernels: tcbc_spmspv2 (v2, the default; described further down) and tcbc_spmspv (v1, below, kept as
+// the benchmark's same-machine baseline). v1:
 //
 // Block = one GTile row (TILE_M = 256 outputs) x a chunk of `chunk` GTiles along K (split-K).
 //  1. ColInfo, TileOffset and the X tile of the chunk go to shared memory; each column is tested
@@ -229,6 +231,250 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv(
     if (tid == 0) tickets[tr] = 0u;
 }
 
+
+// ---------------------------------------------------------------------------------------------------
+// v2: a warp per GTile, one cp.async batch (one commit, one wait) per GTile, D GTiles in flight per warp.
+//
+// Block = NW warps = one GTile row x a chunk of GTiles along K (split-K as in v1); warp w takes the
+// chunk's GTiles w, w + NW, ... Each warp owns a ring of D slots, one GTile per slot:
+//   [0, 512)      the 16 column bitmaps (32 B each, by column index; inactive columns are not copied)
+//   [512, 768)    the compacted active-column list: {x_k (f32 bits), start (values), column, 16-B chunks}
+//   [768, 1280)   BITS < 16 only: the lane's 8 group scales (16 B per lane, one group per GTile)
+//   [VOFF, ...)   the GTile's values at their in-GTile offsets (only active columns' runs are copied)
+// Issue (GTile j + D - 1, metadata loaded one GTile earlier into registers): lanes 0..15 test their
+// column (|x_k| > tau, nnz > 0), a ballot + popcount compacts the active ones into the list, lane l
+// copies bitmap chunk l (16 B) if its column is active, then 32 lanes copy the active runs, 32 / (2 BITS)
+// columns per pass (fp16: a full 256-row column is exactly 32 x 16 B). One commit per GTile.
+// Decode (GTile j, after one wait + __syncwarp): lane l loads bitmap chunk l, popcounts its 4 words and
+// packs the column's prefix popcounts of u32 words 4h..4h+3 into one register (bytes); per active column
+// a lane then needs one shuffle (prefix of its bitmap word) + one LDS.32 (its word) + one popcount for
+// its rank, then <= 8 predicated value loads + FMA. No division in the loops; no block barrier until the end.
+template <int BITS>
+struct Hdr {
+    static constexpr int LIST = 512;
+    static constexpr int SCL = 768;
+    static constexpr int VOFF = BITS == 16 ? 768 : 1280;
+    static constexpr int MAXCH = 2 * BITS;  // 16-byte chunks of a full 256-row column
+};
+
+__device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// MODE 0: per set bit one predicated 2-byte LDS (8 per lane and column). MODE 2 (fp16): two 16-byte LDS per
+// lane and column + register shifts (fewer shared-memory wavefronts, more ALU). MODE 1 (measurement only):
+// everything but the value loads and FMAs, to separate the decode's cost from the data movement's.
+template <int BITS, int NW, int D, int MODE = 0>
+__global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
+    const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
+    const unsigned char* __restrict__ values, const u16* __restrict__ x, float tau,
+    const u16* __restrict__ scales_t, int group, int grid_c, int M, int K, int Mp, int chunk, int slot_bytes,
+    float* __restrict__ partial, u32* __restrict__ tickets, void* __restrict__ out, int out_f32) {
+    using H = Hdr<BITS>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int nact[NW][D];
+    __shared__ int last_s;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tr = blockIdx.y, split = blockIdx.x;
+    const int c0 = split * chunk;
+    const int nct = min(chunk, grid_c - c0);
+    const int mine = nct > warp ? (nct - warp + NW - 1) / NW : 0;
+    unsigned char* ring = smem + warp * D * slot_bytes;
+    const int row0 = tr * TILE_M + lane * 8;
+
+    // metadata of the next GTile to issue (registers, loaded one GTile ahead)
+    u32 m_ci = 0u, m_toff = 0u;
+    u16 m_x = 0;
+    uint4 m_sc = make_uint4(0u, 0u, 0u, 0u);
+    auto load_meta = [&](int j) {
+        m_ci = 0u;
+        if (j < mine) {
+            const int gtc = c0 + warp + j * NW, gt = tr * grid_c + gtc;
+            if (lane < TILE_K) {
+                const int k = gtc * TILE_K + lane;
+                m_ci = colinfo[gt * TILE_K + lane];
+                m_x = k < K ? x[k] : (u16)0;
+            } else if (lane == TILE_K) {
+                m_toff = tile_offset[gt];
+            }
+            if (BITS != 16)
+                m_sc = *reinterpret_cast<const uint4*>(scales_t + (size_t)((gtc * TILE_K) / group) * Mp + row0);
+        }
+    };
+    auto issue = [&](int j) {
+        if (j < mine) {
+            unsigned char* slot = ring + (j % D) * slot_bytes;
+            const int gt = tr * grid_c + c0 + warp + j * NW;
+            const float xf = h2f(m_x);
+            const u32 nnz = m_ci & 0xFFFFu;
+            const bool act = lane < TILE_K && nnz != 0u && fabsf(xf) > tau;
+            const u32 b = __ballot_sync(0xFFFFFFFFu, act);
+            const u32 toff = __shfl_sync(0xFFFFFFFFu, m_toff, TILE_K);
+            if (act) {
+                const int p = __popc(b & ((1u << lane) - 1u));
+                *reinterpret_cast<uint4*>(slot + H::LIST + 16 * p) =
+                    make_uint4(__float_as_uint(xf), m_ci >> 16, (u32)lane, (nnz * BITS + 127u) >> 7);
+            }
+            if ((b >> (lane >> 1)) & 1u) cp_async16(slot + 16 * lane, bitmap + (size_t)gt * (TILE_K * 4) + 2 * lane);
+            if (BITS != 16) *reinterpret_cast<uint4*>(slot + H::SCL + 16 * lane) = m_sc;
+            if (lane == 0) nact[warp][j % D] = __popc(b);
+            __syncwarp();
+            const int n = __popc(b);
+            constexpr int CPP = 32 / H::MAXCH;
+            const int sub = lane / H::MAXCH, jj = lane % H::MAXCH;
+            const unsigned char* src = values + (size_t)toff * BITS / 8;
+            for (int i = sub; i < n; i += CPP) {
+                const uint4 e = lds128(slot + H::LIST + 16 * i);
+                if (jj < (int)e.w) {
+                    const u32 o = e.y * BITS / 8 + 16 * jj;
+                    cp_async16(slot + H::VOFF + o, src + o);
+                }
+            }
+        }
+        cp_commit();
+    };
+
+    float acc[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc[r] = 0.f;
+    const int src_h = lane >> 4, bsh = 8 * ((lane >> 2) & 3), sh = 8 * (lane & 3);
+    const u32 below = (1u << sh) - 1u;
+
+    load_meta(0);
+#pragma unroll
+    for (int j = 0; j < D - 1; ++j) {
+        issue(j);
+        load_meta(j + 1);
+    }
+    for (int j = 0; j < mine; ++j) {
+        issue(j + D - 1);
+        load_meta(j + D);
+        cp_wait<D - 1>();
+        __syncwarp();
+        const unsigned char* slot = ring + (j % D) * slot_bytes;
+        const int n = nact[warp][j % D];
+        // prefix popcounts of this lane's bitmap chunk (column lane >> 1, u32 words 4h..4h+3)
+        const uint4 q = lds128(slot + 16 * lane);
+        const u32 a0 = __popc(q.x), a1 = __popc(q.y), a2 = __popc(q.z), a3 = __popc(q.w);
+        const u32 tp = __shfl_xor_sync(0xFFFFFFFFu, a0 + a1 + a2 + a3, 1);
+        const u32 P = ((lane & 1) ? tp : 0u) * 0x01010101u + (a0 << 8) + ((a0 + a1) << 16) + ((a0 + a1 + a2) << 24);
+        float sc[8];
+        if (BITS != 16) {
+            const uint4 s4 = lds128(slot + H::SCL + 16 * lane);
+            const u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                sc[2 * t] = h2f((u16)(sw[t] & 0xFFFFu));
+                sc[2 * t + 1] = h2f((u16)(sw[t] >> 16));
+            }
+        }
+#pragma unroll 2
+        for (int i = 0; i < n; ++i) {
+            const uint4 e = lds128(slot + H::LIST + 16 * i);
+            const float xk = __uint_as_float(e.x);
+            const int c = (int)e.z;
+            const u32 pc = __shfl_sync(0xFFFFFFFFu, P, 2 * c + src_h);
+            const u32 w32 = *reinterpret_cast<const u32*>(slot + 32 * c + 4 * (lane >> 2));
+            const int rank = (int)((pc >> bsh) & 0xFFu) + __popc(w32 & below);
+            const u32 byte = (w32 >> sh) & 0xFFu;
+            if (MODE == 1) {
+                acc[0] += (float)(rank + (int)byte) * xk;
+            } else if (BITS == 16 && MODE == 2) {
+                // wide decode: two conflict-free LDS.128 hold the lane's <= 8 values (16 halves from the
+                // aligned chunk of its first value), a 3-stage shifter aligns them, and each set bit
+                // consumes the lowest half of a shift register (only the registers still needed shift).
+                const int s = (int)e.y + rank;
+                const uint4* vc = reinterpret_cast<const uint4*>(slot + H::VOFF) + (s >> 3);
+                const uint4 A = vc[0], B = vc[1];
+                const int o = s & 7;
+                const u32 R[8] = {A.x, A.y, A.z, A.w, B.x, B.y, B.z, B.w};
+                u32 S[6], T[5], Q[4];
+#pragma unroll
+                for (int t = 0; t < 6; ++t) S[t] = (o & 4) ? R[t + 2] : R[t];
+#pragma unroll
+                for (int t = 0; t < 5; ++t) T[t] = (o & 2) ? S[t + 1] : S[t];
+                const u32 fs = (u32)(o & 1) * 16u;
+#pragma unroll
+                for (int t = 0; t < 4; ++t) Q[t] = __funnelshift_r(T[t], T[t + 1], fs);
+#pragma unroll
+                for (int r = 0; r < 8; ++r) {
+                    if (byte & (1u << r)) {
+                        acc[r] = fmaf(h2f((u16)(Q[0] & 0xFFFFu)), xk, acc[r]);
+                        const int need = 7 - r;  // halves rows r+1..7 can still take (positions 0..need-1)
+#pragma unroll
+                        for (int t = 0; t < 4; ++t) {
+                            if (t < 3 && 2 * t + 1 < need) Q[t] = __funnelshift_r(Q[t], Q[t < 3 ? t + 1 : 3], 16);
+                            else if (2 * t < need) Q[t] >>= 16;
+                        }
+                    }
+                }
+            } else if (BITS == 16) {
+                const u16* v = reinterpret_cast<const u16*>(slot + H::VOFF) + e.y + rank;
+#pragma unroll
+                for (int r = 0; r < 8; ++r) {
+                    if (byte & (1u << r)) {
+                        acc[r] = fmaf(h2f(*v), xk, acc[r]);
+                        ++v;
+                    }
+                }
+            } else {
+                constexpr int PER = 32 / BITS;
+                const u32* vw = reinterpret_cast<const u32*>(slot + H::VOFF);
+                const int s = (int)e.y + rank;
+                const u32 lo = vw[s / PER], hi = vw[s / PER + 1];  // PER is a power of two: shifts
+                u32 win = __funnelshift_r(lo, hi, (s % PER) * BITS);
+#pragma unroll
+                for (int r = 0; r < 8; ++r) {
+                    if (byte & (1u << r)) {
+                        const int qv = ((int)(win << (32 - BITS))) >> (32 - BITS);
+                        win >>= BITS;
+                        acc[r] = fmaf((float)qv * sc[r], xk, acc[r]);
+                    }
+                }
+            }
+        }
+        __syncwarp();  // all lanes are done with this slot before a later issue overwrites it
+    }
+    cp_wait<0>();
+    __syncthreads();
+
+    float* red = reinterpret_cast<float*>(smem);  // NW * 256 floats (the host sizes smem for it)
+#pragma unroll
+    for (int r = 0; r < 8; ++r) red[warp * TILE_M + lane * 8 + r] = acc[r];
+    __syncthreads();
+    const bool single = gridDim.x == 1;
+    for (int r = tid; r < TILE_M; r += NW * 32) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) v += red[w * TILE_M + r];
+        const int row = tr * TILE_M + r;
+        if (single) {
+            if (row < M) {
+                if (out_f32) reinterpret_cast<float*>(out)[row] = v;
+                else reinterpret_cast<u16*>(out)[row] = f2h(v);
+            }
+        } else {
+            partial[(size_t)split * Mp + row] = v;
+        }
+    }
+    if (single) return;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last_s = atomicAdd(&tickets[tr], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    for (int r = tid; r < TILE_M; r += NW * 32) {
+        const int row = tr * TILE_M + r;
+        float v = 0.f;
+        for (int s = 0; s < (int)gridDim.x; ++s) v += ld_cg(partial + (size_t)s * Mp + row);
+        if (row < M) {
+            if (out_f32) reinterpret_cast<float*>(out)[row] = v;
+            else reinterpret_cast<u16*>(out)[row] = f2h(v);
+        }
+    }
+    if (tid == 0) tickets[tr] = 0u;
+}
+
 // explicit instantiations (compile checks with nvcc; CuPy uses name_expressions)
 template __global__ void tcbc_spmspv<16, 4, 4>(const u64*, const u32*, const u32*, const unsigned char*,
                                                 const u16*, float, const u16*, int, int, int, int, int, int,
@@ -242,3 +488,19 @@ template __global__ void tcbc_spmspv<2, 4, 8>(const u64*, const u32*, const u32*
 template __global__ void tcbc_spmspv<4, 4, 8>(const u64*, const u32*, const u32*, const unsigned char*,
                                                const u16*, float, const u16*, int, int, int, int, int, int,
                                                float*, u32*, void*, int);
+
+#define TCBC2(B, W, S, MODE)                                                                                    \
+    template __global__ void tcbc_spmspv2<B, W, S, MODE>(const u64*, const u32*, const u32*, const unsigned char*, \
+                                                         const u16*, float, const u16*, int, int, int, int, int,    \
+                                                         int, int, float*, u32*, void*, int);
+TCBC2(16, 4, 2, 0)
+TCBC2(16, 4, 2, 1)
+TCBC2(16, 4, 2, 2)
+TCBC2(16, 4, 3, 0)
+TCBC2(16, 4, 3, 1)
+TCBC2(16, 4, 3, 2)
+TCBC2(16, 8, 2, 0)
+TCBC2(16, 8, 2, 1)
+TCBC2(16, 8, 2, 2)
+TCBC2(4, 4, 3, 0)
+TCBC2(2, 4, 3, 0)

@@ -2,6 +2,9 @@
 
 ``spmspv(dev, x, tau)`` computes ``y[m] = sum over k with |x_k| > tau of W[m, k] x[k]`` (fp32 sums,
 fp16 or fp32 out) from a :class:`DeviceTiledCBC`. ``tau=None`` (or negative) turns pruning off.
+``version=2`` (default): a warp per GTile, one cp.async batch per GTile, ``stages`` GTiles in flight per
+warp. ``version=1``: the first kernel (a list of active columns, one cp.async + wait per column), kept as
+the same-machine baseline of the benchmark.
 """
 
 from __future__ import annotations
@@ -14,7 +17,17 @@ NW = 4  # default warps per block
 WARPS = (4, 8)
 STAGES = (4, 8)
 BITS = (16, 4, 2)
-_EXPR = tuple(f"tcbc_spmspv<{b}, {w}, {s}>" for b in BITS for w in WARPS for s in STAGES)
+# v2 instantiations (bits, warps, stages), as in the .cu file; the first of each bits is its default
+V2_CONFIGS = ((16, 4, 2), (16, 4, 3), (16, 8, 2), (4, 4, 3), (2, 4, 3))
+_EXPR = (
+    tuple(f"tcbc_spmspv<{b}, {w}, {s}>" for b in BITS for w in WARPS for s in STAGES)
+    + tuple(f"tcbc_spmspv2<{b}, {w}, {s}>" for b, w, s in V2_CONFIGS)
+    + tuple(f"tcbc_spmspv2<{b}, {w}, {s}, {m}>" for b, w, s in V2_CONFIGS if b == 16 for m in (1, 2))
+)
+# fp16 value decode of v2: 0 = one predicated 2-byte LDS per set bit, 2 = two 16-byte LDS + register shifts
+DEFAULT_MODE = 0
+_SMEM_SET: dict[str, int] = {}
+SMEM_PER_SM = 227 * 1024
 
 
 def _module():
@@ -26,12 +39,40 @@ def _slot_bytes(bits: int) -> int:
 
 
 def default_chunk(dev: DeviceTiledCBC, sms: int = 132) -> int:
-    """GTiles per block along K: the largest power of two leaving >= 16 blocks per SM (fills the GPU)."""
+    """v1: GTiles per block along K: the largest power of two leaving >= 16 blocks per SM."""
     gr, gc = dev.grid
     for chunk in (32, 16, 8, 4):
         if gr * -(-gc // chunk) >= 16 * sms:
             return chunk
     return 2
+
+
+def v2_slot_bytes(dev: DeviceTiledCBC) -> int:
+    """Bytes of one v2 ring slot: header (bitmaps, list, scales) + the layer's largest GTile + 32 B slack
+    (the decode's widest read, two 16-byte chunks from a lane's first value, may pass the last run's end)."""
+    bits = 16 if dev.bits is None else int(dev.bits)
+    hdr = 768 if bits == 16 else 1280
+    return -(-(hdr + dev.max_gtile_value_bytes() + 32) // 16) * 16
+
+
+def v2_smem(dev: DeviceTiledCBC, warps: int, stages: int) -> int:
+    return max(warps * stages * v2_slot_bytes(dev), warps * TILE[0] * 4)
+
+
+def v2_default_config(dev: DeviceTiledCBC) -> tuple[int, int]:
+    """(warps, stages) of the v2 kernel for this layer's value type."""
+    bits = 16 if dev.bits is None else int(dev.bits)
+    return next((w, s) for b, w, s in V2_CONFIGS if b == bits)
+
+
+def v2_default_chunk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int = 132, scale: float = 1.0) -> int:
+    """GTiles per block: ``scale`` = 1 makes one resident wave (as many blocks as fit on the GPU at once,
+    each warp streaming an equal share of its GTile row); ``scale`` < 1 makes 1/scale waves of smaller blocks."""
+    gr, gc = dev.grid
+    smem = v2_smem(dev, warps, stages)
+    per_sm = max(1, min(SMEM_PER_SM // (smem + 1024), 2048 // (32 * warps)))
+    splits = max(1, min(gc, int(sms * per_sm / scale) // gr))
+    return int(min(gc, max(warps, -(-gc // splits))))
 
 
 def spmspv(
@@ -41,32 +82,67 @@ def spmspv(
     out=None,
     out_dtype=np.float16,
     chunk: int | None = None,
-    stages: int = 4,
-    warps: int = NW,
+    stages: int | None = None,
+    warps: int | None = None,
+    version: int = 2,
+    mode: int | None = None,
 ):
-    """Launch the kernel on the current stream; returns ``out`` (CuPy [M], fp16 or fp32)."""
+    """Launch the kernel on the current stream; returns ``out`` (CuPy [M], fp16 or fp32).
+
+    ``mode`` (fp16 v2 only): the value decode, 0 or 2 (see the .cu file); ``mode=1`` is a measurement aid that
+    moves the same bytes but skips the value loads and FMAs (meaningless output), used by the benchmark to
+    separate the decode's cost from the data movement's."""
     cp = _cupy()
     M, K = dev.shape
     if x.shape != (K,) or x.dtype != cp.float16:
         raise ValueError(f"x must be a CuPy float16 array of shape ({K},), got {x.dtype} {x.shape}")
+    if x.data.ptr % 16 or not x.flags.c_contiguous:  # the kernels copy X in 16-byte pieces
+        x = cp.ascontiguousarray(x).copy()
     bits = 16 if dev.bits is None else int(dev.bits)
-    if stages not in STAGES or warps not in WARPS:
-        raise ValueError(f"stages must be one of {STAGES} and warps one of {WARPS}")
     if out is None:
         out = cp.empty(M, dtype=out_dtype)
     out_f32 = out.dtype == cp.float32
     if not out_f32 and out.dtype != cp.float16:
         raise ValueError("out must be float16 or float32")
     gr, gc = dev.grid
+    t = np.float32(-1.0 if tau is None else tau)
+    scales = dev.scales_t if dev.scales_t is not None else dev.dummy
+    group = dev.group_size or 1
+    if version == 2:
+        if warps is None or stages is None:
+            warps, stages = v2_default_config(dev)
+        if (bits, warps, stages) not in V2_CONFIGS:
+            raise ValueError(f"v2 (bits, warps, stages) must be one of {V2_CONFIGS}")
+        chunk = v2_default_chunk(dev, warps, stages) if chunk is None else int(chunk)
+        slot = v2_slot_bytes(dev)
+        smem = v2_smem(dev, warps, stages)
+        mode = DEFAULT_MODE if mode is None or bits != 16 else int(mode)
+        if mode not in (0, 1, 2):
+            raise ValueError(f"mode must be 0, 1 or 2, got {mode}")
+        name = f"tcbc_spmspv2<{bits}, {warps}, {stages}" + (">" if mode == 0 else f", {mode}>")
+        f = _module().get_function(name)
+        if _SMEM_SET.get(name, -1) < smem:  # once per size: no driver call while a graph is captured
+            f.max_dynamic_shared_size_bytes = smem
+            _SMEM_SET[name] = smem
+        splits = -(-gc // chunk)
+        f((splits, gr), (warps * 32,),
+          (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u8, x, t, scales, np.int32(group), np.int32(gc),
+           np.int32(M), np.int32(K), np.int32(dev.Mp), np.int32(chunk), np.int32(slot), dev.partial(splits),
+           dev.tickets, out, np.int32(out_f32)),
+          shared_mem=smem)
+        return out
+    if version != 1:
+        raise ValueError(f"version must be 1 or 2, got {version}")
+    stages = 4 if stages is None else stages
+    warps = NW if warps is None else warps
+    if stages not in STAGES or warps not in WARPS:
+        raise ValueError(f"stages must be one of {STAGES} and warps one of {WARPS}")
     chunk = default_chunk(dev) if chunk is None else int(chunk)
     splits = -(-gc // chunk)
     ncol = chunk * TILE[1]
     ring = max(warps * stages * _slot_bytes(bits), warps * TILE[0] * 4)
     smem = ring + ncol * (4 + 4 + 2) + chunk * 4
     f = _module().get_function(f"tcbc_spmspv<{bits}, {warps}, {stages}>")
-    t = np.float32(-1.0 if tau is None else tau)
-    scales = dev.scales_t if dev.scales_t is not None else dev.dummy
-    group = dev.group_size or 1
     f(
         (splits, gr),
         (warps * 32,),

@@ -154,8 +154,9 @@ def test_gpu_quantized_layer(bits, g, shape):
 @pytest.mark.gpu
 def test_gpu_all_chunks_stages_and_spmm_tiles_agree():
     from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
+    from unionsparse.kernels.tiled_cbc_spmm import V2_CONFIGS as SPMM_CONFIGS
     from unionsparse.kernels.tiled_cbc_spmm import spmm
-    from unionsparse.kernels.tiled_cbc_spmspv import spmspv
+    from unionsparse.kernels.tiled_cbc_spmspv import V2_CONFIGS, spmspv
 
     rng = np.random.default_rng(9)
     W = _fp16_layer(rng, 768, 1040, 0.5)
@@ -165,26 +166,52 @@ def test_gpu_all_chunks_stages_and_spmm_tiles_agree():
     ref = spmspv_reference(m, x, 0.4)
     xe = np.where(np.abs(x.astype(np.float32)) > 0.4, x.astype(np.float64), 0)
     tol = tolerance(W.astype(np.float64), xe[None])[0]
-    for chunk in (1, 2, 4, 8, 16, 32, 65):
-        for stages in (4, 8):
+    runs = [dict(version=1, stages=st) for st in (4, 8)]
+    runs += [dict(version=2, warps=w, stages=st, mode=md) for b, w, st in V2_CONFIGS if b == 16 for md in (0, 2)]
+    for kw in runs:
+        for chunk in (1, 2, 3, 4, 8, 16, 32, 65, None):
             for _ in range(2):  # second launch: the split-K tickets were reset by the first
-                y = cp.asnumpy(
-                    spmspv(
-                        dev,
-                        cp.asarray(x),
-                        0.4,
-                        out=cp.full(768, cp.nan, cp.float32),
-                        chunk=chunk,
-                        stages=stages,
-                    )
-                )
-                assert (np.abs(y - W.astype(np.float64) @ xe) <= tol).all(), (chunk, stages)
+                out = cp.full(768, cp.nan, cp.float32)
+                y = cp.asnumpy(spmspv(dev, cp.asarray(x), 0.4, out=out, chunk=chunk, **kw))
+                assert (np.abs(y - W.astype(np.float64) @ xe) <= tol).all(), (chunk, kw)
     assert np.abs(ref - W.astype(np.float64) @ xe).max() <= tol.max()
-    X = rng.standard_normal((200, 1040)).astype(np.float16)
-    truth = X.astype(np.float64) @ W.astype(np.float64).T
-    for bn in (64, 128):
-        Y = cp.asnumpy(spmm(dev, cp.asarray(X), bn=bn)).astype(np.float64)
-        assert (np.abs(Y - truth) <= tolerance(W.astype(np.float64), X.astype(np.float64), 2.0, True)).all()
+    for n in (16, 33, 200):
+        X = rng.standard_normal((n, 1040)).astype(np.float16)
+        truth = X.astype(np.float64) @ W.astype(np.float64).T
+        bound = tolerance(W.astype(np.float64), X.astype(np.float64), 2.0, True)
+        for bn in (64, 128):
+            Y = cp.asnumpy(spmm(dev, cp.asarray(X), bn=bn, version=1)).astype(np.float64)
+            assert (np.abs(Y - truth) <= bound).all(), ("v1", bn)
+        for cfg in SPMM_CONFIGS:
+            for splits in (1, 2, 3, 40, None):
+                for _ in range(2):
+                    out = cp.full((n, 768), cp.nan, cp.float16)
+                    Y = spmm(dev, cp.asarray(X), out=out, config=cfg, splits=splits, method="fused")
+                    assert (np.abs(cp.asnumpy(Y).astype(np.float64) - truth) <= bound).all(), (n, cfg, splits)
+        Y = cp.asnumpy(spmm(dev, cp.asarray(X), method="dense")).astype(np.float64)
+        assert (np.abs(Y - truth) <= bound).all(), (n, "dense")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,g", [(4, 128), (2, 32), (4, 16)])
+def test_gpu_quantized_spmspv_every_chunk(bits, g):
+    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
+    from unionsparse.kernels.tiled_cbc_spmspv import spmspv
+
+    rng = np.random.default_rng(bits * 7 + g)
+    q, s = _int_layer(rng, 1000, 1200, 0.5, bits, g)
+    m = tiled_cbc.encode(q, bits=bits)
+    dev = DeviceTiledCBC(m, s, g)
+    w64 = dense_weights_f64(m, s, g)
+    x = rng.standard_normal(1200).astype(np.float16)
+    xe = np.where(np.abs(x.astype(np.float32)) > 0.3, x.astype(np.float64), 0)
+    tol = tolerance(w64, xe[None])[0]
+    for version in (1, 2):
+        for chunk in (1, 3, 8, 75, None):
+            out = cp.full(1000, cp.nan, cp.float32)
+            y = cp.asnumpy(spmspv(dev, cp.asarray(x), 0.3, out=out, chunk=chunk, version=version))
+            assert (np.abs(y - w64 @ xe) <= tol).all(), (version, chunk)
 
 
 @gpu
@@ -198,3 +225,49 @@ def test_encode_on_device_matches_cpu_encoder():
     d = encode_on_device(cp.asarray(W))
     for name in ("bitmap", "colinfo", "tile_offset", "values"):
         np.testing.assert_array_equal(cp.asnumpy(d[name]), getattr(m, name), err_msg=name)
+
+
+def _nvrtc():
+    """libnvrtc through ctypes (NVRTC_LIB, the system library or the nvidia-cuda-nvrtc wheel), else None."""
+    import ctypes
+    import ctypes.util
+    import glob
+    import os
+
+    cands = [os.environ.get("NVRTC_LIB"), ctypes.util.find_library("nvrtc")]
+    try:
+        import nvidia.cuda_nvrtc as w  # type: ignore[import-not-found]
+
+        cands += sorted(glob.glob(os.path.join(list(w.__path__)[0], "lib", "libnvrtc.so*")))
+    except Exception:
+        pass
+    cands += sorted(glob.glob("/tmp/nvcc/x/nvidia/cuda_nvrtc/lib/libnvrtc.so*"))
+    for c in cands:
+        if c:
+            try:
+                return ctypes.CDLL(c)
+            except OSError:
+                continue
+    return None
+
+
+@pytest.mark.parametrize("name", ["tiled_cbc_spmspv.cu", "tiled_cbc_spmm.cu"])
+def test_kernel_source_compiles_for_sm90(name):
+    """Front-end compile (PTX for compute_90, no GPU) of every explicitly instantiated kernel."""
+    import ctypes
+    from pathlib import Path
+
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("no libnvrtc here")
+    src = (Path(__file__).resolve().parents[1] / "kernels" / name).read_bytes()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name.encode(), 0, None, None) == 0
+    opts = [b"-arch=compute_90", b"-std=c++17"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert rc == 0, log.value.decode(errors="replace")
