@@ -106,7 +106,7 @@ def activation_scheme(
     if bits == 16:
         return {"bits": 16, "scheme": "fp16"}
     code_range(bits)
-    return {
+    rec = {
         "bits": int(bits),
         "group_size": int(group_size),
         "scheme": SCHEME,
@@ -115,6 +115,11 @@ def activation_scheme(
         "outlier_channels": None if outlier_channels is None else [int(c) for c in outlier_channels],
         "outlier_bits": int(outlier_bits),
     }
+    if outlier_channels:  # Atom: main input x[:, perm] with the outlier block zeroed; the block at 8 bits
+        rec["outlier_group_size"] = min(int(group_size), len(outlier_channels))
+        rec["outlier_clip"] = 1.0
+        rec["column_order"] = "normal channels ascending, then outlier channels ascending"
+    return rec
 
 
 ACT_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)

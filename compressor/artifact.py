@@ -30,6 +30,7 @@ from zarr.codecs import Crc32cCodec
 from ..formats import iebme, tiled_cbc
 from ..formats.errors import FormatError
 from .errors import UserError
+from .outliers import OutlierSide, side_arrays, side_from_arrays
 
 FORMAT_VERSION = 1
 MARKER = "unionsparse"
@@ -77,6 +78,7 @@ class LayerRecord:
     encoding: iebme.IEBMEMatrix | tiled_cbc.TiledCBCMatrix
     scales: np.ndarray | None
     attrs: dict = field(default_factory=dict)
+    outliers: OutlierSide | None = None  # Atom 8-bit side matrix (the main encoding is column-permuted)
 
     @property
     def format(self) -> str:
@@ -93,6 +95,8 @@ class LayerRecord:
             out = {"bitmap": e.bitmap, "colinfo": e.colinfo, "tile_offset": e.tile_offset, "values": e.values}
         if self.scales is not None:
             out["scales"] = self.scales
+        if self.outliers is not None:
+            out.update(side_arrays(self.outliers))
         return out
 
 
@@ -309,7 +313,12 @@ class Artifact:
             want = (shape[0], -(-shape[1] // gs))
             if scales.dtype != np.float16 or scales.shape != want:
                 raise FormatError(f"layer {name}: scales must be float16 {want}, got {scales.dtype} {scales.shape}")
-        return LayerRecord(name, enc, scales, a)
+        recorded = (a.get("activations") or {}).get("outlier_channels")
+        side = None
+        if recorded is not None or "outlier_codes" in present:
+            side = side_from_arrays(name, shape, arr("outlier_codes"), arr("outlier_scales"),
+                                    arr("outlier_channels"), recorded)
+        return LayerRecord(name, enc, scales, a, side)
 
     def read_dense(self, name: str) -> np.ndarray:
         return np.asarray(self.root["dense"][name][...])

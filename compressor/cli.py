@@ -64,7 +64,7 @@ def cli(log_level: str) -> None:
 @click.option("--gptq", is_flag=True, help="GPTQ weight error feedback (needs --prune wanda|sparsegpt).")
 @click.option("--clip-search", is_flag=True, help="Per-group weight clip ratios scored on calibration H.")
 @click.option("--keep-outliers", default=0, show_default=True, type=int,
-              help="Atom-style 8-bit outlier input channels (not supported by the kernels yet).")
+              help="Atom: the N most active input channels as an 8-bit side matrix (ie-bme, w4a4|w2a4).")
 @click.option("--format", "fmt", default="ie-bme", show_default=True, help="ie-bme|tiled-cbc")
 @click.option("--tile", default=None, help="Local tile HxW (ie-bme 16x64, tiled-cbc 256x16).")
 @click.option("--areas", default="2x2", show_default=True, help="IE-BME area grid R_AxC_A.")
@@ -79,14 +79,16 @@ def cli(log_level: str) -> None:
 @click.option("--dp-sparsity", default=0.0, show_default=True, type=float,
               help="Tiled-CBC dynamic (activation) sparsity target for the thresholds.")
 @click.option("--dp-profile", default="uniform", show_default=True, help="uniform|greedy")
+@click.option("--dp-calib", default="alpaca", show_default=True,
+              help="Dynamic-pruning calibration text: c4|alpaca|PATH (as --calib).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run after its last complete layer.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT.zarr if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_size, gptq, clip_search,
              keep_outliers, fmt, tile, areas, reorder,
-             calib, nsamples, seqlen, seed, device, workers, scheduler, dp_sparsity, dp_profile, resume, overwrite,
-             quiet, as_json) -> None:
+             calib, nsamples, seqlen, seed, device, workers, scheduler, dp_sparsity, dp_profile, dp_calib, resume,
+             overwrite, quiet, as_json) -> None:
     """Compress MODEL (a model folder, a .gguf file or a hub id) into OUT.zarr."""
     from .config import CompressConfig
     from .pipeline import compress as run
@@ -97,7 +99,7 @@ def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_
         quant=quant, group_size=group_size, gptq=gptq, clip_search=clip_search, keep_outliers=keep_outliers,
         format=fmt, tile=tile, areas=areas, reorder=reorder, calib=calib,
         nsamples=nsamples, seqlen=seqlen, seed=seed, device=device, workers=workers, scheduler=scheduler,
-        dp_sparsity=dp_sparsity, dp_profile=dp_profile, resume=resume, overwrite=overwrite,
+        dp_sparsity=dp_sparsity, dp_profile=dp_profile, dp_calib=dp_calib, resume=resume, overwrite=overwrite,
     ).validate()
     with Reporter(quiet=quiet or as_json) as rep:
         summary = run(cfg, rep)
@@ -215,12 +217,14 @@ def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
 @click.option("--seqlen", default=2048, show_default=True, type=int, help="Window length in tokens.")
 @click.option("--max-windows", default=None, type=int, help="Evaluate only the first N windows.")
 @click.option("--device", default="cpu", show_default=True, help="cpu|cuda")
+@click.option("--dp/--no-dp", "dp", default=True, show_default=True,
+              help="Tiled-CBC artifacts: apply the stored dynamic-pruning thresholds to every token.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_cmd(source, text_path, seqlen, max_windows, device, as_json) -> None:
+def eval_cmd(source, text_path, seqlen, max_windows, device, dp, as_json) -> None:
     """WikiText-2-style perplexity of a model or of an artifact (rebuilt with its stored weights)."""
     from .evaluate import evaluate_source
 
-    res = evaluate_source(source, text_path, seqlen, max_windows, device)
+    res = evaluate_source(source, text_path, seqlen, max_windows, device, dynamic_pruning=dp)
     if as_json:
         click.echo(json.dumps(res, indent=2))
     else:

@@ -28,7 +28,7 @@ class CompressConfig:
     group_size: int = 128
     gptq: bool = False  # GPTQ error feedback (needs calibration: --prune wanda|sparsegpt)
     clip_search: bool = False  # per-group weight clip ratios scored on calibration H
-    keep_outliers: int = 0  # Atom 8-bit outlier channels (not supported by the kernels yet)
+    keep_outliers: int = 0  # Atom: N most active input channels as an 8-bit side matrix (IE-BME, A4)
     format: str = "ie-bme"
     tile: str | None = None
     areas: str = "2x2"
@@ -44,6 +44,7 @@ class CompressConfig:
     overwrite: bool = False
     dp_sparsity: float = 0.0
     dp_profile: str = "uniform"
+    dp_calib: str = "alpaca"  # the dynamic-pruning calibration text (TEAL: Alpaca), any --calib form
 
     # ------------------------------------------------------------------ derived
     @property
@@ -89,12 +90,15 @@ class CompressConfig:
             raise UserError(f"--dp-sparsity must lie in [0, 1), got {self.dp_sparsity}")
         if self.dp_sparsity > 0 and self.format != "tiled-cbc":
             raise UserError("--dp-sparsity: dynamic pruning thresholds apply to --format tiled-cbc only")
-        if self.dp_sparsity > 0 and self.prune not in ("wanda", "sparsegpt"):
-            raise UserError("--dp-sparsity: thresholds are calibrated in the Wanda/SparseGPT calibration pass; "
-                            "use --prune wanda or sparsegpt")
-        if self.dp_profile != "uniform":
-            raise UserError("--dp-profile greedy is not wired into compress yet (thresholds.greedy_profile exists); "
-                            "use uniform")
+        if self.dp_sparsity > 0 and self.act_bits is not None:
+            raise UserError(f"--dp-sparsity: the spMspV kernel takes fp16 activations, not --quant {self.quant}; "
+                            "use --quant none or w4a16")
+        if self.dp_profile == "greedy" and self.dp_sparsity == 0:
+            raise UserError("--dp-profile greedy needs a dynamic sparsity target (--dp-sparsity > 0)")
+        if self.dp_profile == "greedy" and self.dp_sparsity > 0.95:
+            raise UserError(f"--dp-profile greedy: --dp-sparsity {self.dp_sparsity} exceeds the per-layer cap 0.95")
+        if self.dp_sparsity > 0 and self.dp_calib not in ("c4", "alpaca"):
+            check_calib_path(self.dp_calib, "--dp-calib")
         if self.nm is not None:
             n, m = parse_nm(self.nm)
             if self.prune == "none":
@@ -108,9 +112,7 @@ class CompressConfig:
             raise UserError("--gptq/--clip-search quantize weights; pick --quant w4a4|w2a4|w4a16")
         if (self.gptq or self.clip_search) and self.prune not in ("wanda", "sparsegpt"):
             raise UserError("--gptq/--clip-search need calibration statistics: use --prune wanda|sparsegpt")
-        if self.keep_outliers:
-            raise UserError(f"--keep-outliers {self.keep_outliers}: 8-bit outlier channels are not supported "
-                            "by the IE-BME/Tiled-CBC kernels or the artifact yet; use --keep-outliers 0")
+        self._validate_outliers()
         hl, kl = self.tile_shape
         if self.format == "ie-bme":
             if self.quant == "none":
@@ -147,6 +149,22 @@ class CompressConfig:
                 raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
         return self
 
+    def _validate_outliers(self) -> None:
+        """``--keep-outliers N``: IE-BME with 4-bit activations and calibration; N < K is checked on the model."""
+        n = self.keep_outliers
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise UserError(f"--keep-outliers must be a non-negative integer, got {n!r}")
+        if n == 0:
+            return
+        if self.quant not in ("w4a4", "w2a4"):
+            raise UserError(f"--keep-outliers {n}: outlier channels are kept at 8 bits next to 4-bit activations; "
+                            f"use --quant w4a4 or w2a4, not {self.quant}")
+        if self.format != "ie-bme":
+            raise UserError(f"--keep-outliers {n}: the 8-bit side matrix is carried by --format ie-bme only")
+        if self.prune not in ("wanda", "sparsegpt"):
+            raise UserError(f"--keep-outliers {n}: channels are chosen from calibration statistics; "
+                            "use --prune wanda|sparsegpt")
+
 
 def choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
@@ -174,9 +192,9 @@ def parse_nm(text: str) -> tuple[int, int]:
     return n, m
 
 
-def check_calib_path(path: str) -> None:
+def check_calib_path(path: str, flag: str = "--calib") -> None:
     p = Path(path)
     if not p.name.endswith(CALIB_SUFFIXES):
-        raise UserError(f"--calib: {path} is not c4, alpaca or a {'/'.join(CALIB_SUFFIXES)} file")
+        raise UserError(f"{flag}: {path} is not c4, alpaca or a {'/'.join(CALIB_SUFFIXES)} file")
     if not p.is_file():
-        raise UserError(f"--calib: file {path} does not exist")
+        raise UserError(f"{flag}: file {path} does not exist")

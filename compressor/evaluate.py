@@ -103,10 +103,12 @@ def is_artifact(source: str | Path) -> bool:
     return p.is_dir() and (p / "zarr.json").is_file()
 
 
-def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32):
+def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynamic_pruning: bool = True):
     """``(model, tokenizer, kind)`` for MODEL (folder, .gguf, hub id) or an artifact (rebuilt).
 
     An artifact's tokenizer comes from the model it was compressed from (root attrs ``source.model``).
+    Tiled-CBC layers compute the decode kernel's arithmetic, every token with the layer's stored
+    dynamic-pruning threshold unless ``dynamic_pruning`` is False (:mod:`.dp_linear`).
     """
     from .layerwise import load_tokenizer
 
@@ -121,7 +123,7 @@ def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32):
         origin = (art.attrs.get("source") or {}).get("model")
         if not origin:
             raise UserError(f"{source}: the artifact does not record its source model (for the tokenizer)")
-        model = rebuild_model(source)
+        model = rebuild_model(source, dynamic_pruning=dynamic_pruning)
         return model.eval(), load_tokenizer(origin), "artifact"
     from .model_io import load_model
 
@@ -135,8 +137,13 @@ def evaluate_source(
     seqlen: int = 2048,
     max_windows: int | None = None,
     device: str = "cpu",
+    dynamic_pruning: bool = True,
 ) -> dict:
-    """Perplexity of MODEL or an artifact on ``text_path``; returns a dict for the CLI (and ``--json``)."""
+    """Perplexity of MODEL or an artifact on ``text_path``; returns a dict for the CLI (and ``--json``).
+
+    ``dynamic_pruning``: a Tiled-CBC artifact's thresholds are applied to every token (see
+    :mod:`.dp_linear`); the result's ``dynamic_pruning`` then gives the fraction of weight reads skipped.
+    """
     import time
 
     if device not in ("cpu", "cuda"):
@@ -145,11 +152,14 @@ def evaluate_source(
         raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
     text = load_eval_text(text_path)  # check the text before the slow model load
     t0 = time.perf_counter()
-    model, tok, kind = load_for_eval(source)
+    model, tok, kind = load_for_eval(source, dynamic_pruning=dynamic_pruning)
     model.to(device)
     ids = tokenize_eval_text(tok, text)
     nlls = window_nlls(model, ids, seqlen, max_windows, device)
+    from .dp_linear import dp_summary
+
     return {
+        "dynamic_pruning": dp_summary(model),
         "source": str(source),
         "kind": kind,
         "text": str(text_path),

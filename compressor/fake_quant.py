@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .act_quant import quantize_activations_torch
-from .outliers import OutlierSide
+from .outliers import OutlierSide, quantize_inputs_torch
 from .quant import QuantizedWeight, n_groups
 
 
@@ -97,7 +97,9 @@ class FakeQuantLinear(nn.Module):
         self.outliers = outliers
         if outliers is not None:
             n = outliers.codes.shape[1]
-            self.side_group = min(self.group_size, n)
+            self.side_group = int(self.act.get("outlier_group_size") or min(self.group_size, n))
+            if list(self.act.get("outlier_channels") or []) != outliers.channels.tolist():
+                raise ValueError("the activation record's outlier_channels differ from the side matrix")
             _exact_bound(self.side_group, outliers.bits, outliers.bits)
             self.register_buffer("perm", torch.from_numpy(outliers.perm.astype(np.int64)))
             self.register_buffer("side_codes", torch.from_numpy(outliers.codes).float())
@@ -120,14 +122,8 @@ class FakeQuantLinear(nn.Module):
         if self.outliers is None:
             xq, sx = quantize_activations_torch(x, self.act_bits, self.group_size, clip)
             return grouped_int_matmul(xq, sx, self.w_codes, self.w_scales, self.group_size).half()
-        n_out = self.side_codes.shape[1]
-        xp = x[:, self.perm]
-        main = xp.clone()
-        main[:, self.in_features - n_out :] = 0.0
-        xq, sx = quantize_activations_torch(main, self.act_bits, self.group_size, clip)
+        xq, sx, oq, osx = quantize_inputs_torch(x, self.perm, self.side_codes.shape[1], self.act)
         y = grouped_int_matmul(xq, sx, self.w_codes, self.w_scales, self.group_size)
-        side = xp[:, self.in_features - n_out :]
-        oq, osx = quantize_activations_torch(side, self.outliers.bits, self.side_group, 1.0)
         return grouped_int_matmul(oq, osx, self.side_codes, self.side_scales, self.side_group, out=y).half()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,13 @@ import torch
 
 from .act_quant import ACT_CLIP_GRID, activation_scheme, calibrate_act_clip
 from .fake_quant import FakeQuantLinear
-from .outliers import OutlierSide, permute_hessian, select_outlier_channels, split_outliers
+from .outliers import (
+    OutlierSide,
+    dequantize_layer,
+    permute_hessian,
+    select_outlier_channels,
+    split_outliers,
+)
 from .quant import QuantizedWeight, quantize_weight
 
 MODES = {"w4a16": (4, 16), "w4a4": (4, 4), "w2a4": (2, 4)}
@@ -66,6 +72,11 @@ class QuantizedLayer:
     def module(self, bias: torch.Tensor | None = None) -> FakeQuantLinear:
         return FakeQuantLinear.from_quantized(self.qweight, self.activations, bias, self.outliers)
 
+    def dequantize(self) -> np.ndarray:
+        """float32 [M, K] weight in the original column order (main part and 8-bit side together)."""
+        deq = self.qweight.dequantize()
+        return deq if self.outliers is None else dequantize_layer(deq, self.outliers)
+
 
 class TokenSampler:
     """Keeps ``per_batch`` random token rows of every batch a layer sees (for activation calibration)."""
@@ -97,6 +108,7 @@ def quantize_layer(
     t0 = time.perf_counter()
     w = torch.as_tensor(weight).float()
     k = w.shape[1]
+    implicit_mask = mask is None  # then w * mask == w: quantize_weight need not apply it
     if mask is None:
         mask = w != 0
     if spec.needs_hessian and h is None:
@@ -104,8 +116,10 @@ def quantize_layer(
     side = None
     channels = None
     if spec.keep_outliers:
+        if x_sq_norm is None and h is not None:  # diag H = 2/n sum x_k^2: the same ranking (SparseGPT stats)
+            x_sq_norm = torch.diagonal(torch.as_tensor(h))
         if x_sq_norm is None:
-            raise ValueError("outlier channels are chosen from x_sq_norm; none given")
+            raise ValueError("outlier channels are chosen from x_sq_norm (or diag H); none given")
         channels = select_outlier_channels(x_sq_norm, spec.keep_outliers)
         w, side = split_outliers(w * mask, channels)
         p = torch.from_numpy(side.perm.astype(np.int64)).to(w.device)
@@ -117,7 +131,8 @@ def quantize_layer(
             tokens = tokens.to(w.device)[:, p].clone()
             tokens[:, k - channels.size :] = 0.0
     q = quantize_weight(w, spec.weight_bits, spec.group_size, gptq=spec.gptq, clip_search=spec.clip_search,
-                        h=h, mask=mask, act_order=spec.act_order, percdamp=spec.percdamp)
+                        h=h, mask=None if implicit_mask and side is None and not spec.gptq else mask,
+                        act_order=spec.act_order, percdamp=spec.percdamp)
     report: dict = {}
     clip = 1.0
     if spec.needs_tokens and tokens is not None:

@@ -6,6 +6,7 @@ each block sees the outputs of the already-pruned blocks before it, as both refe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +30,7 @@ __all__ = [
     "LayerStats",
     "owl_block_sparsities",
     "calibrated_blocks",
+    "non_block_weights",
     "CalibrationPlan",
     "calibration_plan",
     "load_tokenizer",
@@ -37,6 +39,9 @@ __all__ = [
 ]
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
+#: ``load(module, path)``: a context manager holding ``module``'s weights (read from the checkpoint) while
+#: open; the streaming runs pass ``streaming.loaded_weights``.
+LoadWeights = Callable[[nn.Module, str], contextlib.AbstractContextManager]
 
 
 class _StopForward(Exception):
@@ -255,25 +260,28 @@ def owl_block_sparsities(
     lam: float = 0.08,
     m: float = 5.0,
     device: str | torch.device = "cpu",
+    load: LoadWeights | None = None,
 ) -> tuple[list[float], list[float]]:
     """OWL: outlier ratio of every block on the dense model, then per-block sparsities (mean = target).
 
     One dense calibration pass (Wanda statistics, block inputs from the dense previous blocks).
-    Returns ``(sparsities, outlier_ratios)``.
+    Returns ``(sparsities, outlier_ratios)``. ``load``: as in :func:`calibrated_blocks`.
     """
-    blocks, _ = find_blocks(model)
+    blocks, prefix = find_blocks(model)
     device = torch.device(device)
-    inps, kwargs = capture_block_inputs(model, samples, device)
+    with non_block_weights(model, load):
+        inps, kwargs = capture_block_inputs(model, samples, device)
     outs = torch.empty_like(inps)
     ratios = []
-    for block in blocks:
-        orig = _device_of(block)
-        block.to(device)
-        stats = collect_block_stats(block, None, inps, kwargs, kind="wanda", outs=outs)
-        metrics = [pruning.wanda_metric(mod.weight, stats[n].x_sq_norm) for n, mod in block_linears(block)]
-        ratios.append(pruning.outlier_ratio(metrics, m))
-        del metrics, stats
-        block.to(orig)
+    for bi, block in enumerate(blocks):
+        with load(block, f"{prefix}.{bi}") if load is not None else contextlib.nullcontext():
+            orig = _device_of(block)
+            block.to(device)
+            stats = collect_block_stats(block, None, inps, kwargs, kind="wanda", outs=outs)
+            metrics = [pruning.wanda_metric(mod.weight, stats[n].x_sq_norm) for n, mod in block_linears(block)]
+            ratios.append(pruning.outlier_ratio(metrics, m))
+            del metrics, stats
+            block.to(orig)
         inps, outs = outs, inps
     return pruning.owl_sparsities(ratios, target, lam), ratios
 
@@ -286,35 +294,59 @@ def _device_of(module: nn.Module) -> torch.device:
 LayerCallback = Callable[[str, nn.Linear, torch.Tensor], None]
 
 
+def non_block_weights(model: nn.Module, load: LoadWeights | None) -> contextlib.AbstractContextManager:
+    """Weights of the base model's parts other than the blocks (embeddings, norms), loaded while open.
+
+    What ``capture_block_inputs`` needs when the parameters are on the meta device (a no-op when
+    ``load`` is None).
+    """
+    if load is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    blocks, prefix = find_blocks(model)
+    base = _base_of(model, prefix)
+    base_path = prefix.rsplit(".", 1)[0] if "." in prefix else ""
+    for name, child in base.named_children():
+        if child is not blocks:
+            stack.enter_context(load(child, f"{base_path}.{name}" if base_path else name))
+    return stack
+
+
 def calibrated_blocks(
-    model: nn.Module, samples: torch.Tensor | None, kind: str | None, device: str | torch.device = "cpu"
+    model: nn.Module, samples: torch.Tensor | None, kind: str | None, device: str | torch.device = "cpu",
+    load: LoadWeights | None = None,
 ) -> Iterator[tuple[int, nn.Module, dict[str, LayerStats]]]:
     """Yield ``(index, block, stats)`` block by block; prune the block's linears before advancing.
 
     ``kind`` is ``"wanda"``, ``"sparsegpt"``, ``"both"`` or None (no calibration: stats is ``{}``).
     The block sits on ``device`` while it is yielded; when the consumer asks for the next block, the
     (now pruned) block is run on the current inputs to give the next block's inputs, and is moved back.
+    ``load(module, path)`` (streaming: the parameters are on the meta device) is a context manager that
+    holds ``module``'s weights while open: the embedding part while block 0's inputs are caught, then
+    each block from before its statistics until its outputs are computed, so one block is in memory.
     """
     device = torch.device(device)
-    blocks, _ = find_blocks(model)
+    blocks, prefix = find_blocks(model)
     inps = kwargs = outs = None
     if kind is not None:
         if samples is None or samples.numel() == 0:
             raise UserError("calibration samples are needed (--calib)")
-        inps, kwargs = capture_block_inputs(model, samples, device)
+        with non_block_weights(model, load):
+            inps, kwargs = capture_block_inputs(model, samples, device)
         outs = torch.empty_like(inps)
     for bi, block in enumerate(blocks):
-        orig = _device_of(block)
-        block.to(device)
-        try:
-            stats = collect_block_stats(block, None, inps, kwargs, kind=kind) if kind is not None else {}
-            yield bi, block, stats
-            del stats
-            if kind is not None:
-                forward_block(block, inps, kwargs, outs)
-                inps, outs = outs, inps
-        finally:
-            block.to(orig)
+        with load(block, f"{prefix}.{bi}") if load is not None else contextlib.nullcontext():
+            orig = _device_of(block)
+            block.to(device)
+            try:
+                stats = collect_block_stats(block, None, inps, kwargs, kind=kind) if kind is not None else {}
+                yield bi, block, stats
+                del stats
+                if kind is not None:
+                    forward_block(block, inps, kwargs, outs)
+                    inps, outs = outs, inps
+            finally:
+                block.to(orig)
 
 
 @dataclass
@@ -359,8 +391,12 @@ def calibration_plan(
     note: Callable[[str], None] | None = None,
     tokenizer=None,
     nm: str | tuple[int, int] | None = None,
+    load: LoadWeights | None = None,
 ) -> CalibrationPlan:
-    """Load calibration windows when ``prune`` / ``profile`` need them, and the per-block sparsities."""
+    """Load calibration windows when ``prune`` / ``profile`` need them, and the per-block sparsities.
+
+    ``load``: as in :func:`calibrated_blocks` (streaming: the OWL pass fills one block in at a time).
+    """
     from .calibration import load_calibration
 
     if profile not in ("uniform", "owl"):
@@ -380,7 +416,7 @@ def calibration_plan(
     info = dict(info)
     if profile == "owl":
         say("OWL: outlier ratios on the dense model")
-        sps, ratios = owl_block_sparsities(model, samples, sparsity, owl_lambda, owl_m, device)
+        sps, ratios = owl_block_sparsities(model, samples, sparsity, owl_lambda, owl_m, device, load)
         info["owl_outlier_ratios"] = ratios
         info["owl_lambda"], info["owl_m"] = owl_lambda, owl_m
     else:

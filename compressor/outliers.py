@@ -16,7 +16,10 @@ Layout (one layer, weight W [M, K], outlier channels C, |C| = n):
   per group like any input; the outlier block ``x[:, C]`` gets its own per-token 8-bit scales, one per
   ``min(group_size, n)`` channels.
 
-The side matrix costs ``M*n + 2*M`` bytes plus ``4*K`` for ``perm`` (:func:`side_bytes`).
+In the artifact (``docs/format.md``) a layer with outliers stores the main matrix in the permuted
+column order, plus ``outlier_codes`` int8 [M, n], ``outlier_scales`` float16 [M, 1] and
+``outlier_channels`` int32 [n]; ``perm`` is rebuilt from the channels. The side matrix costs
+``M*n + 2*M + 4*n`` bytes (:func:`side_bytes`), which ``inspect`` counts in the layer's totals.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..formats.errors import FormatError
+from .act_quant import quantize_activations_torch
+from .errors import UserError
 from .quant import rtn
 
 OUTLIER_BITS = 8
@@ -91,5 +97,124 @@ def permute_hessian(h: torch.Tensor | np.ndarray, perm: np.ndarray) -> torch.Ten
 
 
 def side_bytes(m: int, k: int, n: int) -> dict[str, int]:
-    """Bytes the outlier side of one layer adds to the artifact."""
-    return {"outlier_codes": m * n, "outlier_scales": 2 * m if n else 0, "outlier_perm": 4 * k if n else 0}
+    """Bytes the outlier side of one layer adds to the artifact (codes, scales, channel indices)."""
+    del k  # the permutation is rebuilt from the channel indices, not stored
+    return {"outlier_codes": m * n, "outlier_scales": 2 * m if n else 0, "outlier_channels": 4 * n}
+
+
+# ------------------------------------------------------------------------- inputs (one definition)
+
+
+def quantize_inputs_torch(
+    x: torch.Tensor, perm: torch.Tensor, n: int, act: dict
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel inputs of a layer with ``n`` outlier channels, from float input ``x`` [N, K] (original order).
+
+    Returns (main codes [N, K] int8, main scales [N, G] fp16, side codes [N, n] int8, side scales
+    [N, Gs] fp16): the main input is ``x[:, perm]`` with its last ``n`` columns zeroed, quantized by the
+    record ``act`` (bits, group size, clip); the side input is the outlier block ``x[:, perm[K-n:]]``
+    quantized per token at ``outlier_bits`` in groups of ``outlier_group_size`` with ``outlier_clip``.
+    """
+    x = x.float()
+    k = x.shape[1]
+    xp = x[:, perm]
+    main = xp.clone()
+    main[:, k - n :] = 0.0
+    xq, sx = quantize_activations_torch(main, int(act["bits"]), min(int(act["group_size"]), k),
+                                        float(act.get("clip", 1.0)))
+    og = int(act.get("outlier_group_size") or min(int(act["group_size"]), n))
+    oq, osx = quantize_activations_torch(xp[:, k - n :], int(act.get("outlier_bits", OUTLIER_BITS)), og,
+                                         float(act.get("outlier_clip", 1.0)))
+    return xq, sx, oq, osx
+
+
+def quantize_inputs(x: np.ndarray, side: OutlierSide, act: dict) -> tuple[np.ndarray, ...]:
+    """numpy version of :func:`quantize_inputs_torch` (what ``verify`` feeds the kernels)."""
+    p = torch.from_numpy(side.perm.astype(np.int64))
+    out = quantize_inputs_torch(torch.from_numpy(np.asarray(x, np.float32)), p, side.channels.size, act)
+    return tuple(t.numpy() for t in out)
+
+
+# ----------------------------------------------------------------------------- artifact and stats
+
+
+def side_arrays(side: OutlierSide) -> dict[str, np.ndarray]:
+    """The arrays a layer with outliers stores next to its main encoding."""
+    return {"outlier_codes": np.ascontiguousarray(side.codes, dtype=np.int8),
+            "outlier_scales": np.ascontiguousarray(side.scales, dtype=np.float16),
+            "outlier_channels": np.ascontiguousarray(side.channels, dtype=np.int32)}
+
+
+def side_from_arrays(name: str, shape: tuple[int, int], codes: np.ndarray, scales: np.ndarray,
+                     channels: np.ndarray, recorded: list | None) -> OutlierSide:
+    """Rebuild and structurally check a stored side matrix; FormatError names what is wrong."""
+    m, k = shape
+    if channels.dtype != np.int32 or channels.ndim != 1:
+        raise FormatError(f"layer {name}: outlier_channels must be int32 [n], got {channels.dtype} {channels.shape}")
+    n = channels.size
+    if not 0 < n < k:
+        raise FormatError(f"layer {name}: {n} outlier channels for K={k} (need 1..{k - 1})")
+    if channels.min() < 0 or channels.max() >= k or (np.diff(channels.astype(np.int64)) <= 0).any():
+        raise FormatError(f"layer {name}: outlier_channels must be strictly increasing in 0..{k - 1}")
+    if not isinstance(recorded, list) or [int(c) for c in recorded] != channels.tolist():
+        raise FormatError(f"layer {name}: outlier_channels differ from the activation record's")
+    if codes.dtype != np.int8 or codes.shape != (m, n):
+        raise FormatError(f"layer {name}: outlier_codes must be int8 {(m, n)}, got {codes.dtype} {codes.shape}")
+    if scales.dtype != np.float16 or scales.shape != (m, 1):
+        raise FormatError(f"layer {name}: outlier_scales must be float16 {(m, 1)}, got {scales.dtype} {scales.shape}")
+    ch = channels.astype(np.int64)
+    return OutlierSide(ch, column_permutation(k, ch), codes, scales)
+
+
+def with_side_bytes(fig: dict, side: OutlierSide, value_bits: int) -> dict:
+    """Storage figures (``formats.stats`` keys) of a layer's main encoding plus its outlier side.
+
+    Codes count as payload, their scales as scale bytes, the channel indices as metadata; ``nnz`` adds the
+    side's nonzero codes (8-bit values in PMR); ratios are recomputed from the new sums.
+    """
+    m, k = fig["shape"]
+    b = side_bytes(m, k, side.channels.size)
+    out = dict(fig)
+    nnz_side = int(np.count_nonzero(side.codes))
+    out["nnz"] = fig["nnz"] + nnz_side
+    out["payload_bytes"] = fig["payload_bytes"] + b["outlier_codes"]
+    out["scale_bytes"] = fig["scale_bytes"] + b["outlier_scales"]
+    out["meta_bytes"] = fig["meta_bytes"] + b["outlier_channels"]
+    out["total_bytes"] = out["payload_bytes"] + out["meta_bytes"] + out["scale_bytes"]
+    out["sparsity"] = 1.0 - out["nnz"] / (m * k)
+    out["bits_per_weight"] = out["total_bytes"] * 8 / (m * k)
+    out["cr"] = 2 * m * k / out["total_bytes"]
+    out["pmr"] = (value_bits / 8 * fig["nnz"] + nnz_side) / out["meta_bytes"]
+    out["outliers"] = int(side.channels.size)
+    out["outlier_bytes"] = sum(b.values())
+    return out
+
+
+def check_outlier_count(n: int, in_features: dict[str, int]) -> None:
+    """``--keep-outliers n`` must leave at least one normal channel in every layer (UserError otherwise)."""
+    if not in_features or n <= 0:
+        return
+    name, k = min(in_features.items(), key=lambda kv: kv[1])
+    if n >= k:
+        raise UserError(f"--keep-outliers {n}: layer {name} has only {k} input channels (need N < K)")
+
+
+def dequantize_layer(main_deq: np.ndarray, side: OutlierSide) -> np.ndarray:
+    """float32 [M, K] weight in the original column order from the permuted main part and the side."""
+    m, k = main_deq.shape
+    out = np.zeros((m, k), np.float32)
+    n = side.channels.size
+    out[:, side.perm[: k - n]] = main_deq[:, : k - n]
+    out[:, side.channels] = side.dequantize()
+    return out
+
+
+def add_side_figures(attrs: dict, side: OutlierSide, value_bits: int) -> None:
+    """Fold the side matrix's bytes into a layer's ``stats`` and ``baselines`` (in place).
+
+    Every baseline encoding of the main matrix would carry the same side matrix, so it is added to each;
+    dense fp16 already holds every weight and stays the reference.
+    """
+    attrs["stats"] = with_side_bytes(attrs["stats"], side, value_bits)
+    attrs["baselines"] = {k: v if k == "dense-fp16" else with_side_bytes(v, side, value_bits)
+                          for k, v in attrs.get("baselines", {}).items()}

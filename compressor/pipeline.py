@@ -14,12 +14,13 @@ from . import layerwise, pruning
 from .artifact import ArtifactWriter, LayerRecord, new_root_attrs
 from .cluster import LayerEncoder
 from .config import CompressConfig, parse_nm
+from .dp_calib import DPCalibrator
 from .errors import UserError
 from .layer_quant import QuantizedLayer, TokenTap, hessian_kind, quantize_layer, spec_from_config
 from .model_io import block_linears, find_blocks
+from .outliers import add_side_figures, check_outlier_count
 from .progress import Reporter
-from .streaming import StreamingModel, layer_weight, model_dense_tensors, open_model
-from .thresholds import tau_from_samples
+from .streaming import StreamingModel, block_loader, layer_weight, model_dense_tensors, open_model
 
 
 @dataclass
@@ -128,12 +129,15 @@ def encode_layer(name: str, w: torch.Tensor | QuantizedLayer, cfg: CompressConfi
         else:
             enc = tiled_cbc.encode(q.codes, tile=cfg.tile_shape, bits=bits)
     s = stats(enc, group_size=group)
-    mask = (enc.decode() != 0) if bits is not None else (w != 0).numpy()
+    mask = (q.codes != 0) if bits is not None else (w != 0).numpy()  # = enc.decode() != 0 (lossless)
     attrs["stats"] = s
     attrs["baselines"] = baselines(mask, 16 if bits is None else bits, group)
     if cfg.format == "tiled-cbc":
         attrs["dp_threshold"] = None
-    return LayerRecord(name, enc, scales, attrs)
+    side = None if bits is None else ql.outliers  # --keep-outliers: the 8-bit side matrix, counted in stats
+    if side is not None:
+        add_side_figures(attrs, side, bits)
+    return LayerRecord(name, enc, scales, attrs, side)
 
 
 def to_storage_dtype(t: torch.Tensor) -> np.ndarray:
@@ -154,11 +158,14 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         raise UserError(f"-o: {out} must end in .zarr")
     if not out.parent.exists():
         raise UserError(f"-o: folder {out.parent} does not exist")
-    # safetensors folders stream (meta skeleton, one layer in memory) unless calibration runs forward passes
+    # safetensors folders stream (meta skeleton; one layer, or with calibration one block, in memory)
     with reporter.stage(f"loading {Path(cfg.model).name}", total=None):
-        loaded = open_model(cfg.model, streaming=not cfg.needs_calibration and cfg.sparsity_profile == "uniform")
+        loaded = open_model(cfg.model, forward=cfg.needs_calibration or cfg.sparsity_profile == "owl")
+    load = block_loader(loaded)  # streaming: fills a block's (or the embeddings') weights in while it runs
     model = loaded.model
     blocks, prefix = find_blocks(model)
+    check_outlier_count(cfg.keep_outliers, {f"{prefix}.{i}.{n}": lin.weight.shape[1]
+                                            for i, b in enumerate(blocks) for n, lin in block_linears(b)})
     writer = ArtifactWriter(out, new_root_attrs(cfg.model, loaded.fingerprint, cfg.to_dict(), loaded.config),
                             resume=cfg.resume, overwrite=cfg.overwrite)
     totals = LayerTotals()
@@ -167,7 +174,7 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         encoder = LayerEncoder(cfg, writer.write_layer, totals.add, reporter.note)  # inline or on Dask
         plan = layerwise.calibration_plan(  # calibration windows, statistics kind, per-block sparsity (OWL)
             model, cfg.model, cfg.prune, cfg.sparsity, cfg.sparsity_profile, cfg.calib, cfg.nsamples,
-            cfg.seqlen, cfg.seed, cfg.device, note=reporter.note, nm=cfg.nm,
+            cfg.seqlen, cfg.seed, cfg.device, note=reporter.note, nm=cfg.nm, load=load,
         )
         done = writer.completed_layers()
         compressed: set[str] = set()
@@ -180,41 +187,66 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
             kind = hessian_kind(plan.kind) if cfg.gptq or cfg.clip_search else plan.kind  # GPTQ needs H
             # a token sample of every layer's input calibrates its activation clip ratio
             tap = (TokenTap(blocks, block_linears, prefix)
-                   if kind is not None and (cfg.act_bits or cfg.dp_sparsity > 0) else None)
+                   if kind is not None and cfg.act_bits else None)
+            # --dp-sparsity: TEAL thresholds from their own calibration stream through the pruned blocks; a
+            # block's layers are then submitted at the block's end, once its thresholds are known
+            with layerwise.non_block_weights(model, load if cfg.dp_sparsity > 0 else None):
+                dp = (DPCalibrator(model, cfg.dp_calib, cfg.model, cfg.nsamples, cfg.seqlen, cfg.seed,
+                                   cfg.dp_sparsity, cfg.dp_profile, cfg.device, reporter.note)
+                      if cfg.dp_sparsity > 0 else None)
+            later: list = []
+            dp_extra: dict[str, dict] = {}
+
+            def emit(fn, *args) -> None:  # writes stay in layer order either way
+                if dp is None:
+                    fn(*args)
+                else:
+                    later.append((fn, args))
+
+            streamed = isinstance(loaded, StreamingModel)
+            forward = kind is not None or dp is not None  # blocks run: streaming fills each one in
             blocks_iter = layerwise.calibrated_blocks(
-                model, plan.samples, kind, "meta" if isinstance(loaded, StreamingModel) else cfg.device)
+                model, plan.samples, kind, "meta" if streamed and not forward else cfg.device,
+                load if forward else None)
             for i, block, block_stats in blocks_iter:
                 for sub, lin in block_linears(block):
                     full = f"{prefix}.{i}.{sub}"
                     compressed.add(f"{full}.weight")
-                    if full in done and isinstance(loaded, StreamingModel):  # nothing later needs its weight
-                        encoder.done(full, writer.layer_attrs(full))
+                    if full in done and streamed and not forward:  # nothing later needs its weight
+                        emit(encoder.done, full, writer.layer_attrs(full))
                         bar.advance()
                         continue
                     w = layer_weight(loaded, full, lin)
-                    if not torch.isfinite(w).all():
+                    if not torch.isfinite(w.sum()) and not torch.isfinite(w).all():  # a finite sum: all finite
                         raise UserError(f"MODEL: layer {full} has NaN or inf weights")
                     st = block_stats.pop(sub, None)
                     w_pruned, mask = prune_weight(w, cfg, plan.block_sparsity[i], st)
                     tokens = tap.pop(full) if tap is not None else None
                     ql = None
-                    if st is not None and cfg.bits is not None and full not in done:
-                        ql = quantize_layer(w_pruned, spec_from_config(cfg), mask=mask, h=st.H,
-                                            x_sq_norm=st.x_sq_norm, tokens=tokens)
-                        w_pruned = torch.from_numpy(ql.qweight.dequantize())  # later blocks see it quantized
+                    if (st is not None or dp is not None) and cfg.bits is not None and full not in done:
+                        ql = quantize_layer(w_pruned, spec_from_config(cfg), mask=mask, h=st and st.H,
+                                            x_sq_norm=st and st.x_sq_norm, tokens=tokens)
+                        w_pruned = torch.from_numpy(ql.dequantize())  # later blocks see it quantized
                     if not lin.weight.is_meta:
                         lin.weight.data.copy_(w_pruned.to(lin.weight.dtype))
                     w_pruned = w_pruned.cpu()
                     if full in done:
-                        encoder.done(full, writer.layer_attrs(full))
+                        emit(encoder.done, full, writer.layer_attrs(full))
                     else:
-                        extra = {}
-                        if cfg.dp_sparsity > 0:  # TEAL: the |x| quantile of this layer's calibration inputs
-                            extra["dp_threshold"] = tau_from_samples(tokens.abs().numpy(), cfg.dp_sparsity)
-                            extra["dp_sparsity"] = cfg.dp_sparsity
-                        encoder.submit(full, w_pruned if ql is None else ql, cfg, extra)  # in layer order
+                        extra: dict = {}
+                        if dp is not None:
+                            dp_extra[full] = extra  # receives the layer's threshold at the block's end
+                        emit(encoder.submit, full, w_pruned if ql is None else ql, cfg, extra)  # in layer order
                     del w, w_pruned  # one layer in memory at a time
                     bar.advance()
+                if dp is not None:  # the block is pruned: calibrate its thresholds, then write its layers
+                    taus = dp.block(block, {sub: f"{prefix}.{i}.{sub}" for sub, _ in block_linears(block)})
+                    for full, extra in dp_extra.items():
+                        extra.update(taus[full])
+                    for fn, args in later:
+                        fn(*args)
+                    dp_extra.clear()
+                    later.clear()
                 block_bar.advance()
             encoder.finish()
             if tap is not None:
@@ -228,7 +260,8 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         summary["seconds"] = time.perf_counter() - t0
         writer.finalize({"layers": totals.layers, "dense": sorted(dense), "tied": tied, "summary": summary,
                          "block_prefix": prefix, "n_blocks": len(blocks),
-                         "block_sparsity": plan.block_sparsity, "calibration": plan.info})
+                         "block_sparsity": plan.block_sparsity, "calibration": plan.info,
+                         **({"dynamic_pruning": dp.info} if dp is not None else {})})
     except UserError:
         writer.abort()
         raise

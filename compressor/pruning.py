@@ -81,6 +81,12 @@ def _check_nm(nm: Sequence[int] | str | None, k: int) -> tuple[int, int] | None:
 def _row_mask(metric: torch.Tensor, sparsity: float) -> torch.Tensor:
     """Prune the ``int(K * sparsity)`` lowest entries of every row (stable sort). True = kept."""
     k_prune = int(metric.shape[1] * sparsity)
+    if k_prune and metric.device.type == "cpu":  # selection instead of a full sort, same mask
+        from .row_select import prune_lowest_mask
+
+        fast = prune_lowest_mask(metric.detach().numpy(), k_prune)
+        if fast is not None:
+            return torch.from_numpy(fast)
     mask = torch.ones(metric.shape, dtype=torch.bool, device=metric.device)
     if k_prune:
         idx = torch.sort(metric, dim=1, stable=True)[1][:, :k_prune]

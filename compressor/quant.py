@@ -43,6 +43,8 @@ def group_absmax(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """absmax of every group along K: [M, G] (ragged last group allowed)."""
     m, k = w.shape
     g = n_groups(k, group_size)
+    if k == g * group_size:  # no ragged group: reduce a view, no padded copy
+        return w.reshape(m, g, group_size).abs().amax(dim=2)
     padded = torch.zeros(m, g * group_size, dtype=w.dtype, device=w.device)
     padded[:, :k] = w
     return padded.abs().reshape(m, g, group_size).amax(dim=2)
@@ -57,6 +59,11 @@ def scales_from_absmax(absmax: torch.Tensor, bits: int) -> torch.Tensor:
 def quantize_with_scales(w: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """Round-to-nearest codes for given per-group scales [M, G] (int8 tensor)."""
     lo, hi = code_range(bits)
+    m, k = w.shape
+    g = scales.shape[1]
+    if k == g * group_size:  # broadcast the scales over each group: same quotients, one temporary
+        q = w.float().reshape(m, g, group_size) / scales.float().reshape(m, g, 1)
+        return q.round_().clamp_(lo, hi).to(torch.int8).reshape(m, k)
     s = scales.float().repeat_interleave(group_size, dim=1)[:, : w.shape[1]]
     return torch.clamp(torch.round(w.float() / s), lo, hi).to(torch.int8)
 

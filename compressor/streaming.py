@@ -6,13 +6,18 @@ comes (``safe_open``, memory-mapped, opened per tensor so no mapping outlives th
 encoded, and the dense tensors (embeddings, norms, lm_head) are copied one by one straight from the
 shards to ``dense/``. Peak memory therefore follows the largest layer, not the model.
 
+Calibrated runs (Wanda, SparseGPT, GPTQ / clip search, activation clipping, dynamic-pruning thresholds,
+the OWL pass) stream too: the skeleton keeps its buffers real, and :func:`loaded_weights` fills in one
+module at a time (the embeddings while block 0's inputs are caught, then each decoder block while it is
+calibrated, pruned and run on the calibration activations) and empties it again afterwards.
+
 GGUF files and hub ids are loaded fully through transformers (it dequantizes GGUF), as are models whose
-checkpoint names do not map one to one onto the module tree (transformers renames them on load), and
-runs that need calibration forward passes (Wanda, SparseGPT, dynamic-pruning thresholds).
+checkpoint names do not map one to one onto the module tree (transformers renames them on load).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -102,16 +107,47 @@ class StreamingModel:
     aliases: dict[str, str] = field(default_factory=dict)  # state_dict name -> checkpoint name
 
 
-def skeleton(folder: Path) -> nn.Module:
-    """The model's module tree on the meta device, built from config.json alone."""
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters go to the meta device as modules register them; buffers stay real.
+
+    What ``accelerate.init_empty_weights(include_buffers=False)`` does: the rotary ``inv_freq`` and other
+    non-persistent buffers are computed by the modules' constructors exactly as ``from_pretrained`` does,
+    while each parameter's (uninitialised, untouched) storage is dropped as soon as it is registered.
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            p = module._parameters[name]
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def skeleton(folder: Path, forward: bool = False) -> nn.Module:
+    """The model's module tree with every parameter on the meta device, built from config.json alone.
+
+    ``forward=True`` (calibrated runs) keeps the buffers real and the parameters float32, as
+    ``model_io.load_model`` loads them, so blocks whose weights are filled in can run forward passes.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     try:
         cfg = AutoConfig.from_pretrained(str(folder))
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
+        if forward:
+            with _parameters_on_meta():
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         raise UserError(f"MODEL: {folder} is not a loadable causal LM: {_first_line(e)}") from None
     return model.eval()
@@ -124,11 +160,12 @@ def _persistent_float_entries(model: nn.Module) -> list[tuple[str, torch.Tensor,
     return [(n, t, id(t) in params) for n, t in state.items() if t.is_floating_point()]
 
 
-def open_streaming(source: str) -> StreamingModel | None:
+def open_streaming(source: str, forward: bool = False) -> StreamingModel | None:
     """A streaming view of a safetensors folder, or None when the model must be loaded fully.
 
     Shapes that disagree with config.json are bad input (UserError); names that do not map one to one
     (a checkpoint transformers would rename on load) return None so the caller loads it fully.
+    ``forward=True``: a skeleton whose blocks can run once :func:`loaded_weights` fills them in.
     """
     if classify_source(source) != "folder":
         return None
@@ -136,7 +173,7 @@ def open_streaming(source: str) -> StreamingModel | None:
     if not any(folder.glob("*.safetensors")):
         return None
     weights = ShardedWeights(folder)
-    model = skeleton(folder)
+    model = skeleton(folder, forward)
     aliases: dict[str, str] = {}
     by_id: dict[int, list[str]] = {}
     for name, t, is_param in _persistent_float_entries(model):
@@ -162,21 +199,61 @@ def open_streaming(source: str) -> StreamingModel | None:
     return StreamingModel(model, source, weights, fingerprint(files), config, aliases=aliases)
 
 
-def open_model(source: str, streaming: bool = True) -> StreamingModel | LoadedModel:
-    """The streaming view where possible (and wanted), else the fully loaded model."""
+def open_model(source: str, streaming: bool = True, forward: bool = False) -> StreamingModel | LoadedModel:
+    """The streaming view where possible (and wanted), else the fully loaded model.
+
+    ``forward``: the run needs calibration forward passes (see :func:`open_streaming`).
+    """
     if streaming:
-        s = open_streaming(source)
+        s = open_streaming(source, forward)
         if s is not None:
             return s
     return load_model(source)
 
 
 def layer_weight(loaded: StreamingModel | LoadedModel, full: str, lin: nn.Linear) -> torch.Tensor:
-    """A linear layer's weight as a float32 tensor the caller owns (read from its shard when streaming)."""
+    """A linear layer's weight as a float32 tensor (read from its shard when streaming and not loaded).
+
+    A weight already in memory (a loaded model, or a block that :func:`loaded_weights` filled in) is
+    returned as is, as the layer-wise engine needs it in place.
+    """
     if isinstance(loaded, StreamingModel):
         release_freed_memory()  # the previous layer's buffers
-        return loaded.weights.get(loaded.aliases.get(f"{full}.weight", f"{full}.weight"))
+        if lin.weight.is_meta:
+            return loaded.weights.get(loaded.aliases.get(f"{full}.weight", f"{full}.weight"))
     return lin.weight.detach().float()
+
+
+@contextlib.contextmanager
+def loaded_weights(loaded: StreamingModel, module: nn.Module, path: str) -> Iterator[nn.Module]:
+    """Fill ``module``'s meta parameters (``path`` = its state_dict prefix) from the shards while open.
+
+    On exit the original meta parameters are put back (object identity kept, so tied-weight detection
+    still works) and the float32 copies are freed: a calibrated streaming run holds one block at a time.
+    """
+    saved = []
+    try:
+        for sub_name, sub in module.named_modules():
+            for name, p in list(sub._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                full = ".".join(x for x in (path, sub_name, name) if x)
+                t = loaded.weights.get(loaded.aliases.get(full, full), torch.float32)
+                saved.append((sub, name, p))
+                sub._parameters[name] = nn.Parameter(t, requires_grad=False)
+        yield module
+    finally:
+        for sub, name, p in reversed(saved):
+            sub._parameters[name] = p
+        saved.clear()
+        release_freed_memory()
+
+
+def block_loader(loaded: StreamingModel | LoadedModel):
+    """``load(module, path)`` context for ``layerwise.calibrated_blocks`` (None when the model is loaded)."""
+    if not isinstance(loaded, StreamingModel):
+        return None
+    return lambda module, path: loaded_weights(loaded, module, path)
 
 
 class LazyTensors(Mapping):

@@ -107,6 +107,14 @@ class ActivationHistogram:
             self.rows[s] = rows[r]
         self._seen_rows += rows.shape[0]
 
+    def add_counts(self, counts: np.ndarray) -> None:
+        """Add per-bin counts computed elsewhere (e.g. on the GPU): one count per float16 magnitude bit
+        pattern 0x0000..0x7BFF, then the overflow bin (as :attr:`counts`)."""
+        c = np.asarray(counts, dtype=np.int64)
+        if c.shape != self.counts.shape or (c < 0).any():
+            raise ValueError(f"counts must be {self.counts.shape[0]} non-negative integers, got shape {c.shape}")
+        self.counts += c
+
     def merge(self, other: ActivationHistogram) -> None:
         """Add another accumulator's counts (e.g. from another worker); reservoirs are concatenated
         and cut to capacity, which keeps them uniform only when both saw equally many rows."""
@@ -157,8 +165,8 @@ def greedy_profile(
     layer that can still move, evaluate ``block_error`` with that layer raised by ``step`` (capped at
     ``max_sparsity``) and the others unchanged; take the move with the smallest error (ties: the first
     layer in ``weights`` order). The move that would carry the average past the target is shortened so
-    that the average lands exactly on ``target``. Costs about ``target / step * L`` evaluations for
-    L layers of equal size.
+    that the average lands exactly on ``target``. Costs about ``target / step * L**2`` evaluations for
+    L layers of equal size (each round moves one layer by ``step`` and scores all L moves).
     """
     t = _check_sparsity(target, "target")
     if not 0.0 < step <= 1.0:

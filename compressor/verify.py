@@ -40,7 +40,7 @@ def reencode(rec: LayerRecord, codes: np.ndarray) -> iebme.IEBMEMatrix | tiled_c
 
 
 def compare_arrays(rec: LayerRecord, again) -> list[str]:
-    fresh = LayerRecord(rec.name, again, rec.scales, rec.attrs).arrays()
+    fresh = LayerRecord(rec.name, again, rec.scales, rec.attrs, rec.outliers).arrays()
     out = []
     for k, v in rec.arrays().items():
         w = fresh.get(k)
@@ -62,8 +62,15 @@ def kernel_checks(rec: LayerRecord, rng: np.random.Generator, ns: list[int], bac
     act = rec.attrs.get("activations") or {}
     # W4A16 layers have no integer kernel yet: their arrays are still checked through the W4A4 path
     gpu_geometry = (e.tile, e.areas) == ((16, 64), (2, 2))  # the GPU kernel's geometry
-    return check_iebme_layer(e, rec.scales, int(rec.attrs["group_size"]), act.get("bits") or 4, ns,
-                             backend if gpu_geometry else "cpu", rng, rec.name)
+    be = backend if gpu_geometry else "cpu"
+    out = check_iebme_layer(e, rec.scales, int(rec.attrs["group_size"]), act.get("bits") or 4, ns, be, rng,
+                            rec.name)
+    if rec.outliers is not None and not out:  # Y = main IE-BME product + 8-bit side product, vs dense
+        from ..kernels.outlier_check import check_outlier_layer
+
+        out += check_outlier_layer(e, rec.scales, int(rec.attrs["group_size"]), act, rec.outliers, ns, be, rng,
+                                   rec.name)
+    return out
 
 
 def verify_layer(rec: LayerRecord, rng: np.random.Generator, ns: list[int], backend: str) -> list[str]:
@@ -77,9 +84,26 @@ def verify_layer(rec: LayerRecord, rng: np.random.Generator, ns: list[int], back
         s = rec.scales.astype(np.float32)
         if not (np.isfinite(s).all() and (s > 0).all()):
             problems.append(f"layer {rec.name}: scales are not all positive and finite")
+    if rec.outliers is not None:
+        problems += outlier_problems(rec, codes)
     if not problems:
         problems += kernel_checks(rec, rng, ns, backend)
     return problems
+
+
+def outlier_problems(rec: LayerRecord, codes: np.ndarray) -> list[str]:
+    """The side matrix against its layer: scales positive and finite, main columns of the outliers empty."""
+    side, out = rec.outliers, []
+    s = side.scales.astype(np.float32)
+    if not (np.isfinite(s).all() and (s > 0).all()):
+        out.append(f"layer {rec.name}: outlier_scales are not all positive and finite")
+    n = side.channels.size
+    if np.count_nonzero(codes[:, codes.shape[1] - n :]):
+        out.append(f"layer {rec.name}: the main matrix holds codes in the {n} outlier columns (must be zero)")
+    act = rec.attrs.get("activations") or {}
+    if act.get("bits") == 16 or int(act.get("outlier_bits", 0)) != side.bits:
+        out.append(f"layer {rec.name}: activation record does not describe {side.bits}-bit outlier inputs")
+    return out
 
 
 def resolve_backend(backend: str) -> tuple[str, str | None]:

@@ -111,3 +111,25 @@ def reference_artifact(tmp_path_factory, model_dirs) -> Path:
         main(["compress", str(model_dirs["llama"]), "-o", str(out), *REFERENCE_FLAGS])
     assert e.value.code == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def llama_with_tokenizer(tmp_path_factory, model_dirs):
+    """The tiny llama folder plus a byte-level tokenizer (256 tokens), so calibration can run."""
+    import shutil
+
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("llama_tok") / "llama"
+    shutil.copytree(model_dirs["llama"], root)
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(root)
+    rng = np.random.default_rng(0)
+    words = ["the", "model", "weights", "sparse", "kernel", "tensor", "quantized", "layer", "input", "of"]
+    calib = root.parent / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 200))}) + "\n" for _ in range(8)))
+    return root, calib

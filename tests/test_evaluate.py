@@ -232,7 +232,7 @@ def test_compress_tiled_cbc_dynamic_pruning_thresholds(model_dir, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["compress", str(model_dir / "model"), "-o", str(out), "--calib", str(model_dir / "calib.jsonl"),
               "--nsamples", "4", "--seqlen", "16", "--prune", "wanda", "--format", "tiled-cbc", "--quant", "none",
-              "--dp-sparsity", "0.3", "--quiet"])
+              "--dp-sparsity", "0.3", "--dp-calib", str(model_dir / "calib.jsonl"), "--quiet"])
     assert e.value.code == 0
     art = Artifact(out)
     taus = [art.layer_attrs(n)["dp_threshold"] for n in art.layer_names]
@@ -245,12 +245,3 @@ def test_compress_tiled_cbc_dynamic_pruning_thresholds(model_dir, tmp_path):
     y_dp = spmspv_reference(rec.encoding, x, taus[0])
     assert not np.array_equal(y_all, y_dp)  # the threshold really skips columns
 
-
-def test_dp_sparsity_needs_calibrated_pruning(model_dir, tmp_path, capsys):
-    from unionsparse.compressor.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["compress", str(model_dir / "model"), "-o", str(tmp_path / "x.zarr"), "--format", "tiled-cbc",
-              "--quant", "none", "--dp-sparsity", "0.3", "--prune", "magnitude"])
-    assert e.value.code == 2
-    assert "--dp-sparsity" in capsys.readouterr().err

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -201,7 +199,7 @@ def test_outlier_selection_and_split():
     # per row: half a step, plus the fp16 rounding of the scale at the clamped extreme (127.5 steps)
     bound = (0.5 + 127.5 * 2.0**-11) * side.scales.astype(np.float32)
     assert (np.abs(side.dequantize() - w[:, ch].numpy()) <= bound).all()
-    assert side_bytes(16, 200, 3) == {"outlier_codes": 48, "outlier_scales": 32, "outlier_perm": 800}
+    assert side_bytes(16, 200, 3) == {"outlier_codes": 48, "outlier_scales": 32, "outlier_channels": 12}
     with pytest.raises(ValueError):
         select_outlier_channels(stats, 200)
 
@@ -295,27 +293,6 @@ def test_fake_quant_w4a16_and_module_swap():
 # ---------------------------------------------------------------- compress pipeline
 
 
-@pytest.fixture(scope="module")
-def llama_with_tokenizer(tmp_path_factory, model_dirs):
-    """The tiny llama folder plus a byte-level tokenizer (256 tokens), so calibration can run."""
-    import shutil
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    root = tmp_path_factory.mktemp("llama_tok") / "llama"
-    shutil.copytree(model_dirs["llama"], root)
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(root)
-    rng = np.random.default_rng(0)
-    words = ["the", "model", "weights", "sparse", "kernel", "tensor", "quantized", "layer", "input", "of"]
-    calib = root.parent / "calib.jsonl"
-    calib.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 200))}) + "\n" for _ in range(8)))
-    return root, calib
-
-
 def test_compress_gptq_clip_search_records_activation_scheme(llama_with_tokenizer, tmp_path, run_cli):
     from unionsparse.compressor.artifact import Artifact
 
@@ -341,7 +318,8 @@ def test_compress_gptq_clip_search_records_activation_scheme(llama_with_tokenize
 def test_compress_refuses_unsupported_quant_options(llama_with_tokenizer, tmp_path, run_cli):
     model, calib = llama_with_tokenizer
     out = tmp_path / "o.zarr"
-    r = run_cli("compress", model, "-o", out, "--prune", "wanda", "--calib", calib, "--keep-outliers", "128")
+    r = run_cli("compress", model, "-o", out, "--prune", "wanda", "--calib", calib, "--keep-outliers", "16",
+                "--quant", "w4a16")
     assert r.code == 2 and "--keep-outliers" in r.err and not out.exists()
     r = run_cli("compress", model, "-o", out, "--prune", "magnitude", "--gptq")
     assert r.code == 2 and "--gptq" in r.err and not out.exists()
