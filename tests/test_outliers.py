@@ -224,6 +224,7 @@ def test_bad_keep_outliers_values(llama_with_tokenizer, tmp_path, run_cli, flags
     assert not out.exists() and not list(tmp_path.glob("*.partial"))
 
 
+@pytest.mark.gpu
 def test_gpu_outlier_check(outlier_artifact):
     from unionsparse.kernels import available
 
