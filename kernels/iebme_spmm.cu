@@ -9,12 +9,14 @@
 // sigma(4t + i) = 8t + i, sigma(16 + 4t + i) = 8t + 4 + i, so a segment's 8 positions are exactly one
 // lane's 8 A-fragment bytes of m16n8k32, and the same order read from X is one 8-byte load per lane.
 //
-// Schedule (v2, see docs/kernels.md): a CTA of WARPS warps owns WARPS tile rows x one K chunk. The CTA
+// Schedule (v3, see docs/kernels.md): a CTA of WARPS warps owns WARPS tile rows x one K chunk. The CTA
 // stages the chunk's X codes and activation scales in shared memory once (one barrier); after that every
-// warp runs alone: it is its own producer, streaming its tile row's contiguous value bytes, bitmaps,
-// inverse perms and weight scales through a private NSTAGE-deep cp.async ring of BT-tile batches, and its
-// own consumer (cp.async.wait_group + __syncwarp, no CTA barrier). Batch boundaries come from one
-// register of offsets per lane, loaded once, so copies never wait on metadata.
+// warp runs alone: it is its own producer, streaming its tile row's contiguous value bytes, bitmaps and
+// inverse perms through a private NSTAGE-deep ring of BT-tile batches (sm_90: cp.async.bulk by one lane,
+// one mbarrier per slot; older GPUs or IEBME_TMA=0: cp.async by every lane, wait_group + __syncwarp), and
+// its own consumer; no CTA barrier. Batch boundaries come from one register of offsets per lane, loaded
+// once, so copies never wait on metadata. Per mask byte, one 16-byte table entry (LDS.128) holds both
+// byte-permute selectors and both code masks of the decode.
 //
 // Per-tile row permutations are applied on the A side: fragment row r of the mma is output row r; lane
 // (g, t) fetches, with one shuffle per row, the (rank, segment) pair of the mask row that holds reordered
@@ -45,6 +47,13 @@ typedef unsigned long long uint64_t;
 #ifndef IEBME_ILP
 #define IEBME_ILP 2      // tiles decoded back to back before their mma
 #endif
+#ifndef IEBME_TMA        // ring copies by cp.async.bulk (one lane, mbarrier) on sm_90; cp.async below
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define IEBME_TMA 1
+#else
+#define IEBME_TMA 0
+#endif
+#endif
 
 namespace iebme {
 
@@ -53,7 +62,8 @@ constexpr int NSTAGE = IEBME_NSTAGE;
 constexpr int WARPS = IEBME_WARPS;
 constexpr int ILP = IEBME_ILP;
 constexpr int MAX_BATCHES = 31;  // batch boundaries live in one register per lane (boundary j in lane j)
-constexpr int TAB = 1024;        // 256 byte-permute selectors
+static_assert(MAX_BATCHES < 32, "boundary MAX_BATCHES (the chunk's end) must fit in lane MAX_BATCHES");
+constexpr bool TMA = IEBME_TMA;
 
 template <int BITS, bool PERM>
 struct Ring {
@@ -63,16 +73,37 @@ struct Ring {
   static constexpr int PSLOT = PERM ? BT * 16 : 0;    // inverse row permutations
   static constexpr int SLOT = VSLOT + BSLOT + PSLOT;
   static constexpr int WARP_BYTES = NSTAGE * SLOT;
-  static constexpr int BYTES = TAB + WARPS * WARP_BYTES;  // X and its scales follow
+  static constexpr int BYTES = WARPS * WARP_BYTES;        // X and its scales follow
 };
 
 DEVI uint32_t sptr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 DEVI void cp16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sptr(dst)), "l"(src));
 }
+DEVI void cp16s(uint32_t dst, const void* src) {  // dst: shared-window address
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
 DEVI void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 DEVI void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+DEVI uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {  // selector bits 15..0 only, no masking
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+DEVI void mbar_init(uint32_t bar) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar)); }
+DEVI void mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+DEVI void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+DEVI void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 DEVI float h2f(uint16_t h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 DEVI uint16_t f2h(float f) { uint16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 
@@ -100,24 +131,24 @@ struct Args {
 };
 
 // One lane's 8 codes of one area stream, as two int8x4 fragment registers (code in the high bits),
-// zeros at inactive positions. v: value index of the segment's first code inside the slot; me / mo: the
-// segment's even / odd code masks in unpacked position (count_masks), so masking costs no extra op.
+// zeros at inactive positions. vbit: bit offset of the segment's first code inside the slot; e: the
+// segment's table entry (x, y: byte-permute selectors of output codes 0-3 / 4-7; z, w: the even / odd
+// code masks of count_masks, so masking costs no extra op).
 template <int BITS>
-DEVI void decode_window(const uint32_t* vals, int v, uint32_t me, uint32_t mo, uint32_t sel, uint32_t& lo,
-                        uint32_t& hi) {
-  const int w = BITS == 4 ? (v >> 3) : (v >> 4);
-  // funnel shifts take the shift amount mod 32: (v * BITS) needs no "& 31"
-  const uint32_t win = __funnelshift_r(vals[w], vals[w + 1], v * BITS);
-  uint32_t e, o;
+DEVI void decode_window(const uint32_t* vals, uint32_t vbit, const uint4& e, uint32_t& lo, uint32_t& hi) {
+  const uint32_t* p = vals + (vbit >> 5);
+  // funnel shifts take the shift amount mod 32
+  const uint32_t win = __funnelshift_r(p[0], p[1], vbit);
+  uint32_t ev, od;
   if (BITS == 4) {
-    e = (win << 4) & me;
-    o = win & mo;
+    ev = (win << 4) & e.z;
+    od = win & e.w;
   } else {
-    e = (((win << 6) & 0xc0c0u) | ((win << 20) & 0xc0c00000u)) & me;
-    o = (((win << 2) & 0xc0c0u) | ((win << 16) & 0xc0c00000u)) & mo;
+    ev = (((win << 6) & 0xc0c0u) | ((win << 20) & 0xc0c00000u)) & e.z;
+    od = (((win << 2) & 0xc0c0u) | ((win << 16) & 0xc0c00000u)) & e.w;
   }
-  lo = __byte_perm(e, o, sel & 0xffffu);
-  hi = __byte_perm(e, o, sel >> 16);
+  lo = prmt(ev, od, e.x);
+  hi = prmt(ev, od, e.y);
 }
 
 // Masks keeping the first n codes of a window, split into the even / odd codes as unpacked to the high
@@ -141,7 +172,9 @@ DEVI void spmm(const Args& a) {
   constexpr int SHIFT = 8 - BITS;           // codes sit in the high bits of each int8
   constexpr int ALIGN = 128 / BITS;         // value segments start on 16-byte boundaries
   extern __shared__ __align__(16) uint8_t smem[];
-  uint32_t* tab = reinterpret_cast<uint32_t*>(smem);
+  // per mask byte: byte-permute selectors of output codes 0-3 and 4-7, even / odd code masks (count_masks)
+  __shared__ uint4 tab[256];
+  __shared__ __align__(8) uint64_t bars[TMA ? WARPS * NSTAGE : 1];  // one mbarrier per ring slot
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -156,30 +189,50 @@ DEVI void spmm(const Args& a) {
   const int xs_stride = ((nk * 64 + 127) & ~127) + 32;   // X row stride: 8-byte fragment loads conflict-free
   int8_t* xsm = reinterpret_cast<int8_t*>(smem + R::BYTES);
   float* sxs = reinterpret_cast<float*>(smem + R::BYTES + a.N * xs_stride);  // 8-byte aligned
-  uint8_t* ring = smem + TAB + warp * R::WARP_BYTES;
+  uint8_t* ring = smem + warp * R::WARP_BYTES;
+  const uint32_t ring_s = sptr(ring);
+  const uint32_t bar_s = sptr(bars + (TMA ? warp * NSTAGE : 0));
   const size_t row_t0 = static_cast<size_t>(tr) * a.TC;
 
   // batch boundaries: lane j holds the value offset (in codes) of batch j's first tile
   uint32_t boff = 0;
   if (active && lane <= nb) boff = __ldg(a.offsets + row_t0 + min(k0 + BT * lane, k1));
+  if (TMA && lane == 0) {
+    for (int s = 0; s < NSTAGE; ++s) mbar_init(bar_s + 8 * s);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncwarp();
 
+  // copy batch b (values, bitmaps, inverse perms of BT tiles) into ring slot b % NSTAGE
   auto issue = [&](int b) {
     if (active && b < nb) {
       const int ta = k0 + b * BT, ntb = min(BT, k1 - ta);
       const uint32_t o0 = __shfl_sync(0xffffffffu, boff, b);
       const uint32_t o1 = __shfl_sync(0xffffffffu, boff, b + 1);
-      uint8_t* slot = ring + (b % NSTAGE) * R::SLOT;
+      const uint32_t slot = ring_s + (b % NSTAGE) * R::SLOT;
       const uint8_t* src = a.values + static_cast<size_t>(o0) * BITS / 8;
-      const int nch = static_cast<int>((o1 - o0) * BITS / 128);
+      const uint8_t* bsrc = a.bitmaps + (row_t0 + ta) * 32;
+      const uint8_t* psrc = PERM ? a.pinv + (row_t0 + ta) * 16 : nullptr;
+      if (TMA) {
+        if (lane == 0) {  // one lane, three bulk copies, completion counted in bytes on the slot's mbarrier
+          const uint32_t bar = bar_s + 8 * (b % NSTAGE), vbytes = (o1 - o0) * BITS / 8;
+          mbar_expect(bar, vbytes + 32 * ntb + (PERM ? 16 * ntb : 0));
+          if (vbytes) bulk_copy(slot, src, vbytes, bar);
+          bulk_copy(slot + R::VSLOT, bsrc, 32 * ntb, bar);
+          if (PERM) bulk_copy(slot + R::VSLOT + R::BSLOT, psrc, 16 * ntb, bar);
+        }
+      } else {
+        const int nch = static_cast<int>((o1 - o0) * BITS / 128);
 #pragma unroll
-      for (int i = 0; i < BT * R::VB / 16 / 32; ++i) {  // fixed count, predicated: no loop to branch on
-        const int c = lane + 32 * i;
-        if (c < nch) cp16(slot + 16 * c, src + 16 * c);
+        for (int i = 0; i < BT * R::VB / 16 / 32; ++i) {  // fixed count, predicated: no loop to branch on
+          const int c = lane + 32 * i;
+          if (c < nch) cp16s(slot + 16 * c, src + 16 * c);
+        }
+        if (lane < 2 * ntb) cp16s(slot + R::VSLOT + 16 * lane, bsrc + 16 * lane);
+        if (PERM && lane < ntb) cp16s(slot + R::VSLOT + R::BSLOT + 16 * lane, psrc + 16 * lane);
       }
-      if (lane < 2 * ntb) cp16(slot + R::VSLOT + 16 * lane, a.bitmaps + (row_t0 + ta) * 32 + 16 * lane);
-      if (PERM && lane < ntb) cp16(slot + R::VSLOT + R::BSLOT + 16 * lane, a.pinv + (row_t0 + ta + lane) * 16);
     }
-    cp_commit();
+    if (!TMA) cp_commit();
   };
 
   // ---------------- prologue: first batches, X chunk, selector table ----------------
@@ -203,9 +256,11 @@ DEVI void spmm(const Args& a) {
       const int byte = BITS == 4 ? ((idx & 1) * 4 + (idx >> 1)) : (2 * (idx & 3) + (idx >> 2));
       sel |= static_cast<uint32_t>(byte) << (4 * (b & 3) + 16 * (b >> 2));
     }
-    tab[s] = sel;
+    uint32_t me, mo;
+    count_masks<BITS>(n, me, mo);
+    tab[s] = make_uint4(sel & 0xffffu, sel >> 16, me, mo);
   }
-  cp_wait<0>();        // X (and the first batches) landed; one CTA barrier for the whole kernel
+  cp_wait<0>();        // X landed (and, without TMA, the first batches); the kernel's one CTA barrier
   __syncthreads();
 
   // ---------------- main loop: every warp streams its own tile row ----------------
@@ -215,22 +270,32 @@ DEVI void spmm(const Args& a) {
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) { acc[j][i] = 0; yv[j][i] = 0.f; }
-  const int sh8 = 8 * t;                       // a segment's bit offset in its mask word
-  const uint32_t lomask = (1u << sh8) - 1u;
+  const uint32_t lomask = (1u << (8 * t)) - 1u;  // bits of the mask word before this lane's segment
+  const uint32_t bytesel = 0x4440u | t;          // prmt selector: byte t of a word, zero-extended
+  // B fragments: row n = nt * 8 + g of the X chunk, clamped to N - 1 (columns past N are never written)
+  const int8_t* xl[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xl[nt] = xsm + min(nt * 8 + g, a.N - 1) * xs_stride + 8 * t;
   int grp = ga0;                               // group of the next tile
   // this group's weight scales for output rows g and g + 8, loaded one group ahead
-  const uint16_t* wsrow = a.wsT + tr * 16 + g;
+  const uint16_t* wsp = a.wsT + static_cast<size_t>(grp) * a.Mp + tr * 16 + g;
+  const float* sxp = sxs + 2 * t;             // this group's activation scales
   uint16_t sw0 = 0, sw1 = 0;
-  if (!DEBUG && active) { sw0 = __ldg(wsrow + static_cast<size_t>(grp) * a.Mp); sw1 = __ldg(wsrow + static_cast<size_t>(grp) * a.Mp + 8); }
+  if (!DEBUG && active) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }
   int gleft = a.gs_tiles - (k0 - ga0 * a.gs_tiles);  // tiles left in that group
 
   for (int b = 0; b < (active ? nb : 0); ++b) {
-    cp_wait<NSTAGE - 2>();
-    __syncwarp();
+    if (TMA) {
+      mbar_wait(bar_s + 8 * (b % NSTAGE), (b / NSTAGE) & 1);
+    } else {
+      cp_wait<NSTAGE - 2>();
+    }
+    __syncwarp();        // every lane is done with the slot refilled next
     issue(b + NSTAGE - 1);
     const uint8_t* slot = ring + (b % NSTAGE) * R::SLOT;
     const uint32_t* vals = reinterpret_cast<const uint32_t*>(slot);
     const uint8_t* pis = slot + R::VSLOT + R::BSLOT;
+    const int xb = b * BT * 64;                  // the batch's first X column in the chunk
     const int ta = k0 + b * BT, ntb = min(BT, k1 - ta);
     // ---- batch metadata, one bitmap word per lane: lane 8j + w holds word w (mask row w) of tile j ----
     const uint32_t wl = lane < 8 * ntb ? reinterpret_cast<const uint32_t*>(slot + R::VSLOT)[lane] : 0u;
@@ -250,9 +315,9 @@ DEVI void spmm(const Args& a) {
       v = __shfl_up_sync(0xffffffffu, sc, 16);
       if (lane >= 16) sc += v;
     }
-    // (rank of the word's first bit) | P << 9 | (tile start in the slot, codes) << 18
-    const uint32_t meta = static_cast<uint32_t>(incl - cl) | (static_cast<uint32_t>(ptile) << 9) |
-                          (static_cast<uint32_t>(sc - seglen) << 18);
+    // in bits: (tile start in the slot + rank of the word's first bit) | (stream length P) << 16
+    const uint32_t meta = static_cast<uint32_t>((sc - seglen + incl - cl) * BITS) |
+                          (static_cast<uint32_t>(ptile * BITS) << 16);
 #pragma unroll
     for (int j0 = 0; j0 < BT; j0 += ILP) {
       // ---- decode ILP tiles back to back (independent chains); a tile past the batch decodes zeros ----
@@ -266,23 +331,17 @@ DEVI void spmm(const Args& a) {
         const uint32_t mA = __shfl_sync(0xffffffffu, meta, 8 * j + (ra & 7));
         const uint32_t wB = PERM ? __shfl_sync(0xffffffffu, wl, 8 * j + (rb & 7)) : wA;
         const uint32_t mB = PERM ? __shfl_sync(0xffffffffu, meta, 8 * j + (rb & 7)) : mA;
-        const int P = (mA >> 9) & 0x1ff, vb = mA >> 18;
-        const int preA = (mA & 0x1ff) + __popc(wA & lomask), preB = (mB & 0x1ff) + __popc(wB & lomask);
-        const uint32_t segA = (wA >> sh8) & 0xffu, segB = (wB >> sh8) & 0xffu;
-        const int qa = 2 * ((ra >> 3) & 1), qb = 2 * ((rb >> 3) & 1);
-        const uint32_t selA = tab[segA], selB = PERM ? tab[segB] : selA;
-        uint32_t meA, moA, meB, moB;
-        count_masks<BITS>(__popc(segA), meA, moA);
-        if (PERM) {
-          count_masks<BITS>(__popc(segB), meB, moB);
-        } else {
-          meB = meA;
-          moB = moA;
-        }
+        const uint32_t pb = mA >> 16;                       // P * BITS: the distance between area streams
+        // first code of the segment in area stream (row half, column half 0); row half 1 is 2 streams on
+        const uint32_t vA = (mA & 0xffffu) + __popc(wA & lomask) * BITS + ((ra >> 3) & 1) * 2 * pb;
+        const uint32_t vB = PERM ? (mB & 0xffffu) + __popc(wB & lomask) * BITS + ((rb >> 3) & 1) * 2 * pb
+                                 : vA + 2 * pb;
+        const uint4 eA = tab[prmt(wA, 0u, bytesel)];
+        const uint4 eB = PERM ? tab[prmt(wB, 0u, bytesel)] : eA;
 #pragma unroll
         for (int cs = 0; cs < 2; ++cs) {
-          decode_window<BITS>(vals, vb + (qa + cs) * P + preA, meA, moA, selA, fr[u][cs][0], fr[u][cs][2]);
-          decode_window<BITS>(vals, vb + (qb + cs) * P + preB, meB, moB, selB, fr[u][cs][1], fr[u][cs][3]);
+          decode_window<BITS>(vals, vA + cs * pb, eA, fr[u][cs][0], fr[u][cs][2]);
+          decode_window<BITS>(vals, vB + cs * pb, eB, fr[u][cs][1], fr[u][cs][3]);
         }
       }
       // ---- tensor cores, then the end of a group (or of this chunk): scale and accumulate ----
@@ -290,42 +349,38 @@ DEVI void spmm(const Args& a) {
       for (int u = 0; u < ILP; ++u) {
         const int j = j0 + u;
         if (j >= ntb) break;
-        const int jj = b * BT + j;             // tile index inside the chunk (X column block)
 #pragma unroll
         for (int cs = 0; cs < 2; ++cs) {
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            const int n = nt * 8 + g;
-            uint2 bx = make_uint2(0u, 0u);
-            if (n < a.N) bx = *reinterpret_cast<const uint2*>(xsm + n * xs_stride + jj * 64 + cs * 32 + 8 * t);
+            const uint2 bx = *reinterpret_cast<const uint2*>(xl[nt] + xb + j * 64 + cs * 32);
             mma_s8(acc[nt], fr[u][cs][0], fr[u][cs][1], fr[u][cs][2], fr[u][cs][3], bx.x, bx.y);
           }
         }
         if (--gleft == 0 || ta + j + 1 == k1) {
-          const float w0 = h2f(sw0), w1 = h2f(sw1);
-          if (!DEBUG && grp + 1 < ga0 + ngc) {
-            sw0 = __ldg(wsrow + static_cast<size_t>(grp + 1) * a.Mp);
-            sw1 = __ldg(wsrow + static_cast<size_t>(grp + 1) * a.Mp + 8);
-          }
+          // 2^-SHIFT folded into the weight scale: rn(w 2^-s * x) * float(2^s p) == rn(w * x) * float(p)
+          // exactly (power-of-two scaling, no subnormals), so the sums need no shift back
+          const float w0 = h2f(sw0) * (1.f / (1 << SHIFT)), w1 = h2f(sw1) * (1.f / (1 << SHIFT));
+          wsp += a.Mp;
+          if (!DEBUG && grp + 1 < ga0 + ngc) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            const float2 sx = DEBUG ? make_float2(0.f, 0.f)
-                                    : *reinterpret_cast<const float2*>(sxs + (grp - ga0) * NT * 8 + nt * 8 + 2 * t);
+            const float2 sx = DEBUG ? make_float2(0.f, 0.f) : *reinterpret_cast<const float2*>(sxp + nt * 8);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              const int v = acc[nt][i] >> SHIFT;
-              acc[nt][i] = 0;
               if (DEBUG) {
                 const int row = tr * 16 + g + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
                 if (row < a.M && col < a.N)
-                  atomicAdd(a.partial + (static_cast<size_t>(col) * a.M + row) * a.G + grp, v);
+                  atomicAdd(a.partial + (static_cast<size_t>(col) * a.M + row) * a.G + grp, acc[nt][i] >> SHIFT);
               } else {
                 const float s = __fmul_rn(i >> 1 ? w1 : w0, i & 1 ? sx.y : sx.x);
-                yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, static_cast<float>(v)));
+                yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, static_cast<float>(acc[nt][i])));
               }
+              acc[nt][i] = 0;
             }
           }
           ++grp;
+          sxp += NT * 8;
           gleft = a.gs_tiles;
         }
       }

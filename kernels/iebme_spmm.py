@@ -36,11 +36,11 @@ def _env_int(name: str) -> int | None:
 
 def config(n: int) -> tuple[int, int, int]:
     """(ring depth in batches, warps per CTA, tiles decoded back to back) for a launch of ``n`` columns,
-    as measured on the H200 (docs/kernels.md): 2-deep rings; 4 warps and ILP 1 for N <= 16, 8 warps and
-    ILP 4 above. Environment overrides (UNIONSPARSE_IEBME_NSTAGE / _WARPS / _ILP) are for tuning runs."""
+    as measured on the H200 (docs/kernels.md, v3 tuning): 2-deep rings; 4 warps for N <= 4, 8 above; ILP 2
+    for N <= 16, 4 above. Environment overrides (UNIONSPARSE_IEBME_NSTAGE / _WARPS / _ILP) are for tuning."""
     nstage = _env_int("UNIONSPARSE_IEBME_NSTAGE") or 2
-    warps = _env_int("UNIONSPARSE_IEBME_WARPS") or (4 if n <= 16 else 8)
-    ilp = _env_int("UNIONSPARSE_IEBME_ILP") or (1 if n <= 16 else 4)
+    warps = _env_int("UNIONSPARSE_IEBME_WARPS") or (4 if n <= 4 else 8)
+    ilp = _env_int("UNIONSPARSE_IEBME_ILP") or (2 if n <= 16 else 4)
     return nstage, warps, ilp
 
 
@@ -48,7 +48,8 @@ MAX_N = 32            # columns per launch; larger N is cut into launches of 32
 MAX_BATCHES = 31      # per chunk: batch boundaries live in one register per lane
 X_BUDGET = int(os.environ.get("UNIONSPARSE_IEBME_XBYTES", 24 * 1024))  # shared bytes for a chunk's X codes...
 MIN_CHUNK = 32        # ...but never fewer tiles than this per chunk (large N: more X, fewer CTA start-ups)
-SMEM_PER_SM = 227 * 1024 - 1024  # opt-in limit less the static `last` flag
+SMEM_SM = 228 * 1024    # shared memory per SM (sm_90), 1 KiB of it reserved per resident CTA
+SMEM_CTA = 227 * 1024   # opt-in limit per CTA, static + dynamic
 
 
 def _cupy():
@@ -57,10 +58,15 @@ def _cupy():
     return cupy
 
 
+def static_smem(nstage: int, warps: int) -> int:
+    """Static shared bytes of the kernel: the 256 x 16 B decode table, one mbarrier per ring slot, a flag."""
+    return 256 * 16 + 8 * warps * nstage + 16
+
+
 def ring_bytes(bits: int, perm: bool, nstage: int, warps: int) -> int:
-    """Shared bytes before the X chunk: selector table + every warp's ring; mirrors ``Ring`` in the .cu."""
+    """Dynamic shared bytes before the X chunk: every warp's ring; mirrors ``Ring`` in the .cu."""
     slot = (BT * 128 * bits + 16) + BT * 32 + (BT * 16 if perm else 0)
-    return 1024 + warps * nstage * slot
+    return warps * nstage * slot
 
 
 def x_stride(nk: int) -> int:
@@ -82,8 +88,11 @@ def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int
     name = kernel_name(bits, nt, perm, debug)
     code = SOURCE.read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
     opts = ("-std=c++17", f"-DIEBME_NSTAGE={nstage}", f"-DIEBME_WARPS={warps}", f"-DIEBME_ILP={ilp}")
+    tma = os.environ.get("UNIONSPARSE_IEBME_TMA")  # 0: cp.async rings on sm_90 too (A/B timing, tests)
+    if tma:
+        opts += (f"-DIEBME_TMA={int(tma)}",)
     fn = cp.RawModule(code=code, options=opts).get_function(name)
-    fn.max_dynamic_shared_size_bytes = SMEM_PER_SM
+    fn.max_dynamic_shared_size_bytes = SMEM_CTA - static_smem(nstage, warps)
     fn.preferred_shared_memory_carveout = 100  # all of L1 as shared memory: the most CTAs per SM
     return fn
 
@@ -194,8 +203,8 @@ def max_chunk(layer: DeviceLayer, n: int) -> int:
 
 def ctas_per_sm(layer: DeviceLayer, n: int, chunk: int) -> int:
     ngc = -(-chunk // layer.gs_tiles) + 1
-    smem = smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc)
-    return max(1, min((SMEM_PER_SM + 1024) // (smem + 1024), 2048 // (config(n)[1] * 32)))
+    smem = smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc) + static_smem(*config(n)[:2])
+    return max(1, min(SMEM_SM // (smem + 1024), 2048 // (config(n)[1] * 32)))
 
 
 def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None) -> int:

@@ -94,13 +94,15 @@ def check_outlier_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int, a
             dev = prepare_layer(m, w_scales, group_size)
         p_gpu = spmm_iebme(dev, xq, sx, debug_partials=True).get()
         if not np.array_equal(p_gpu, p_main):
-            out.append(f"{name}: GPU main partial sums differ from the reference (N={n})")
+            out.append(f"{name}: GPU main partial sums differ from the reference at "
+                       f"{int((p_gpu != p_main).sum())} of {p_main.size} (N={n})")
         oq_d = cp.asarray(oq, dtype=cp.int32)
         wq_d = cp.asarray(side.codes, dtype=cp.int32)
         p_side_gpu = cp.stack([cp.matmul(oq_d[:, a : a + og], wq_d[:, a : a + og].T)
                                for a in range(0, side.channels.size, og)], axis=2).get()
         if not np.array_equal(p_side_gpu, p_side):
-            out.append(f"{name}: GPU outlier partial sums differ from the reference (N={n})")
+            out.append(f"{name}: GPU outlier partial sums differ from the reference at "
+                       f"{int((p_side_gpu != p_side).sum())} of {p_side.size} (N={n})")
         y_gpu = combine(p_gpu, w_scales, sx, p_side_gpu, side.scales, osx)
         if not fp16_close(y_gpu, y_ref.astype(np.float64)).all():
             out.append(f"{name}: GPU main + outlier output differs from the reference (N={n})")

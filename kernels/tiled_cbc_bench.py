@@ -10,7 +10,7 @@ Weights: random fp16 with a uniformly random mask at the static sparsity, encode
 (``encode_on_device``, byte-identical to ``tiled_cbc.encode``, checked in the tests); x ~ N(0, 1) with
 tau = its own 30% quantile of |x| (``tau_from_samples``), so exactly 30% of the inputs are inactive.
 
-    python benchmarks/bench_tiled_cbc.py [--quick] [--out benchmarks/results]
+    python benchmarks/bench_tiled_cbc.py [--quick] [--no-spmm] [--no-spmspv] [--out benchmarks/results]
 
 ``bench_rows`` is the entry point for ``unionsparse bench --format tiled-cbc`` (kernels/bench.py).
 """
@@ -518,9 +518,6 @@ def bench_rows(shapes, ns, sparsity: float = 0.5, dp: float = 0.3, log=print) ->
     return rows
 
 
-DENSE_FROM_N_DOC = 128  # kernels.tiled_cbc_spmm.DENSE_FROM_N (not imported: write_md runs without CuPy)
-
-
 def write_md(res, path):
     L = [
         f"# Tiled-CBC kernels on {res['machine']['gpu']}",
@@ -529,36 +526,36 @@ def write_md(res, path):
         f"Machine: {res['machine']['nvidia_smi']}; CuPy {res['machine']['cupy']}, "
         f"torch {res['machine']['torch']}, CUDA runtime {res['machine']['cuda_runtime']}  ",
         f"Measured device-to-device copy: {res['copy_gbps']:.0f} GB/s (read + write).",
-        "",
-        "## spMspV (N = 1) vs cuBLAS fp16 GEMV (torch.matmul)",
-        "",
     ]
-    for key, g in res["geomean_spmspv"].items():
-        L.append(
-            f"- {key}: geomean speedup **{g['best']:.2f}x** (v2, best of the tried launch settings), "
-            f"{g['default']:.2f}x v2 default settings, {g['v1']:.2f}x the first kernel (v1, same run), "
-            f"{g['dp_off']:.2f}x v2 with dynamic pruning off; median v2 bandwidth {g['median_gbps']:.0f} GB/s "
-            f"on the bytes it must read (n = {g['n_shapes']})"
-        )
-    L += [
-        "",
-        "| M | K | static | cuBLAS us | v2 best us | speedup | v2 default us | v1 us | DP off us | v2 GB/s | "
-        "cuBLAS GB/s | no-decode us | best w/d/chunk/mode |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in res["spmspv"]:
-        L.append(
-            f"| {r['M']} | {r['K']} | {r['static']:.0%} | {r['t_cublas_us']:.1f} | {r['t_spmspv_us']:.1f} | "
-            f"{r['speedup']:.2f} | {r['t_default_us']:.1f} | {r['t_v1_us']:.1f} | {r['t_spmspv_dp_off_us']:.1f} | "
-            f"{r['gbps_spmspv']:.0f} | {r['gbps_cublas']:.0f} | {r['t_nodecode_us']:.1f} | "
-            f"{r['best_warps']}/{r['best_stages']}/{r['best_chunk']}/m{r['best_mode']} |"
-        )
+    if res.get("spmspv"):
+        L += ["", "## spMspV (N = 1) vs cuBLAS fp16 GEMV (torch.matmul)", ""]
+        for key, g in res["geomean_spmspv"].items():
+            L.append(
+                f"- {key}: geomean speedup **{g['best']:.2f}x** (v2, best of the tried launch settings), "
+                f"{g['default']:.2f}x v2 default settings, {g['v1']:.2f}x the first kernel (v1, same run), "
+                f"{g['dp_off']:.2f}x v2 with dynamic pruning off; median v2 bandwidth {g['median_gbps']:.0f} GB/s "
+                f"on the bytes it must read (n = {g['n_shapes']})"
+            )
+        L += [
+            "",
+            "| M | K | static | cuBLAS us | v2 best us | speedup | v2 default us | v1 us | DP off us | v2 GB/s | "
+            "cuBLAS GB/s | no-decode us | best w/d/chunk/mode |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in res["spmspv"]:
+            L.append(
+                f"| {r['M']} | {r['K']} | {r['static']:.0%} | {r['t_cublas_us']:.1f} | {r['t_spmspv_us']:.1f} | "
+                f"{r['speedup']:.2f} | {r['t_default_us']:.1f} | {r['t_v1_us']:.1f} | "
+                f"{r['t_spmspv_dp_off_us']:.1f} | {r['gbps_spmspv']:.0f} | {r['gbps_cublas']:.0f} | "
+                f"{r['t_nodecode_us']:.1f} | {r['best_warps']}/{r['best_stages']}/{r['best_chunk']}/m{r['best_mode']} |"
+            )
     if res.get("spmm"):
         L += [
             "",
             f"## SpMM (prefill, static {res['spmm'][0]['static']:.0%}) vs cuBLAS fp16 GEMM (F.linear)",
             "",
-            f"`speedup` is the default method (`auto`: fused below N = {DENSE_FROM_N_DOC}, decode-once + cuBLAS "
+            f"`speedup` is the default method (`auto`: fused below N = {res.get('dense_from_n', 128)}, "
+            "decode-once + cuBLAS "
             "from there on).",
             "",
             "| M | K | N | cuBLAS us | fused v2 us | fused speedup | dense-path us | dense-path speedup | "
@@ -593,8 +590,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 spMspV shapes, 2 SpMM shapes")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--no-spmm", action="store_true")
-    ap.add_argument("--no-spmspv", action="store_true")
+    ap.add_argument("--no-spmm", action="store_true", help="skip the SpMM part (spMspV only)")
+    ap.add_argument("--no-spmspv", action="store_true", help="skip the spMspV part (SpMM only)")
     ap.add_argument(
         "--spmspv-seconds", type=float, default=float("inf"), help="stop adding spMspV shapes after"
     )
@@ -642,6 +639,9 @@ def main(argv=None):
             f"n={g['n_shapes']})")
     if not args.no_spmm:
         sh = SPMM_SHAPES[:2] if args.quick else SPMM_SHAPES
+        from .tiled_cbc_spmm import DENSE_FROM_N
+
+        res["dense_from_n"] = DENSE_FROM_N
         res["spmm"] = bench_spmm(cp, torch, sh, SPMM_NS, 0.5, log, deadline=t0 + args.spmm_seconds)
         res["geomean_spmm"] = {
             str(n): geomean([r["speedup"] for r in res["spmm"] if r["N"] == n]) for n in SPMM_NS

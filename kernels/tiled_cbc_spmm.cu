@@ -61,6 +61,22 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Visits the warp tile's mma accumulators as f(mm, nn, acc[i][j][q]), mm the row of W and nn the token: the
+// warp tile starts at (m0, n0); in each m16 x n8 tile c0,c1 -> (m = g, n = 2t, 2t+1), c2,c3 -> (m = g + 8, same
+// n), g = lane >> 2, t = lane & 3 (the caller computes g and t once for all its calls).
+template <int NT, typename F>
+__device__ __forceinline__ void for_each_acc(const float (&acc)[4][NT][4], int m0, int n0, int g, int t, F f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int m = m0 + i * 16 + g;
+            const int n = n0 + j * 8 + 2 * t;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) f(m + (q >> 1) * 8, n + (q & 1), acc[i][j][q]);
+        }
+}
+
 // raw_bytes: bytes reserved per raw buffer (>= the largest GK-GTile value range, multiple of 16).
 // Requires K % 8 == 0 (16-byte X rows); the host pads X otherwise.
 template <int BN, int GK, int MINB>
@@ -178,20 +194,11 @@ __global__ void __launch_bounds__(256, MINB) tcbc_spmm(
     }
     cp_wait<0>();
 
-    // epilogue: c0,c1 -> (m = g, n = 2t, 2t+1), c2,c3 -> (m = g + 8, same n)
+    // epilogue
     const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            int m = tr * TILE_M + wm * 64 + i * 16 + g;
-            int n = n0 + wn * WN + j * 8 + 2 * t;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                int mm = m + (q >> 1) * 8, nn = n + (q & 1);
-                if (mm < M && nn < N) Y[(size_t)nn * M + mm] = f2h(acc[i][j][q]);
-            }
-        }
+    for_each_acc<NT>(acc, tr * TILE_M + wm * 64, n0 + wn * WN, g, t, [&](int mm, int nn, float v) {
+        if (mm < M && nn < N) Y[(size_t)nn * M + mm] = f2h(v);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -348,33 +355,15 @@ __global__ void __launch_bounds__(256, MINB) tcbc_spmm2(
 
     const int g = lane >> 2, tq = lane & 3;
     if (gridDim.z == 1) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                const int m = tr * TILE_M + wm * 64 + i * 16 + g;
-                const int n = n0 + wn * WN + j * 8 + 2 * tq;
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const int mm = m + (q >> 1) * 8, nn = n + (q & 1);
-                    if (mm < M && nn < N) Y[(size_t)nn * M + mm] = f2h(acc[i][j][q]);
-                }
-            }
+        for_each_acc<NT>(acc, tr * TILE_M + wm * 64, n0 + wn * WN, g, tq, [&](int mm, int nn, float v) {
+            if (mm < M && nn < N) Y[(size_t)nn * M + mm] = f2h(v);
+        });
         return;
     }
     float* part = partial + (size_t)blockIdx.z * N * Mp;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            const int m = tr * TILE_M + wm * 64 + i * 16 + g;
-            const int n = n0 + wn * WN + j * 8 + 2 * tq;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int mm = m + (q >> 1) * 8, nn = n + (q & 1);
-                if (nn < N) part[(size_t)nn * Mp + mm] = acc[i][j][q];
-            }
-        }
+    for_each_acc<NT>(acc, tr * TILE_M + wm * 64, n0 + wn * WN, g, tq, [&](int mm, int nn, float v) {
+        if (nn < N) part[(size_t)nn * Mp + mm] = v;
+    });
     __threadfence();
     __syncthreads();
     const int tk = tr * gridDim.x + blockIdx.x;
@@ -397,38 +386,59 @@ template __global__ void tcbc_spmm<128, 2, 1>(const u64*, const u32*, const u32*
 template __global__ void tcbc_spmm<64, 2, 2>(const u64*, const u32*, const u32*, const u16*, const u16*, u16*,
                                              int, int, int, int, int);
 
-// Decode to dense (for the large-N prefill path: decode once, then cuBLAS): block = one GTile, thread t
-// = row t of it; per column one masked popcount gives the rank, the 16 values of the row are written as
-// two 16-byte stores (each thread writes its own 32-byte sector). Wd is [M, ldw], ldw >= the padded K.
+// Decode to dense (for the large-N prefill path: decode once, then cuBLAS). Block = DD_G GTiles side by
+// side (256 rows x 64 columns of W), thread t = row t. Per column one masked popcount plus the column's
+// precomputed word prefix gives the rank; the row's 16 halves of a GTile go to a shared staging tile (row
+// stride 64 + 8 halves: a quarter-warp's 16-byte stores land on 8 distinct 4-bank groups), then the block
+// writes the staging tile out row-contiguously: 8 lanes cover one 128-byte line, so every warp store
+// fills 4 whole lines. (v1 wrote each thread's 32-byte row piece straight to global memory: 32 lines per
+// warp store, 1.2 TB/s on 28672 x 8192; see docs/kernels.md.) Wd is [M, ldw], ldw >= the padded K.
+#define DD_G 4
+#define DD_STRIDE (DD_G * TILE_K + 8)
 __global__ void __launch_bounds__(256) tcbc_decode_dense(const u64* __restrict__ bitmap, const u32* __restrict__ colinfo,
                                                          const u32* __restrict__ tile_offset,
                                                          const u16* __restrict__ values, u16* __restrict__ Wd,
                                                          int grid_c, int M, int ldw) {
-    __shared__ u64 bm[TILE_K * 4];
-    __shared__ u32 ci[TILE_K];
-    __shared__ u32 toff;
-    const int gtc = blockIdx.x, tr = blockIdx.y, t = threadIdx.x;
-    const size_t gt = (size_t)tr * grid_c + gtc;
-    if (t < TILE_K * 4) bm[t] = bitmap[gt * TILE_K * 4 + t];
-    if (t < TILE_K) ci[t] = colinfo[gt * TILE_K + t];
-    if (t == 0) toff = tile_offset[gt];
+    __shared__ u64 bm[DD_G * TILE_K * 4];
+    __shared__ u32 start[DD_G * TILE_K * 4];  // value index of the column's run + set bits of earlier words
+    __shared__ __align__(16) u16 stage[TILE_M * DD_STRIDE];
+    const int gtc0 = blockIdx.x * DD_G, tr = blockIdx.y, t = threadIdx.x;
+    const int ng = min(DD_G, grid_c - gtc0);
+    const size_t gt0 = (size_t)tr * grid_c + gtc0;  // the block's GTiles are consecutive
+    // t = (g * 16 + c) * 4 + w: one bitmap word each (DD_G * 64 = 256 = blockDim)
+    const int g = t >> 6;
+    if (g < ng) bm[t] = bitmap[gt0 * TILE_K * 4 + t];
+    __syncthreads();
+    if (g < ng) {
+        const int col = t >> 2, w = t & 3;
+        u32 s = tile_offset[gt0 + g] + (colinfo[gt0 * TILE_K + col] >> 16);
+        for (int q = 0; q < w; ++q) s += __popcll(bm[col * 4 + q]);
+        start[t] = s;
+    }
     __syncthreads();
     const int w = t >> 6, b = t & 63;
-    u32 h[8];
+    const u64 below = (1ull << b) - 1ull;
+    for (int gg = 0; gg < ng; ++gg) {
+        u32 h[8];
 #pragma unroll
-    for (int c = 0; c < TILE_K; ++c) {
-        const u64 wd = bm[c * 4 + w];
-        int rank = __popcll(wd & ((1ull << b) - 1ull));
-        for (int q = 0; q < w; ++q) rank += __popcll(bm[c * 4 + q]);
-        const u32 v = ((wd >> b) & 1ull) ? (u32)values[toff + (ci[c] >> 16) + rank] : 0u;
-        if (c & 1) h[c >> 1] |= v << 16;
-        else h[c >> 1] = v;
-    }
-    const int row = tr * TILE_M + t;
-    if (row < M) {
-        uint4* dst = reinterpret_cast<uint4*>(Wd + (size_t)row * ldw + gtc * TILE_K);
+        for (int c = 0; c < TILE_K; ++c) {
+            const int i = (gg * TILE_K + c) * 4 + w;
+            const u64 wd = bm[i];
+            const u32 v = ((wd >> b) & 1ull) ? (u32)values[start[i] + __popcll(wd & below)] : 0u;
+            if (c & 1) h[c >> 1] |= v << 16;
+            else h[c >> 1] = v;
+        }
+        uint4* dst = reinterpret_cast<uint4*>(stage + t * DD_STRIDE + gg * TILE_K);
         dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
         dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    }
+    __syncthreads();
+    const int chunks = ng * 2;  // 16-byte chunks per row (8 halves each)
+    for (int idx = t; idx < TILE_M * DD_G * 2; idx += 256) {
+        const int r = idx >> 3, ch = idx & 7, row = tr * TILE_M + r;
+        if (ch < chunks && row < M)
+            *reinterpret_cast<uint4*>(Wd + (size_t)row * ldw + gtc0 * TILE_K + ch * 8) =
+                *reinterpret_cast<const uint4*>(stage + r * DD_STRIDE + ch * 8);
     }
 }
 

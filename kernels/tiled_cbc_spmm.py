@@ -24,7 +24,8 @@ _EXPR = (
     + tuple(f"tcbc_spmm2<{bn}, {GK}, {nst}, {mb}>" for bn, nst, mb in V2_CONFIGS)
     + ("tcbc_decode_dense",)
 )
-DENSE_FROM_N = 128  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
+DD_G = 4  # GTiles side by side per decode_dense block (DD_G in the .cu)
+DENSE_FROM_N = 64  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
 SMS = 132
 _DENSE_WS: dict[tuple[int, int], object] = {}
 
@@ -59,7 +60,7 @@ def decode_dense(dev: DeviceTiledCBC, out=None):
     if out.shape != (M, kp) or out.dtype != cp.float16 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous float16 [{M}, {kp}] array")
     _module().get_function("tcbc_decode_dense")(
-        (gc, gr), (256,), (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, out, np.int32(gc),
+        (-(-gc // DD_G), gr), (256,), (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, out, np.int32(gc),
                            np.int32(M), np.int32(kp)))
     return out
 

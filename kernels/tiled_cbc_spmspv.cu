@@ -67,6 +67,54 @@ __device__ __forceinline__ float code_at(const unsigned char* v, int i) {
     return (float)((c ^ half) - half);
 }
 
+// Step 4 of v1 and v2: the NW warps' accumulators (lane l: rows 8l..8l+7 of GTile row blockIdx.y) are summed
+// through `red` (shared, NW * TILE_M floats, free to reuse: the caller has synchronized the block). One split
+// writes the output directly; with split-K each block writes its fp32 partial row and the last block of the
+// GTile row (atomic ticket, `last_s` a __shared__ int) sums the partials in split order (deterministic),
+// writes the output and resets its ticket for the next launch.
+template <int NW>
+__device__ __forceinline__ void reduce_store(const float (&acc)[8], float* red, int& last_s, int M, int Mp,
+                                             float* __restrict__ partial, u32* __restrict__ tickets,
+                                             void* __restrict__ out, int out_f32) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tr = blockIdx.y, split = blockIdx.x;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) red[warp * TILE_M + lane * 8 + r] = acc[r];
+    __syncthreads();
+    const bool single = gridDim.x == 1;
+    for (int r = tid; r < TILE_M; r += NW * 32) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) v += red[w * TILE_M + r];
+        const int row = tr * TILE_M + r;
+        if (single) {
+            if (row < M) {
+                if (out_f32) reinterpret_cast<float*>(out)[row] = v;
+                else reinterpret_cast<u16*>(out)[row] = f2h(v);
+            }
+        } else {
+            partial[(size_t)split * Mp + row] = v;
+        }
+    }
+    if (single) return;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last_s = atomicAdd(&tickets[tr], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    for (int r = tid; r < TILE_M; r += NW * 32) {
+        const int row = tr * TILE_M + r;
+        float v = 0.f;
+        for (int s = 0; s < (int)gridDim.x; ++s) v += ld_cg(partial + (size_t)s * Mp + row);
+        if (row < M) {
+            if (out_f32) reinterpret_cast<float*>(out)[row] = v;
+            else reinterpret_cast<u16*>(out)[row] = f2h(v);
+        }
+    }
+    if (tid == 0) tickets[tr] = 0u;
+}
+
 template <int BITS, int NW, int NSTAGE>
 __global__ void __launch_bounds__(NW * 32) tcbc_spmspv(
     const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
@@ -192,43 +240,8 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv(
     cp_wait<0>();
     __syncthreads();
 
-    // 4. reduce warps, then split-K
-    float* red = reinterpret_cast<float*>(ring);  // NW * 256 floats, fits in the ring
-#pragma unroll
-    for (int r = 0; r < 8; ++r) red[warp * TILE_M + lane * 8 + r] = acc[r];
-    __syncthreads();
-    const bool single = gridDim.x == 1;
-    for (int r = tid; r < TILE_M; r += NW * 32) {
-        float v = 0.f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w * TILE_M + r];
-        int row = tr * TILE_M + r;
-        if (single) {
-            if (row < M) {
-                if (out_f32) reinterpret_cast<float*>(out)[row] = v;
-                else reinterpret_cast<u16*>(out)[row] = f2h(v);
-            }
-        } else {
-            partial[(size_t)split * Mp + row] = v;
-        }
-    }
-    if (single) return;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last_s = atomicAdd(&tickets[tr], 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last_s) return;
-    __threadfence();
-    for (int r = tid; r < TILE_M; r += NW * 32) {
-        int row = tr * TILE_M + r;
-        float v = 0.f;
-        for (int s = 0; s < (int)gridDim.x; ++s) v += ld_cg(partial + (size_t)s * Mp + row);
-        if (row < M) {
-            if (out_f32) reinterpret_cast<float*>(out)[row] = v;
-            else reinterpret_cast<u16*>(out)[row] = f2h(v);
-        }
-    }
-    if (tid == 0) tickets[tr] = 0u;
+    // 4. reduce warps, then split-K (the ring, NW * 256 floats or more, holds the reduction)
+    reduce_store<NW>(acc, reinterpret_cast<float*>(ring), last_s, M, Mp, partial, tickets, out, out_f32);
 }
 
 
@@ -437,42 +450,8 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
     cp_wait<0>();
     __syncthreads();
 
-    float* red = reinterpret_cast<float*>(smem);  // NW * 256 floats (the host sizes smem for it)
-#pragma unroll
-    for (int r = 0; r < 8; ++r) red[warp * TILE_M + lane * 8 + r] = acc[r];
-    __syncthreads();
-    const bool single = gridDim.x == 1;
-    for (int r = tid; r < TILE_M; r += NW * 32) {
-        float v = 0.f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w * TILE_M + r];
-        const int row = tr * TILE_M + r;
-        if (single) {
-            if (row < M) {
-                if (out_f32) reinterpret_cast<float*>(out)[row] = v;
-                else reinterpret_cast<u16*>(out)[row] = f2h(v);
-            }
-        } else {
-            partial[(size_t)split * Mp + row] = v;
-        }
-    }
-    if (single) return;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last_s = atomicAdd(&tickets[tr], 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last_s) return;
-    __threadfence();
-    for (int r = tid; r < TILE_M; r += NW * 32) {
-        const int row = tr * TILE_M + r;
-        float v = 0.f;
-        for (int s = 0; s < (int)gridDim.x; ++s) v += ld_cg(partial + (size_t)s * Mp + row);
-        if (row < M) {
-            if (out_f32) reinterpret_cast<float*>(out)[row] = v;
-            else reinterpret_cast<u16*>(out)[row] = f2h(v);
-        }
-    }
-    if (tid == 0) tickets[tr] = 0u;
+    // reduce warps, then split-K (the host sizes smem for the NW * 256-float reduction)
+    reduce_store<NW>(acc, reinterpret_cast<float*>(smem), last_s, M, Mp, partial, tickets, out, out_f32);
 }
 
 // explicit instantiations (compile checks with nvcc; CuPy uses name_expressions)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from itertools import combinations
 from math import comb
 
-from ortools.sat.python import cp_model
+from ..compressor.errors import UserError
 
 #: Above this many candidate groups the partition model is not built; the assignment model is used.
 PARTITION_MAX_GROUPS = 50_000
@@ -96,7 +96,18 @@ def _canonical(groups) -> list[tuple[int, ...]]:
     return sorted(tuple(sorted(g)) for g in groups)
 
 
-def _solver(time_limit: float, workers: int, seed: int = 0) -> cp_model.CpSolver:
+def _cp_model():
+    """OR-Tools' CP-SAT module, imported only when a tile needs it (the DP and the bounds do not)."""
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError as e:
+        raise UserError("the CP-SAT row grouping needs OR-Tools, which is not installed here "
+                        "(pip install ortools, or use --reorder dp|none)") from e
+    return cp_model
+
+
+def _solver(time_limit: float, workers: int, seed: int = 0):
+    cp_model = _cp_model()
     s = cp_model.CpSolver()
     s.parameters.max_time_in_seconds = float(time_limit)
     s.parameters.num_workers = int(workers)
@@ -111,6 +122,7 @@ def _solver(time_limit: float, workers: int, seed: int = 0) -> cp_model.CpSolver
 
 
 def _solve_partition(rows, r_a, hint, time_limit, workers):
+    cp_model = _cp_model()
     h_l = len(rows)
     model = cp_model.CpModel()
     cand = list(combinations(range(h_l), r_a))
@@ -134,6 +146,7 @@ def _solve_partition(rows, r_a, hint, time_limit, workers):
 
 
 def _solve_assignment(rows, r_a, hint, time_limit, workers):
+    cp_model = _cp_model()
     h_l = len(rows)
     n_g = h_l // r_a
     width = max(x.bit_length() for x in rows) if rows else 0

@@ -194,6 +194,27 @@ def test_gpu_all_chunks_stages_and_spmm_tiles_agree():
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape,sparsity", [((768, 1040), 0.5), ((300, 48), 0.3), ((257, 64), 0.9), ((256, 16), 0.0)])
+def test_gpu_decode_dense_is_exact(shape, sparsity):
+    """Every GTile count modulo the 4 GTiles a block decodes, ragged M, empty and full columns."""
+    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
+    from unionsparse.kernels.tiled_cbc_spmm import decode_dense
+
+    rng = np.random.default_rng(sum(shape))
+    W = _fp16_layer(rng, *shape, sparsity)
+    W[:, 3] = 0  # an empty column
+    W[:, 5] = 1.5  # a full one
+    dev = DeviceTiledCBC(tiled_cbc.encode(W))
+    kp = -(-shape[1] // 16) * 16
+    out = cp.full((shape[0], kp), cp.nan, cp.float16)
+    got = cp.asnumpy(decode_dense(dev, out))
+    want = np.zeros((shape[0], kp), np.float16)
+    want[:, : shape[1]] = W
+    assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist()
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("bits,g", [(4, 128), (2, 32), (4, 16)])
 def test_gpu_quantized_spmspv_every_chunk(bits, g):
     from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC

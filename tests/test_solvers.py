@@ -141,6 +141,18 @@ def test_auto_picks_dp_for_16_rows_and_cpsat_for_64():
     assert set(rep.methods) <= {"cpsat", "trivial"} and rep.n_tiles == 1
 
 
+def test_dp_needs_no_ortools_and_cpsat_says_what_is_missing(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ortools.sat.python", None)  # any import of it now fails
+    rng = np.random.default_rng(2)
+    mask = rng.random((32, 128)) < 0.5
+    perm, rep = reorder_matrix(mask, method="dp")
+    assert rep.methods == {"dp": rep.n_tiles} and rep.positions_after < rep.positions_before
+    with pytest.raises(UserError, match="needs OR-Tools"):
+        reorder_tile(rng.random((64, 64)) < 0.5, method="cpsat", time_limit=0.1)
+
+
 def _roundtrip(codes, tile, areas, method, **kw):
     mask = codes != 0
     seen = []
