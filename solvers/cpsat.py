@@ -106,6 +106,11 @@ def _cp_model():
     return cp_model
 
 
+def require_ortools() -> None:
+    """Raise the UserError of :func:`_cp_model` now if OR-Tools is missing."""
+    _cp_model()
+
+
 def _solver(time_limit: float, workers: int, seed: int = 0):
     cp_model = _cp_model()
     s = cp_model.CpSolver()

@@ -151,6 +151,8 @@ def test_dp_needs_no_ortools_and_cpsat_says_what_is_missing(monkeypatch):
     assert rep.methods == {"dp": rep.n_tiles} and rep.positions_after < rep.positions_before
     with pytest.raises(UserError, match="needs OR-Tools"):
         reorder_tile(rng.random((64, 64)) < 0.5, method="cpsat", time_limit=0.1)
+    with pytest.raises(UserError, match="needs OR-Tools"):  # before any worker process starts
+        reorder_matrix(rng.random((128, 64)) < 0.5, tile=(64, 64), method="cpsat", jobs=2, time_limit=0.1)
 
 
 def _roundtrip(codes, tile, areas, method, **kw):
