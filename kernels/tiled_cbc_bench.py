@@ -555,8 +555,7 @@ def write_md(res, path):
             f"## SpMM (prefill, static {res['spmm'][0]['static']:.0%}) vs cuBLAS fp16 GEMM (F.linear)",
             "",
             f"`speedup` is the default method (`auto`: fused below N = {res.get('dense_from_n', 128)}, "
-            "decode-once + cuBLAS "
-            "from there on).",
+            "decode-once + cuBLAS from there on).",
             "",
             "| M | K | N | cuBLAS us | fused v2 us | fused speedup | dense-path us | dense-path speedup | "
             "speedup (auto) | v1 us | v1 speedup | cuBLAS TFLOP/s | fused TFLOP/s (dense-equiv.) | fused config |",

@@ -96,8 +96,9 @@ def _canonical(groups) -> list[tuple[int, ...]]:
     return sorted(tuple(sorted(g)) for g in groups)
 
 
-def _cp_model():
-    """OR-Tools' CP-SAT module, imported only when a tile needs it (the DP and the bounds do not)."""
+def load_cp_model():
+    """OR-Tools' CP-SAT module, imported only when a tile needs it (the DP and the bounds do not); a
+    missing OR-Tools is a UserError naming it."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as e:
@@ -106,13 +107,7 @@ def _cp_model():
     return cp_model
 
 
-def require_ortools() -> None:
-    """Raise the UserError of :func:`_cp_model` now if OR-Tools is missing."""
-    _cp_model()
-
-
-def _solver(time_limit: float, workers: int, seed: int = 0):
-    cp_model = _cp_model()
+def _solver(cp_model, time_limit: float, workers: int, seed: int = 0):
     s = cp_model.CpSolver()
     s.parameters.max_time_in_seconds = float(time_limit)
     s.parameters.num_workers = int(workers)
@@ -127,7 +122,7 @@ def _solver(time_limit: float, workers: int, seed: int = 0):
 
 
 def _solve_partition(rows, r_a, hint, time_limit, workers):
-    cp_model = _cp_model()
+    cp_model = load_cp_model()
     h_l = len(rows)
     model = cp_model.CpModel()
     cand = list(combinations(range(h_l), r_a))
@@ -142,7 +137,7 @@ def _solve_partition(rows, r_a, hint, time_limit, workers):
     chosen = set(hint)
     for v, g in zip(x, cand, strict=True):
         model.add_hint(v, g in chosen)
-    solver = _solver(time_limit, workers)
+    solver = _solver(cp_model, time_limit, workers)
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, 0, False
@@ -151,7 +146,7 @@ def _solve_partition(rows, r_a, hint, time_limit, workers):
 
 
 def _solve_assignment(rows, r_a, hint, time_limit, workers):
-    cp_model = _cp_model()
+    cp_model = load_cp_model()
     h_l = len(rows)
     n_g = h_l // r_a
     width = max(x.bit_length() for x in rows) if rows else 0
@@ -184,7 +179,7 @@ def _solve_assignment(rows, r_a, hint, time_limit, workers):
         for r in grp:
             for gg in range(min(r, n_g - 1) + 1):
                 model.add_hint(x[r, gg], gg == g)
-    solver = _solver(time_limit, workers)
+    solver = _solver(cp_model, time_limit, workers)
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, 0, False

@@ -220,7 +220,7 @@ def reorder_matrix(
 
 def _reorder_cpsat(tiles, g, time_limit, jobs, cpsat_workers, progress, perms, before, after, bound,
                    proven, methods) -> None:
-    cpsat.require_ortools()  # fail in this process, with one line, before any worker starts
+    cpsat.load_cp_model()  # fail in this process, with one line, before any worker starts
     h_l = g.tile[0]
     r_a, c_a = g.areas
     n_t = tiles.shape[0]
