@@ -9,25 +9,32 @@
 // sigma(4t + i) = 8t + i, sigma(16 + 4t + i) = 8t + 4 + i, so a segment's 8 positions are exactly one
 // lane's 8 A-fragment bytes of m16n8k32, and the same order read from X is one 8-byte load per lane.
 //
-// Schedule (v3, see docs/kernels.md): a CTA of WARPS warps owns WARPS tile rows x one K chunk. The CTA
+// Schedule (v4; v3 in docs/kernels.md): a CTA of WARPS warps owns WARPS tile rows x one K chunk. The CTA
 // stages the chunk's X codes and activation scales in shared memory once (one barrier); after that every
-// warp runs alone: it is its own producer, streaming its tile row's contiguous value bytes, bitmaps and
-// inverse perms through a private NSTAGE-deep ring of BT-tile batches (sm_90: cp.async.bulk by one lane,
+// warp runs alone: it is its own producer, streaming its tile row's contiguous value bytes through a
+// private NSTAGE-deep ring of BT-tile batches (sm_90: one cp.async.bulk per batch by an elect.sync lane,
 // one mbarrier per slot; older GPUs or IEBME_TMA=0: cp.async by every lane, wait_group + __syncwarp), and
-// its own consumer; no CTA barrier. Batch boundaries come from one register of offsets per lane, loaded
-// once, so copies never wait on metadata. Per mask byte, one 16-byte table entry (LDS.128) holds both
-// byte-permute selectors and both code masks of the decode.
+// its own consumer; no CTA barrier. Batch boundaries come from one register of byte offsets per lane,
+// loaded once, so copies never wait on metadata. A batch's bitmap words (and inverse perms) are not
+// copied through the ring: each lane loads its word straight into a register, one batch ahead, with lane
+// 4w + j holding mask row w of tile j, so the per-tile metadata shuffles have constant sources (width 4)
+// and the batch's ranks, stream lengths and tile starts take 3 + 1 + 2 shuffles (scans with the shuffle's
+// own in-range predicate). The last batch is padded to BT tiles: missing tiles get zero words (so decode
+// zeros) and zeroed X columns, so the tile loop has no per-tile bounds test. Per mask byte, one 16-byte
+// table entry (LDS.128) holds both byte-permute selectors and both code masks of the decode.
 //
 // Per-tile row permutations are applied on the A side: fragment row r of the mma is output row r; lane
-// (g, t) fetches, with one shuffle per row, the (rank, segment) pair of the mask row that holds reordered
-// row pinv[r] and decodes that row's two area streams. C stays in registers in original row order for
-// the whole group, so a permutation costs two byte loads, two shuffles and a second table lookup per tile.
+// (g, t) fetches, with one shuffle per row, the (word, rank) of the mask row that holds reordered row
+// pinv[r] and decodes that row's two area streams. C stays in registers in original row order for the
+// whole group, so a permutation costs two byte loads per batch, three shuffles and a second table lookup
+// per tile.
 //
 // int4/int2 codes are unpacked to int8 with the code in the high bits of each byte (products are
-// 16x / 64x the true ones, shifted back exactly at the end of the group): on sm_90 the s4 mma is
-// emulated and ~20x slower than s8. Scaling at the end of every group (and of the chunk): acc += (s_w *
-// s_x) * float(partial) with round-to-nearest multiplies and add (no FMA), matching the CPU reference bit
-// for bit without split-K. DEBUG writes the exact int32 group partial sums instead (atomicAdd, exact).
+// 16x / 64x the true ones; the factor 2^-SHIFT is folded into the staged activation scales, exactly):
+// on sm_90 the s4 mma is emulated and ~20x slower than s8. Scaling at the end of every group (and of the
+// chunk): acc += (s_w * s_x) * float(partial) with round-to-nearest multiplies and add (no FMA), matching
+// the CPU reference bit for bit without split-K. DEBUG writes the exact int32 group partial sums instead
+// (atomicAdd, exact).
 // NVRTC (CuPy's run-time compiler) ships no C library headers: fixed-width types by hand
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
@@ -65,15 +72,14 @@ constexpr int MAX_BATCHES = 31;  // batch boundaries live in one register per la
 static_assert(MAX_BATCHES < 32, "boundary MAX_BATCHES (the chunk's end) must fit in lane MAX_BATCHES");
 constexpr bool TMA = IEBME_TMA;
 
-template <int BITS, bool PERM>
+// A warp's ring holds value bytes only (bitmaps and inverse perms go to registers); mirrors ring_bytes() in
+// iebme_spmm.py, which sizes the dynamic shared memory.
+template <int BITS>
 struct Ring {
   static constexpr int VB = 1024 * BITS / 8;         // max value bytes of one tile
-  static constexpr int VSLOT = BT * VB + 16;          // + 16: a window reads one word past the end
-  static constexpr int BSLOT = BT * 32;               // bitmaps
-  static constexpr int PSLOT = PERM ? BT * 16 : 0;    // inverse row permutations
-  static constexpr int SLOT = VSLOT + BSLOT + PSLOT;
+  static constexpr int SLOT = BT * VB + 16;           // + 16: a window reads one word past the end
   static constexpr int WARP_BYTES = NSTAGE * SLOT;
-  static constexpr int BYTES = WARPS * WARP_BYTES;        // X and its scales follow
+  static constexpr int BYTES = WARPS * WARP_BYTES;    // X and its scales follow
 };
 
 DEVI uint32_t sptr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -92,17 +98,54 @@ DEVI uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {  // selector bits 15.
   return d;
 }
 DEVI void mbar_init(uint32_t bar) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar)); }
-DEVI void mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 DEVI void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
       " @!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
-DEVI void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+// Metadata shuffles. Lane 4w + j holds mask row w of tile j (see spmm); shfl_tile reads lane (lane & ~3) | j.
+DEVI uint32_t shfl_tile(uint32_t v, int j) { return __shfl_sync(0xffffffffu, v, j, 4); }
+// Inclusive sum over lanes w' <= w of the same tile (lanes lane, lane - 4, ...): shuffle-up with its
+// in-range predicate, so the add needs no lane test.
+template <int D>
+DEVI void scan_step(int& v) {
+  asm volatile("{\n .reg .s32 u;\n .reg .pred p;\n shfl.sync.up.b32 u|p, %0, %1, 0x0, 0xffffffff;\n"
+               " @p add.s32 %0, %0, u;\n}\n" : "+r"(v) : "n"(D));
+}
+DEVI int scan_rows(int v) {
+  scan_step<4>(v);
+  scan_step<8>(v);
+  scan_step<16>(v);
+  return v;
+}
+// Inclusive sum over tiles j' <= j of the same row (lanes of one 4-lane segment: segmask 0x1c).
+template <int D>
+DEVI void scan_step_tiles(uint32_t& v) {
+  asm volatile("{\n .reg .u32 u;\n .reg .pred p;\n shfl.sync.up.b32 u|p, %0, %1, 0x1c00, 0xffffffff;\n"
+               " @p add.u32 %0, %0, u;\n}\n" : "+r"(v) : "n"(D));
+}
+DEVI uint32_t scan_tiles(uint32_t v) {
+  scan_step_tiles<1>(v);
+  scan_step_tiles<2>(v);
+  return v;
+}
+// The value of lane 28 | (lane & 3): mask row 7 of this lane's tile (segmask 0x03, source lane 28).
+DEVI int last_row(int v) {
+  int r;
+  asm volatile("shfl.sync.idx.b32 %0, %1, 28, 0x31f, 0xffffffff;\n" : "=r"(r) : "r"(v));
+  return r;
+}
+template <int NT>
+DEVI void zero_acc(int (&acc)[NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0;
+}
+DEVI uint4 lds128(uint32_t addr) {  // shared::cta address; the table is written before the CTA barrier
+  uint4 v;
+  asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
 }
 DEVI float h2f(uint16_t h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 DEVI uint16_t f2h(float f) { uint16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
@@ -168,16 +211,15 @@ DEVI void count_masks(int n, uint32_t& me, uint32_t& mo) {
 
 template <int BITS, int NT, bool PERM, bool DEBUG>
 DEVI void spmm(const Args& a) {
-  using R = Ring<BITS, PERM>;
+  using R = Ring<BITS>;
   constexpr int SHIFT = 8 - BITS;           // codes sit in the high bits of each int8
-  constexpr int ALIGN = 128 / BITS;         // value segments start on 16-byte boundaries
   extern __shared__ __align__(16) uint8_t smem[];
   // per mask byte: byte-permute selectors of output codes 0-3 and 4-7, even / odd code masks (count_masks)
   __shared__ uint4 tab[256];
   __shared__ __align__(8) uint64_t bars[TMA ? WARPS * NSTAGE : 1];  // one mbarrier per ring slot
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
+  const int g = lane >> 2, t = lane & 3;   // mma fragment position; in the metadata layout: mask row, tile
   const int tr = blockIdx.x * WARPS + warp;
   const bool active = tr < a.TR;
   const int k0 = blockIdx.y * a.chunk;
@@ -186,65 +228,72 @@ DEVI void spmm(const Args& a) {
   const int nb = (nk + BT - 1) / BT;
   const int ga0 = k0 / a.gs_tiles;                       // first group of the chunk
   const int ngc = (k1 - 1) / a.gs_tiles - ga0 + 1;       // groups touched by the chunk
-  const int xs_stride = ((nk * 64 + 127) & ~127) + 32;   // X row stride: 8-byte fragment loads conflict-free
+  // X row stride: whole batches (the last batch's padding columns are zeroed), and = 32 mod 128 bytes so
+  // the 8-byte fragment loads are conflict-free; the same formula as x_stride() in iebme_spmm.py
+  const int xs_stride = nb * BT * 64 + 32;
   int8_t* xsm = reinterpret_cast<int8_t*>(smem + R::BYTES);
   float* sxs = reinterpret_cast<float*>(smem + R::BYTES + a.N * xs_stride);  // 8-byte aligned
-  uint8_t* ring = smem + warp * R::WARP_BYTES;
-  const uint32_t ring_s = sptr(ring);
-  const uint32_t bar_s = sptr(bars + (TMA ? warp * NSTAGE : 0));
+  const uint32_t* smw = reinterpret_cast<const uint32_t*>(smem);               // the ring, as words
+  uint32_t ring_off = warp * R::WARP_BYTES;                              // this warp's ring in smem
+  uint32_t ring_s = sptr(smem) + ring_off;
+  uint32_t bar_s = sptr(bars + (TMA ? warp * NSTAGE : 0));
   const size_t row_t0 = static_cast<size_t>(tr) * a.TC;
 
-  // batch boundaries: lane j holds the value offset (in codes) of batch j's first tile
+  // batch boundaries: lane j holds the value byte offset of batch j's first tile (<= MAX_BATCHES batches);
+  // offsets are segment starts (16-byte aligned, so multiples of 8 codes): (o >> 3) * BITS is exact
   uint32_t boff = 0;
-  if (active && lane <= nb) boff = __ldg(a.offsets + row_t0 + min(k0 + BT * lane, k1));
+  if (active && lane <= nb) boff = (__ldg(a.offsets + row_t0 + min(k0 + BT * lane, k1)) >> 3) * BITS;
   if (TMA && lane == 0) {
     for (int s = 0; s < NSTAGE; ++s) mbar_init(bar_s + 8 * s);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncwarp();
 
-  // copy batch b (values, bitmaps, inverse perms of BT tiles) into ring slot b % NSTAGE
-  auto issue = [&](int b) {
-    if (active && b < nb) {
-      const int ta = k0 + b * BT, ntb = min(BT, k1 - ta);
-      const uint32_t o0 = __shfl_sync(0xffffffffu, boff, b);
-      const uint32_t o1 = __shfl_sync(0xffffffffu, boff, b + 1);
-      const uint32_t slot = ring_s + (b % NSTAGE) * R::SLOT;
-      const uint8_t* src = a.values + static_cast<size_t>(o0) * BITS / 8;
-      const uint8_t* bsrc = a.bitmaps + (row_t0 + ta) * 32;
-      const uint8_t* psrc = PERM ? a.pinv + (row_t0 + ta) * 16 : nullptr;
-      if (TMA) {
-        if (lane == 0) {  // one lane, three bulk copies, completion counted in bytes on the slot's mbarrier
-          const uint32_t bar = bar_s + 8 * (b % NSTAGE), vbytes = (o1 - o0) * BITS / 8;
-          mbar_expect(bar, vbytes + 32 * ntb + (PERM ? 16 * ntb : 0));
-          if (vbytes) bulk_copy(slot, src, vbytes, bar);
-          bulk_copy(slot + R::VSLOT, bsrc, 32 * ntb, bar);
-          if (PERM) bulk_copy(slot + R::VSLOT + R::BSLOT, psrc, 16 * ntb, bar);
-        }
-      } else {
-        const int nch = static_cast<int>((o1 - o0) * BITS / 128);
+  // copy batch bi's value bytes (BT tiles, or fewer at the chunk's end) into ring slot si = bi % NSTAGE,
+  // if bi < nbi (nbi: the warp's batch count, 0 for an inactive warp). Branch-free: every lane shuffles.
+  auto issue = [&](int bi, int si, int nbi) {
+    const uint32_t o0 = __shfl_sync(0xffffffffu, boff, bi);       // lanes bi, bi + 1: the batch's bounds
+    const uint32_t o1 = __shfl_sync(0xffffffffu, boff, bi + 1);
+    const uint32_t slot = ring_s + si * R::SLOT, vbytes = o1 - o0;
+    const uint8_t* src = a.values + o0;
+    if (TMA) {
+      // one elected lane: expect the bytes on the slot's mbarrier, then one bulk copy (none if empty)
+      asm volatile(
+          "{\n .reg .pred e, z;\n elect.sync _|e, 0xffffffff;\n setp.lt.and.s32 e, %4, %5, e;\n"
+          " @e mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n setp.ne.and.u32 z, %1, 0, e;\n"
+          " @z cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3], %1, [%0];\n}\n"
+          ::"r"(bar_s + 8 * si), "r"(vbytes), "r"(slot), "l"(src), "r"(bi), "r"(nbi) : "memory");
+    } else {
+      if (bi < nbi) {
+        const int nch = static_cast<int>(vbytes / 16);
 #pragma unroll
         for (int i = 0; i < BT * R::VB / 16 / 32; ++i) {  // fixed count, predicated: no loop to branch on
           const int c = lane + 32 * i;
           if (c < nch) cp16s(slot + 16 * c, src + 16 * c);
         }
-        if (lane < 2 * ntb) cp16s(slot + R::VSLOT + 16 * lane, bsrc + 16 * lane);
-        if (PERM && lane < ntb) cp16s(slot + R::VSLOT + R::BSLOT + 16 * lane, psrc + 16 * lane);
       }
+      cp_commit();
     }
-    if (!TMA) cp_commit();
   };
 
   // ---------------- prologue: first batches, X chunk, selector table ----------------
-  for (int s = 0; s < NSTAGE - 1; ++s) issue(s);
+  const int nbl = active ? nb : 0;        // batches of this warp
+  for (int s = 0; s < NSTAGE - 1; ++s) issue(s, s, nbl);
   for (int n = 0; n < a.N; ++n)
     for (int c = tid; c < nk * 4; c += blockDim.x)
       cp16(xsm + n * xs_stride + 16 * c, a.x + static_cast<size_t>(n) * a.Kp + k0 * 64 + 16 * c);
   cp_commit();
-  if (!DEBUG)  // activation scales [group][NT * 8], zero for columns past N (their products are zero)
+  {  // zero the X columns of the last batch's missing tiles: their mma (A decoded as zeros) adds exact zeros
+    const int pad = (nb * BT - nk) * 4;  // 16-byte chunks per row
+    for (int i = tid; i < a.N * pad; i += blockDim.x) {
+      const int n = i / pad, c = nk * 4 + (i - n * pad);
+      *reinterpret_cast<uint4*>(xsm + n * xs_stride + 16 * c) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  if (!DEBUG)  // activation scales [group][NT * 8] times 2^-SHIFT (see the group end), zero past N
     for (int i = tid; i < ngc * NT * 8; i += blockDim.x) {
       const int j = i / (NT * 8), n = i - j * (NT * 8);
-      sxs[i] = n < a.N ? a.xs[static_cast<size_t>(n) * a.G + ga0 + j] : 0.f;
+      sxs[i] = n < a.N ? a.xs[static_cast<size_t>(n) * a.G + ga0 + j] * (1.f / (1 << SHIFT)) : 0.f;
     }
   for (int s = tid; s < 256; s += blockDim.x) {
     // byte-permute selectors: output byte b of a segment = rank of bit b, or a zero byte when inactive
@@ -270,121 +319,159 @@ DEVI void spmm(const Args& a) {
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) { acc[j][i] = 0; yv[j][i] = 0.f; }
-  const uint32_t lomask = (1u << (8 * t)) - 1u;  // bits of the mask word before this lane's segment
-  const uint32_t bytesel = 0x4440u | t;          // prmt selector: byte t of a word, zero-extended
-  // B fragments: row n = nt * 8 + g of the X chunk, clamped to N - 1 (columns past N are never written)
+  uint32_t himask = ~((1u << (8 * t)) - 1u);  // bits of the mask word from this lane's segment on
+  uint32_t tab_s = sptr(tab);                // the selector table's shared address
+  uint32_t bytesel = 0x4440u | t;            // prmt selector: byte t of a word, zero-extended
+  // B fragments: row n = nt * 8 + g of the X chunk, clamped to N - 1 (columns past N are never written);
+  // advanced by one batch of columns per batch
   const int8_t* xl[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xl[nt] = xsm + min(nt * 8 + g, a.N - 1) * xs_stride + 8 * t;
-  int grp = ga0;                               // group of the next tile
   // this group's weight scales for output rows g and g + 8, loaded one group ahead
+  int grp = ga0;                               // group of the next tile
   const uint16_t* wsp = a.wsT + static_cast<size_t>(grp) * a.Mp + tr * 16 + g;
-  const float* sxp = sxs + 2 * t;             // this group's activation scales
+  const float* sxp = sxs + 2 * t;             // this group's activation scales (times 2^-SHIFT)
   uint16_t sw0 = 0, sw1 = 0;
   if (!DEBUG && active) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }
-  int gleft = a.gs_tiles - (k0 - ga0 * a.gs_tiles);  // tiles left in that group
+  // tile indices relative to the current batch's first tile: the chunk's last tile, and the next tile that
+  // ends a group or the chunk (never a padding tile past the chunk: gend <= jlast always)
+  int jlast = nk - 1;
+  int gend = min(a.gs_tiles - (k0 - ga0 * a.gs_tiles) - 1, jlast);
 
-  for (int b = 0; b < (active ? nb : 0); ++b) {
+  // Metadata layout: lane 4w + j (w = lane >> 2 = g, j = lane & 3 = t) holds bitmap word w (mask row w) of
+  // tile j of a batch, so the lane (g, t) that decodes mask row g of tile j reads lane (lane & ~3) | j:
+  // a width-4 shuffle with a constant source. Bitmap words (and inverse perms) come straight from global
+  // memory into registers, one batch ahead; tiles past the chunk's end get zero words.
+  const uint32_t* bmp = reinterpret_cast<const uint32_t*>(a.bitmaps) + (row_t0 + k0 + t) * 8 + g;
+  const uint8_t* pmp = PERM ? a.pinv + (row_t0 + k0 + t) * 16 + g : nullptr;
+  int tl = nk - t;                             // tiles from this lane's tile of the current batch on
+  uint32_t wnext = 0, rnext = 0;
+  if (active && tl > 0) {
+    wnext = __ldg(bmp);
+    if (PERM) rnext = __ldg(pmp) | (static_cast<uint32_t>(__ldg(pmp + 8)) << 8);
+  }
+
+  // rounds of NSTAGE batches: batch b0 + si uses ring slot si, whose mbarrier phase flips once per round
+  // (not unrolled: unrolling saved ~1 instruction per tile for 8 more registers)
+  uint32_t phase = 0;
+  for (int b0 = 0; b0 < nbl; b0 += NSTAGE, phase ^= 1u) {
+#pragma unroll 1
+  for (int si = 0; si < NSTAGE; ++si) {
+    const int b = b0 + si;
+    if (b >= nbl) break;
+    asm volatile("" : "+r"(himask), "+r"(bytesel), "+r"(ring_s), "+r"(bar_s), "+r"(ring_off), "+r"(tab_s));
     if (TMA) {
-      mbar_wait(bar_s + 8 * (b % NSTAGE), (b / NSTAGE) & 1);
+      mbar_wait(bar_s + 8 * si, phase);
     } else {
       cp_wait<NSTAGE - 2>();
     }
     __syncwarp();        // every lane is done with the slot refilled next
-    issue(b + NSTAGE - 1);
-    const uint8_t* slot = ring + (b % NSTAGE) * R::SLOT;
-    const uint32_t* vals = reinterpret_cast<const uint32_t*>(slot);
-    const uint8_t* pis = slot + R::VSLOT + R::BSLOT;
-    const int xb = b * BT * 64;                  // the batch's first X column in the chunk
-    const int ta = k0 + b * BT, ntb = min(BT, k1 - ta);
-    // ---- batch metadata, one bitmap word per lane: lane 8j + w holds word w (mask row w) of tile j ----
-    const uint32_t wl = lane < 8 * ntb ? reinterpret_cast<const uint32_t*>(slot + R::VSLOT)[lane] : 0u;
-    const int cl = __popc(wl);
-    int incl = cl;                                         // inclusive popcount scan over the tile's words
-#pragma unroll
-    for (int d = 1; d < 8; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d);
-      if ((lane & 7) >= d) incl += v;
+    issue(b + NSTAGE - 1, (si + NSTAGE - 1) % NSTAGE, nbl);
+    const uint32_t wl = wnext;
+    // inverse perms of this lane's (row w, tile j): ra = pinv[j][w], rb = pinv[j][w + 8] packed for the
+    // decoding lanes: byte 0 / 1 = source lane 4 (ra & 7) + j / 4 (rb & 7) + j, byte 2 / 3 = 2 * area row
+    const uint32_t pk = PERM ? (((rnext << 2) & 0x1c1cu) | (0x0101u * t) | ((rnext << 14) & 0x02020000u)) : 0u;
+    // prefetch the next batch's words
+    tl -= BT;
+    bmp += BT * 8;
+    if (PERM) pmp += BT * 16;
+    wnext = 0;
+    rnext = 0;
+    if (tl > 0) {
+      wnext = __ldg(bmp);
+      if (PERM) rnext = __ldg(pmp) | (static_cast<uint32_t>(__ldg(pmp + 8)) << 8);
     }
-    const int ptile = __shfl_sync(0xffffffffu, incl, lane | 7);   // P of this lane's tile
-    const int seglen = (4 * ptile + ALIGN - 1) / ALIGN * ALIGN;    // its value segment, in codes
-    int sc = seglen;                                       // inclusive scan of segment lengths over tiles
-    {
-      int v = __shfl_up_sync(0xffffffffu, sc, 8);
-      if (lane >= 8) sc += v;
-      v = __shfl_up_sync(0xffffffffu, sc, 16);
-      if (lane >= 16) sc += v;
-    }
-    // in bits: (tile start in the slot + rank of the word's first bit) | (stream length P) << 16
-    const uint32_t meta = static_cast<uint32_t>((sc - seglen + incl - cl) * BITS) |
-                          (static_cast<uint32_t>(ptile * BITS) << 16);
+    // ---- batch metadata by warp scans (bit units) ----
+    const int incl = scan_rows(__popc(wl));               // inclusive popcount scan over the tile's rows
+    const uint32_t pb = static_cast<uint32_t>(last_row(incl)) * BITS;  // P * BITS: stream length of tile t
+    const uint32_t seg = (4 * pb + 127) & ~127u;          // its value segment (16-byte aligned), in bits
+    // in stream 0 of tile t: the bit after row w's last code = slot + tile start + rank of row w + 1's first bit
+    const uint32_t mst = (ring_off + si * R::SLOT) * 8 + scan_tiles(seg) - seg + static_cast<uint32_t>(incl) * BITS;
 #pragma unroll
     for (int j0 = 0; j0 < BT; j0 += ILP) {
-      // ---- decode ILP tiles back to back (independent chains); a tile past the batch decodes zeros ----
+      // ---- decode ILP tiles back to back (independent chains); a tile past the chunk decodes zeros ----
       uint32_t fr[ILP][2][4];
 #pragma unroll
       for (int u = 0; u < ILP; ++u) {
         const int j = j0 + u;
-        // LSPD: fragment rows g and g + 8 are output rows; they hold reordered rows ra and rb
-        const int ra = PERM ? pis[16 * j + g] : g, rb = PERM ? pis[16 * j + g + 8] : g + 8;
-        const uint32_t wA = __shfl_sync(0xffffffffu, wl, 8 * j + (ra & 7));
-        const uint32_t mA = __shfl_sync(0xffffffffu, meta, 8 * j + (ra & 7));
-        const uint32_t wB = PERM ? __shfl_sync(0xffffffffu, wl, 8 * j + (rb & 7)) : wA;
-        const uint32_t mB = PERM ? __shfl_sync(0xffffffffu, meta, 8 * j + (rb & 7)) : mA;
-        const uint32_t pb = mA >> 16;                       // P * BITS: the distance between area streams
-        // first code of the segment in area stream (row half, column half 0); row half 1 is 2 streams on
-        const uint32_t vA = (mA & 0xffffu) + __popc(wA & lomask) * BITS + ((ra >> 3) & 1) * 2 * pb;
-        const uint32_t vB = PERM ? (mB & 0xffffu) + __popc(wB & lomask) * BITS + ((rb >> 3) & 1) * 2 * pb
-                                 : vA + 2 * pb;
-        const uint4 eA = tab[prmt(wA, 0u, bytesel)];
-        const uint4 eB = PERM ? tab[prmt(wB, 0u, bytesel)] : eA;
+        const uint32_t pbj = shfl_tile(pb, j);          // distance between the tile's area streams
+        if (PERM) {
+          // fragment rows g and g + 8 are output rows; they hold reordered rows ra and rb
+          const uint32_t pkj = shfl_tile(pk, j);
+          const uint32_t sa = pkj, sb = pkj >> 8;         // source lanes (shuffles use bits 4..0)
+          const uint32_t wA = __shfl_sync(0xffffffffu, wl, sa), mA = __shfl_sync(0xffffffffu, mst, sa);
+          const uint32_t wB = __shfl_sync(0xffffffffu, wl, sb), mB = __shfl_sync(0xffffffffu, mst, sb);
+          const uint32_t vA = mA - __popc(wA & himask) * BITS + prmt(pkj, 0u, 0x4442u) * pbj;
+          const uint32_t vB = mB - __popc(wB & himask) * BITS + prmt(pkj, 0u, 0x4443u) * pbj;
+          const uint4 eA = lds128(tab_s + 16 * prmt(wA, 0u, bytesel));
+          const uint4 eB = lds128(tab_s + 16 * prmt(wB, 0u, bytesel));
 #pragma unroll
-        for (int cs = 0; cs < 2; ++cs) {
-          decode_window<BITS>(vals, vA + cs * pb, eA, fr[u][cs][0], fr[u][cs][2]);
-          decode_window<BITS>(vals, vB + cs * pb, eB, fr[u][cs][1], fr[u][cs][3]);
+          for (int cs = 0; cs < 2; ++cs) {
+            decode_window<BITS>(smw, vA + cs * pbj, eA, fr[u][cs][0], fr[u][cs][2]);
+            decode_window<BITS>(smw, vB + cs * pbj, eB, fr[u][cs][1], fr[u][cs][3]);
+          }
+        } else {
+          const uint32_t wA = shfl_tile(wl, j), mA = shfl_tile(mst, j);
+          // first code of the segment in area stream (row half 0, column half 0); row half 1 is 2 streams on
+          const uint32_t vA = mA - __popc(wA & himask) * BITS;
+          const uint4 eA = lds128(tab_s + 16 * prmt(wA, 0u, bytesel));
+#pragma unroll
+          for (int cs = 0; cs < 2; ++cs) {
+            decode_window<BITS>(smw, vA + cs * pbj, eA, fr[u][cs][0], fr[u][cs][2]);
+            decode_window<BITS>(smw, vA + (2 + cs) * pbj, eA, fr[u][cs][1], fr[u][cs][3]);
+          }
         }
       }
       // ---- tensor cores, then the end of a group (or of this chunk): scale and accumulate ----
 #pragma unroll
       for (int u = 0; u < ILP; ++u) {
         const int j = j0 + u;
-        if (j >= ntb) break;
 #pragma unroll
         for (int cs = 0; cs < 2; ++cs) {
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            const uint2 bx = *reinterpret_cast<const uint2*>(xl[nt] + xb + j * 64 + cs * 32);
+            const uint2 bx = *reinterpret_cast<const uint2*>(xl[nt] + j * 64 + cs * 32);
             mma_s8(acc[nt], fr[u][cs][0], fr[u][cs][1], fr[u][cs][2], fr[u][cs][3], bx.x, bx.y);
           }
         }
-        if (--gleft == 0 || ta + j + 1 == k1) {
-          // 2^-SHIFT folded into the weight scale: rn(w 2^-s * x) * float(2^s p) == rn(w * x) * float(p)
-          // exactly (power-of-two scaling, no subnormals), so the sums need no shift back
-          const float w0 = h2f(sw0) * (1.f / (1 << SHIFT)), w1 = h2f(sw1) * (1.f / (1 << SHIFT));
-          wsp += a.Mp;
-          if (!DEBUG && grp + 1 < ga0 + ngc) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }
+        if (gend == j) {
+          gend = min(j + a.gs_tiles, jlast);
+          if (!DEBUG) {
+            // 2^-SHIFT is folded into the staged activation scale: rn(w * x 2^-s) * float(2^s p) ==
+            // rn(w * x) * float(p) exactly (power-of-two scaling of normal numbers), so the sums need no shift
+            const float w0 = h2f(sw0), w1 = h2f(sw1);
+            wsp += a.Mp;
+            if (j != jlast) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }  // a next group in this chunk
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const float2 sx = DEBUG ? make_float2(0.f, 0.f) : *reinterpret_cast<const float2*>(sxp + nt * 8);
+            for (int nt = 0; nt < NT; ++nt) {
+              const float2 sx = *reinterpret_cast<const float2*>(sxp + nt * 8);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              if (DEBUG) {
-                const int row = tr * 16 + g + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
-                if (row < a.M && col < a.N)
-                  atomicAdd(a.partial + (static_cast<size_t>(col) * a.M + row) * a.G + grp, acc[nt][i] >> SHIFT);
-              } else {
+              for (int i = 0; i < 4; ++i) {
                 const float s = __fmul_rn(i >> 1 ? w1 : w0, i & 1 ? sx.y : sx.x);
                 yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, static_cast<float>(acc[nt][i])));
               }
-              acc[nt][i] = 0;
             }
+            sxp += NT * 8;
+          } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const int row = tr * 16 + g + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
+                if (row < a.M && col < a.N)
+                  atomicAdd(a.partial + (static_cast<size_t>(col) * a.M + row) * a.G + grp, acc[nt][i] >> SHIFT);
+              }
           }
-          ++grp;
-          sxp += NT * 8;
-          gleft = a.gs_tiles;
+          zero_acc<NT>(acc);
+          if (DEBUG) ++grp;
         }
       }
     }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xl[nt] += BT * 64;
+    gend -= BT;
+    jlast -= BT;
+  }
   }
   cp_wait<0>();
   if (DEBUG) return;

@@ -64,13 +64,16 @@ def static_smem(nstage: int, warps: int) -> int:
 
 
 def ring_bytes(bits: int, perm: bool, nstage: int, warps: int) -> int:
-    """Dynamic shared bytes before the X chunk: every warp's ring; mirrors ``Ring`` in the .cu."""
-    slot = (BT * 128 * bits + 16) + BT * 32 + (BT * 16 if perm else 0)
+    """Dynamic shared bytes before the X chunk: every warp's ring; mirrors ``Ring`` in the .cu. A slot holds
+    only value bytes (bitmaps and inverse perms go to registers), so ``perm`` does not change it."""
+    slot = BT * 128 * bits + 16
     return warps * nstage * slot
 
 
 def x_stride(nk: int) -> int:
-    return -(-nk * 64 // 128) * 128 + 32
+    """Row stride (bytes) of a chunk's X codes in shared memory: whole batches of tiles (the kernel zeroes
+    the last batch's missing columns), and 32 mod 128 so the 8-byte fragment loads are conflict-free."""
+    return -(-nk // BT) * BT * 64 + 32
 
 
 def smem_bytes(bits: int, perm: bool, n: int, chunk: int, n_groups_chunk: int) -> int:

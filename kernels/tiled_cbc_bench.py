@@ -96,7 +96,7 @@ SPINFER_K = [
 ]
 SPINFER = list(zip(SPINFER_M, SPINFER_K, strict=True))
 SPMM_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (28672, 8192)]
-SPMM_NS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+SPMM_NS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 ROTATE_BYTES = 200e6
 
 
@@ -337,7 +337,18 @@ def spmm_candidates(n: int) -> list[tuple[int, int, int]]:
 
 def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5):
     from .tiled_cbc_device import DeviceTiledCBC, encode_on_device
-    from .tiled_cbc_spmm import DENSE_FROM_N, decode_dense, default_bn, default_config, default_splits, spmm
+    from .tiled_cbc_spmm import (
+        DENSE_FROM_N,
+        V3_CONFIGS,
+        V3_MAX_N,
+        WARP_UP_TO_N,
+        decode_dense,
+        default_bn,
+        default_config,
+        default_splits,
+        spmm,
+        v3_config,
+    )
 
     rows = []
     for si, (M, K) in enumerate(shapes):
@@ -384,6 +395,21 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                 if best is None or t < best[0]:
                     best = (t, cfg)
 
+            # v3 (warp-streamed): the default config and the others that cover n tokens
+            warp, rel_warp = {}, float("nan")
+            if n <= V3_MAX_N:
+                for cfg in [v3_config(n)] + [c for c in V3_CONFIGS if 8 * c[0] >= n and c != v3_config(n)]:
+
+                    def sparse3(i, cfg=cfg, devs=devs, X=X, out=out):
+                        return spmm(devs[i % len(devs)], X, out=out, config=cfg, method="warp")
+
+                    warp[cfg] = time_graph_cupy(cp, sparse3, L, reps)
+                out.fill(cp.nan)
+                spmm(dev0, X, out=out, method="warp")
+                ref = torch.nn.functional.linear(Xt.float(), Wt.float())
+                rel_warp = float((torch.from_dlpack(out).float() - ref).norm() / ref.norm())
+                del ref
+
             def sparse_v1(i, devs=devs, X=X, out=out):
                 return spmm(devs[i % len(devs)], X, out=out, version=1)
 
@@ -391,6 +417,8 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
             # dense path = decode (CuPy graph) + the same cuBLAS GEMM (timed above): CuPy refuses cuBLAS calls
             # under stream capture, and back-to-back Python launches of cupy.matmul are CPU-bound
             t_dense, dense_timing = t_decode + t_cublas, "decode graph + cuBLAS graph"
+            t_warp = warp[v3_config(n)] if warp else float("nan")
+            t_auto = t_warp if n <= WARP_UP_TO_N else t_dense if n >= DENSE_FROM_N else best[0]
             yd = spmm(dev0, X, method="dense")
             spmm(dev0, X, out=out, config=best[1], method="fused")
             got = torch.from_dlpack(out).float()
@@ -418,8 +446,13 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                     rel_err_dense_path=rel_dense,
                     speedup_fused=t_cublas / best[0],
                     speedup_dense_path=t_cublas / t_dense,
-                    t_auto_us=(t_dense if n >= DENSE_FROM_N else best[0]) * 1e6,
-                    speedup=t_cublas / (t_dense if n >= DENSE_FROM_N else best[0]),
+                    t_warp_us=t_warp * 1e6,
+                    warp_config=list(v3_config(n)) if warp else None,
+                    per_warp_config_us={str(c): t * 1e6 for c, t in warp.items()},
+                    speedup_warp=t_cublas / t_warp,
+                    rel_err_warp=rel_warp,
+                    t_auto_us=t_auto * 1e6,
+                    speedup=t_cublas / t_auto,
                     speedup_v1=t_cublas / t_v1,
                     tflops_cublas=flops / t_cublas / 1e12,
                     tflops_fused_dense_equiv=flops / best[0] / 1e12,
@@ -427,7 +460,8 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                 )
             )
             log(
-                f"spmm {M}x{K} N={n}: cublas {t_cublas * 1e6:.1f}us ours {best[0] * 1e6:.1f}us "
+                f"spmm {M}x{K} N={n}: cublas {t_cublas * 1e6:.1f}us warp {t_warp * 1e6:.1f}us "
+                f"x{t_cublas / t_warp:.2f} rel {rel_warp:.1e} fused {best[0] * 1e6:.1f}us "
                 f"({best[1]}) x{t_cublas / best[0]:.2f} (v1 x{t_cublas / t_v1:.2f}) dense-path {t_dense * 1e6:.1f}us "
                 f"x{t_cublas / t_dense:.2f} rel {rel:.1e}/{rel_dense:.1e}"
             )
@@ -554,16 +588,20 @@ def write_md(res, path):
             "",
             f"## SpMM (prefill, static {res['spmm'][0]['static']:.0%}) vs cuBLAS fp16 GEMM (F.linear)",
             "",
-            f"`speedup` is the default method (`auto`: fused below N = {res.get('dense_from_n', 128)}, "
-            "decode-once + cuBLAS from there on).",
+            f"`speedup` is the default method (`auto`: the warp-streamed kernel v3 up to N = "
+            f"{res.get('warp_up_to_n', 0)}, the fused v2 kernel below N = {res.get('dense_from_n', 128)}, "
+            "decode-once + cuBLAS from there on). v3 is timed with its default config for N (other configs "
+            "in the JSON).",
             "",
-            "| M | K | N | cuBLAS us | fused v2 us | fused speedup | dense-path us | dense-path speedup | "
-            "speedup (auto) | v1 us | v1 speedup | cuBLAS TFLOP/s | fused TFLOP/s (dense-equiv.) | fused config |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| M | K | N | cuBLAS us | warp v3 us | warp speedup | fused v2 us | fused speedup | dense-path us | "
+            "dense-path speedup | speedup (auto) | v1 us | v1 speedup | cuBLAS TFLOP/s | fused TFLOP/s "
+            "(dense-equiv.) | fused config |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in res["spmm"]:
             L.append(
-                f"| {r['M']} | {r['K']} | {r['N']} | {r['t_cublas_us']:.1f} | {r['t_spmm_us']:.1f} | "
+                f"| {r['M']} | {r['K']} | {r['N']} | {r['t_cublas_us']:.1f} | {r.get('t_warp_us', float('nan')):.1f} | "
+                f"{r.get('speedup_warp', float('nan')):.2f} | {r['t_spmm_us']:.1f} | "
                 f"{r['speedup_fused']:.2f} | {r['t_dense_path_us']:.1f} | {r['speedup_dense_path']:.2f} | "
                 f"{r['speedup']:.2f} | {r['t_v1_us']:.1f} | {r['speedup_v1']:.2f} | {r['tflops_cublas']:.0f} | "
                 f"{r['tflops_fused_dense_equiv']:.0f} | {tuple(r['best_config'])} |"
@@ -572,6 +610,9 @@ def write_md(res, path):
             "",
             "Geomean SpMM speedup by N (auto): "
             + ", ".join(f"N={n}: {g:.2f}x" for n, g in res["geomean_spmm"].items()),
+            "",
+            "Warp-streamed kernel (v3) alone: "
+            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_warp", {}).items()),
             "",
             "Fused kernel alone: "
             + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_fused", {}).items()),
@@ -595,6 +636,7 @@ def main(argv=None):
         "--spmspv-seconds", type=float, default=float("inf"), help="stop adding spMspV shapes after"
     )
     ap.add_argument("--spmm-seconds", type=float, default=float("inf"), help="stop adding SpMM shapes after")
+    ap.add_argument("--spmm-ns", default=None, help="comma-separated token counts (default: all of SPMM_NS)")
     args = ap.parse_args(argv)
     import cupy as cp
     import torch
@@ -638,21 +680,26 @@ def main(argv=None):
             f"n={g['n_shapes']})")
     if not args.no_spmm:
         sh = SPMM_SHAPES[:2] if args.quick else SPMM_SHAPES
-        from .tiled_cbc_spmm import DENSE_FROM_N
+        from .tiled_cbc_spmm import DENSE_FROM_N, V3_MAX_N, WARP_UP_TO_N
 
         res["dense_from_n"] = DENSE_FROM_N
-        res["spmm"] = bench_spmm(cp, torch, sh, SPMM_NS, 0.5, log, deadline=t0 + args.spmm_seconds)
+        res["warp_up_to_n"] = WARP_UP_TO_N
+        ns = [int(v) for v in args.spmm_ns.split(",")] if args.spmm_ns else SPMM_NS
+        res["spmm"] = bench_spmm(cp, torch, sh, ns, 0.5, log, deadline=t0 + args.spmm_seconds)
         res["geomean_spmm"] = {
-            str(n): geomean([r["speedup"] for r in res["spmm"] if r["N"] == n]) for n in SPMM_NS
+            str(n): geomean([r["speedup"] for r in res["spmm"] if r["N"] == n]) for n in ns
+        }
+        res["geomean_spmm_warp"] = {
+            str(n): geomean([r["speedup_warp"] for r in res["spmm"] if r["N"] == n]) for n in ns if n <= V3_MAX_N
         }
         res["geomean_spmm_fused"] = {
-            str(n): geomean([r["speedup_fused"] for r in res["spmm"] if r["N"] == n]) for n in SPMM_NS
+            str(n): geomean([r["speedup_fused"] for r in res["spmm"] if r["N"] == n]) for n in ns
         }
         res["geomean_spmm_dense_path"] = {
-            str(n): geomean([r["speedup_dense_path"] for r in res["spmm"] if r["N"] == n]) for n in SPMM_NS
+            str(n): geomean([r["speedup_dense_path"] for r in res["spmm"] if r["N"] == n]) for n in ns
         }
         res["geomean_spmm_v1"] = {
-            str(n): geomean([r["speedup_v1"] for r in res["spmm"] if r["N"] == n]) for n in SPMM_NS
+            str(n): geomean([r["speedup_v1"] for r in res["spmm"] if r["N"] == n]) for n in ns
         }
     res["wall_s"] = time.time() - t0
     (out / "tiled_cbc_h200.json").write_text(json.dumps(res, indent=1))
@@ -662,7 +709,8 @@ def main(argv=None):
             f"dp-off {g['dp_off']:.2f}x, no-decode {g['nodecode']:.2f}x, median {g['median_gbps']:.0f} GB/s, "
             f"n={g['n_shapes']})")
     for n, g in res.get("geomean_spmm", {}).items():
-        log(f"GEOMEAN SpMM N={n}: auto {g:.2f}x (fused {res['geomean_spmm_fused'][n]:.2f}x, dense-path "
+        log(f"GEOMEAN SpMM N={n}: auto {g:.2f}x (warp {res['geomean_spmm_warp'].get(n, float('nan')):.2f}x, "
+            f"fused {res['geomean_spmm_fused'][n]:.2f}x, dense-path "
             f"{res['geomean_spmm_dense_path'][n]:.2f}x, v1 {res['geomean_spmm_v1'][n]:.2f}x)")
 
 

@@ -117,7 +117,7 @@ def check_tiled_cbc_layer(
         if dev is not None and m.bits is None:
             from .tiled_cbc_spmm import spmm
 
-            for method in ("fused", "dense"):
+            for method in ("warp", "fused", "dense"):
                 out = cp.full((n, M), cp.nan, dtype=cp.float16)
                 spmm(dev, cp.asarray(X), out=out, method=method)
                 fails += _compare(

@@ -381,6 +381,218 @@ __global__ void __launch_bounds__(256, MINB) tcbc_spmm2(
     if (tid == 0) tickets[tk] = 0u;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// v3 (small N, default up to WARP_UP_TO_N tokens): warp-streamed, no block barrier in the main loop, the
+// W fragments built in registers (no shared-memory W tile, no ldmatrix).
+//
+// Block = 4 warps = one GTile row x a range of `cps` GTile columns (split-K as in v2); warp q owns rows
+// 64q..64q+63 of the row, i.e. bitmap word q of every column, and streams its own quarter of each GTile
+// (and the GTile's X tile) through a private NST-slot ring (cp.async, one commit per GTile, wait_group + __syncwarp; the same
+// producer/consumer-in-one-warp schedule as the IE-BME kernel).
+// Issue (GTile j + NST - 1; its bitmap, ColInfo and TileOffset were loaded into registers one GTile earlier):
+// lane l holds bitmap words 2(l&1), 2(l&1)+1 of column l>>1; the lane holding word q computes the quarter's
+// first value (TileOffset + column start + set bits of the earlier words), writes {word q, offset within its
+// first 16-byte chunk} to the slot header, and both lanes of the column copy the <= 9 chunks of the
+// quarter's run (a column region of 144 B per column). Only the rows of this quarter are copied.
+// Fragments without a shared-memory tile: rows are permuted inside the mma (fragment row g of m-slab i is
+// quarter row 8g + 2i, fragment row g + 8 is 8g + 2i + 1), so lane (g, t) needs rows 8g..8g+7 = byte g of the
+// word of its 4 columns (2t, 2t+1, 2t+8, 2t+9): per column one masked popcount gives the rank of the
+// first value and the set bits take the next ones (HAD-SMBD); two columns' values pack into one A register
+// with one prmt. The GTile's X tile ([NT*8 tokens][16 k], row stride 48 B) rides in the same ring slot
+// (cp.async, zero-filled past K), so B fragments are two conflict-free shared loads. (The first version read
+// them from global memory one GTile ahead: its time grew ~1.5x from N = 8 to N = 16 on 28672 x 8192.)
+// mma.sync m16n8k16 fp16 -> fp32, 4 m-slabs x NT n-tiles per GTile quarter.
+// splits > 1: fp32 partials [split][N][Mp] and the v2 ticket (one per GTile row), deterministic.
+#define V3_REG 144                                // bytes per column region (9 chunks)
+#define V3_HDR 256                                // 16 columns x {word lo, word hi, offset, 0}
+#define V3_W (V3_HDR + TILE_K * V3_REG)           // 2560 bytes of W per GTile quarter, then the X tile
+#define V3_XS 48                                  // X tile row stride (16 halves + 8): B loads conflict-free
+
+__device__ __forceinline__ u32 pack2(u32 lo, u32 hi) {  // two zero-extended halves -> one register
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(d) : "r"(lo), "r"(hi));
+    return d;
+}
+
+__device__ __forceinline__ u32 lds_u16(u32 addr) {
+    u32 v;
+    asm("ld.shared.u16 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+// The 8 values of one column for rows 8g..8g+7 of the quarter (zero-extended halves, zero when absent):
+// one masked popcount for the first rank, then one predicated 2-byte load and one add per set bit.
+__device__ __forceinline__ void v3_column(const unsigned char* slot, u32 slot_s, int c, int g, u32 (&v)[8]) {
+    const uint4 h = *reinterpret_cast<const uint4*>(slot + 16 * c);
+    const u32 sel = g < 4 ? h.x : h.y;
+    const int sh = 8 * (g & 3);
+    const u32 rank = __popc(sel & ((1u << sh) - 1u)) + (g < 4 ? 0 : __popc(h.x));
+    const u32 mb = (sel >> sh) & 0xFFu;
+    u32 a = slot_s + V3_HDR + V3_REG * c + 2 * (h.z + rank);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+        v[r] = 0u;
+        if (mb & (1u << r)) {
+            v[r] = lds_u16(a);
+            a += 2;
+        }
+    }
+}
+
+template <int NT, int NST, int MINB>
+__global__ void __launch_bounds__(128, MINB) tcbc_spmm3(
+    const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
+    const u16* __restrict__ values, const u16* __restrict__ X, u16* __restrict__ Y, int grid_c, int M, int K,
+    int N, int Mp, int cps, float* __restrict__ partial, u32* __restrict__ tickets) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int last_s;
+    const int tid = threadIdx.x, lane = tid & 31, q = tid >> 5;
+    const int tr = blockIdx.x, c_begin = blockIdx.y * cps;
+    const int nct = max(0, min(cps, grid_c - c_begin));
+    constexpr int SLOT = V3_W + NT * 8 * V3_XS;     // W of the GTile quarter + X tile [NT * 8][16 halves]
+    unsigned char* ring = smem + q * NST * SLOT;
+    const size_t gt0 = (size_t)tr * grid_c + c_begin;
+    const int g = lane >> 2, t = lane & 3;
+    const int mc = lane >> 1, mh = lane & 1;           // issue roles: column mc, bitmap words 2mh, 2mh+1
+    const int owner = (lane & ~1) | (q >> 1);           // the lane of column mc holding word q
+
+    // metadata of the next GTile to issue, one GTile ahead in registers
+    uint4 m_bw = make_uint4(0u, 0u, 0u, 0u);
+    u32 m_ci = 0u, m_toff = 0u;
+    auto load_meta = [&](int j) {
+        if (j < nct) {
+            const size_t gt = gt0 + j;
+            m_bw = __ldg(reinterpret_cast<const uint4*>(bitmap + (gt * TILE_K + mc) * 4 + 2 * mh));
+            m_ci = __ldg(colinfo + gt * TILE_K + mc);
+            m_toff = __ldg(tile_offset + gt);
+        }
+    };
+    auto issue = [&](int j) {
+        if (j < nct) {
+            const u64 w0 = ((u64)m_bw.y << 32) | m_bw.x, w1 = ((u64)m_bw.w << 32) | m_bw.z;
+            const u32 pa = __popcll(w0), pb = __popcll(w1);
+            const u32 pp = __shfl_xor_sync(0xFFFFFFFFu, pa + pb, 1);
+            const u64 W = (q & 1) ? w1 : w0;
+            const u32 base = m_toff + (m_ci >> 16) + (mh ? pp : 0u) + ((q & 1) ? pa : 0u);
+            const u32 len = __popcll(W);
+            const u32 nch = len ? ((base & 7u) + len + 7u) >> 3 : 0u;
+            const u32 lo = __shfl_sync(0xFFFFFFFFu, base >> 3, owner);
+            const u32 n_o = __shfl_sync(0xFFFFFFFFu, nch, owner);
+            unsigned char* slot = ring + (j % NST) * SLOT;
+            if (lane == owner)
+                *reinterpret_cast<uint4*>(slot + 16 * mc) = make_uint4((u32)W, (u32)(W >> 32), base & 7u, 0u);
+            // lane parity mh copies chunks mh, mh + 2, ... (<= 9 chunks: 7 + 64 + 7 halves)
+            u32 dst = smem_addr(slot + V3_HDR + V3_REG * mc + 16 * mh);
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(values) + ((size_t)lo + mh) * 16;
+#pragma unroll
+            for (int i = 0; i < 5; ++i) {
+                if (2 * i + mh < (int)n_o)
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+                dst += 32;
+                src += 32;
+            }
+            // the GTile's X tile: rows nt*8+g (clamped to N-1), 2 chunks of 8 halves each, zero past K
+            const int k = (c_begin + j) * TILE_K;
+#pragma unroll
+            for (int i = lane; i < NT * 16; i += 32) {
+                const int r = i >> 1, h = i & 1;
+                const bool ok = k + 8 * h < K;
+                const u16* xs = ok ? X + (size_t)min(r, N - 1) * K + k + 8 * h : X;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                                 smem_addr(slot + V3_W + r * V3_XS + 16 * h)),
+                             "l"(xs), "r"(ok ? 16 : 0));
+            }
+        }
+        cp_commit();
+    };
+    float acc[4][NT][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+
+    load_meta(0);
+#pragma unroll
+    for (int s = 0; s < NST - 1; ++s) {
+        issue(s);
+        load_meta(s + 1);
+    }
+    for (int j = 0; j < nct; ++j) {
+        cp_wait<NST - 2>();
+        __syncwarp();  // every lane is done with the slot the next issue refills
+        issue(j + NST - 1);
+        load_meta(j + NST);
+        const unsigned char* slot = ring + (j % NST) * SLOT;
+        const u32 slot_s = smem_addr(slot);
+        u32 a[4][4];
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {  // column pairs (2t, 2t+1) -> a0/a1, (2t+8, 2t+9) -> a2/a3
+            u32 va[8], vb[8];
+            v3_column(slot, slot_s, 2 * t + 8 * p, g, va);
+            v3_column(slot, slot_s, 2 * t + 8 * p + 1, g, vb);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                a[i][2 * p] = pack2(va[2 * i], vb[2 * i]);
+                a[i][2 * p + 1] = pack2(va[2 * i + 1], vb[2 * i + 1]);
+            }
+        }
+        // B fragments: token nt*8+g, k pairs 2t and 2t+8 (row stride 48 B: the 8 rows x 4 lanes hit 32 banks)
+        u32 xb[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const unsigned char* xr = slot + V3_W + (nt * 8 + g) * V3_XS + 4 * t;
+            xb[nt][0] = *reinterpret_cast<const u32*>(xr);
+            xb[nt][1] = *reinterpret_cast<const u32*>(xr + 16);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) mma16816(acc[i][nt], a[i], xb[nt]);
+    }
+    cp_wait<0>();
+
+    // accumulator (i, nt, r): row 64q + 8g + 2i + (r >> 1), token nt*8 + 2t + (r & 1)
+    const int rbase = tr * TILE_M + 64 * q + 8 * g;
+    if (gridDim.y == 1) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int row = rbase + 2 * i + (r >> 1), n = nt * 8 + 2 * t + (r & 1);
+                    if (row < M && n < N) Y[(size_t)n * M + row] = f2h(acc[i][nt][r]);
+                }
+        return;
+    }
+    float* part = partial + (size_t)blockIdx.y * N * Mp;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = rbase + 2 * i + (r >> 1), n = nt * 8 + 2 * t + (r & 1);
+                if (n < N) part[(size_t)n * Mp + row] = acc[i][nt][r];
+            }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last_s = atomicAdd(&tickets[tr], 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    for (int idx = tid; idx < N * TILE_M; idx += 128) {
+        const int n = idx / TILE_M, row = tr * TILE_M + idx % TILE_M;
+        if (row >= M) continue;
+        float v = 0.f;
+        for (int z = 0; z < (int)gridDim.y; ++z) v += ld_cg(partial + ((size_t)z * N + n) * Mp + row);
+        Y[(size_t)n * M + row] = f2h(v);
+    }
+    if (tid == 0) tickets[tr] = 0u;
+}
+
 template __global__ void tcbc_spmm<128, 2, 1>(const u64*, const u32*, const u32*, const u16*, const u16*, u16*,
                                               int, int, int, int, int);
 template __global__ void tcbc_spmm<64, 2, 2>(const u64*, const u32*, const u32*, const u16*, const u16*, u16*,
@@ -453,3 +665,16 @@ TCBC_SPMM2(128, 3, 1)
 TCBC_SPMM2(128, 4, 1)
 TCBC_SPMM2(32, 5, 2)
 TCBC_SPMM2(64, 4, 2)
+
+#define TCBC_SPMM3(NT, NST, MINB)                                                                          \
+    template __global__ void tcbc_spmm3<NT, NST, MINB>(const u64*, const u32*, const u32*, const u16*,    \
+                                                       const u16*, u16*, int, int, int, int, int, int,    \
+                                                       float*, u32*);
+TCBC_SPMM3(1, 4, 4)
+TCBC_SPMM3(1, 6, 3)
+TCBC_SPMM3(2, 4, 4)
+TCBC_SPMM3(2, 6, 3)
+TCBC_SPMM3(4, 4, 3)
+TCBC_SPMM3(4, 4, 4)
+TCBC_SPMM3(8, 4, 2)
+TCBC_SPMM3(8, 4, 3)

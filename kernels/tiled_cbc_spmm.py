@@ -3,9 +3,12 @@
 ``spmm(dev, X)`` computes ``Y[N, M] = X[N, K] @ W^T`` (fp16 in, fp32 mma accumulation, fp16 out)
 from a float16-valued :class:`DeviceTiledCBC`. b-bit layers are not handled by this kernel (prefill
 of quantized layers: use the reference, or dequantize); it raises ``NotImplementedError``.
-``version=2`` (default): split-K with a deterministic one-launch ticket, NST-stage cp.async ring, decode of
-step t+1 overlapped with the mma of step t. ``version=1``: the first kernel (no split-K, serial
-decode -> mma), kept as the benchmark's same-machine baseline.
+Methods: ``"warp"`` (v3, the default up to ``WARP_UP_TO_N`` tokens): every warp streams a quarter of a GTile
+row through its own cp.async ring and builds the mma fragments in registers, no block barrier in the loop;
+``"fused"`` (v2): split-K with a deterministic one-launch ticket, NST-stage cp.async ring, decode of step
+t+1 overlapped with the mma of step t; ``"dense"``: decode once, then cuBLAS (the default from
+``DENSE_FROM_N`` tokens). ``version=1``: the first kernel (no split-K, serial decode -> mma), kept as the
+benchmark's same-machine baseline.
 """
 
 from __future__ import annotations
@@ -18,14 +21,20 @@ GK = 2
 CONFIGS = {128: 1, 64: 2}  # v1: BN -> min blocks per SM (launch bounds)
 # v2: (BN, NST, MINB) as instantiated in the .cu file
 V2_CONFIGS = ((32, 3, 2), (64, 3, 2), (64, 3, 1), (128, 3, 1), (128, 4, 1), (32, 5, 2), (64, 4, 2))
+# v3: (NT, NST, MINB) as instantiated in the .cu file: n8 tiles (tokens / 8), ring slots per warp, blocks per SM
+V3_CONFIGS = ((1, 4, 4), (1, 6, 3), (2, 4, 4), (2, 6, 3), (4, 4, 3), (4, 4, 4), (8, 4, 2), (8, 4, 3))
+V3_W, V3_XS = 2560, 48  # ring slot: W bytes of a GTile quarter, then X rows of V3_XS bytes (as in the .cu)
+V3_MAX_N = 64  # tokens per v3 launch (NT = 8); more tokens take several launches
 _SMEM_SET: dict[str, int] = {}
 _EXPR = (
     tuple(f"tcbc_spmm<{bn}, {GK}, {mb}>" for bn, mb in CONFIGS.items())
     + tuple(f"tcbc_spmm2<{bn}, {GK}, {nst}, {mb}>" for bn, nst, mb in V2_CONFIGS)
+    + tuple(f"tcbc_spmm3<{nt}, {nst}, {mb}>" for nt, nst, mb in V3_CONFIGS)
     + ("tcbc_decode_dense",)
 )
 DD_G = 4  # GTiles side by side per decode_dense block (DD_G in the .cu)
 DENSE_FROM_N = 64  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
+WARP_UP_TO_N = 8  # method="auto": the warp-streamed kernel (v3) up to this many tokens (docs/kernels.md)
 SMS = 132
 _DENSE_WS: dict[tuple[int, int], object] = {}
 
@@ -92,6 +101,47 @@ def default_splits(dev: DeviceTiledCBC, n: int, bn: int, min_steps: int = 4) -> 
     return int(max(1, min(want, nsteps // min_steps)))
 
 
+def v3_config(n: int) -> tuple[int, int, int]:
+    """(NT, NST, MINB) of the v3 kernel for a launch of n <= V3_MAX_N tokens."""
+    nt = next(v for v in (1, 2, 4, 8) if 8 * v >= n)
+    return next(c for c in V3_CONFIGS if c[0] == nt)
+
+
+def v3_splits(dev: DeviceTiledCBC, minb: int, min_tiles: int = 16) -> int:
+    """Split K so that every SM gets ``minb`` blocks (4 warps each), keeping >= min_tiles GTiles per warp."""
+    gr, gc = dev.grid
+    want = -(-SMS * minb // gr)
+    return int(max(1, min(want, gc // min_tiles)))
+
+
+def spmm_warp(dev: DeviceTiledCBC, X, out, config: tuple[int, int, int] | None = None, splits: int | None = None):
+    """v3 launches (<= V3_MAX_N tokens each) into ``out`` [N, M]; X is fp16 [N, Kx] with Kx % 8 == 0."""
+    N, Kx = X.shape
+    M = dev.shape[0]
+    gr, gc = dev.grid
+    for n0 in range(0, N, V3_MAX_N):
+        n = min(V3_MAX_N, N - n0)
+        cfg = v3_config(n) if config is None else tuple(config)
+        if cfg not in V3_CONFIGS:
+            raise ValueError(f"config must be one of {V3_CONFIGS}")
+        nt, nst, mb = cfg
+        if 8 * nt < n:
+            raise ValueError(f"config {cfg} covers {8 * nt} tokens, this launch has {n}")
+        sp = v3_splits(dev, mb) if splits is None else max(1, min(int(splits), gc))
+        cps = -(-gc // sp)
+        sp = -(-gc // cps)
+        smem = 4 * nst * (V3_W + 8 * nt * V3_XS)
+        name = f"tcbc_spmm3<{nt}, {nst}, {mb}>"
+        f = _module().get_function(name)
+        _set_smem(f, name, smem)
+        part = dev.partial(sp * n) if sp > 1 else dev.dummy
+        f((gr, sp), (128,),
+          (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, X[n0:n0 + n], out[n0:n0 + n], np.int32(gc),
+           np.int32(M), np.int32(Kx), np.int32(n), np.int32(dev.Mp), np.int32(cps), part, dev.spmm_tickets(gr)),
+          shared_mem=smem)
+    return out
+
+
 def _set_smem(f, name: str, smem: int) -> None:
     if _SMEM_SET.get(name, -1) < smem:  # once per size: no driver call while a graph is captured
         f.max_dynamic_shared_size_bytes = smem
@@ -102,8 +152,9 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
          config: tuple[int, int, int] | None = None, splits: int | None = None, method: str = "auto"):
     """Launch on the current stream; returns ``out`` (CuPy fp16 [N, M]).
 
-    method (version 2): "fused" (the tensor-core kernel reads the compressed arrays), "dense" (``spmm_dense``)
-    or "auto" (dense from ``DENSE_FROM_N`` tokens on). ``version=1`` is always the first fused kernel."""
+    method (version 2): "warp" (v3, ``spmm_warp``; ``config`` is then its (NT, NST, MINB)), "fused" (the v2
+    tensor-core kernel), "dense" (``spmm_dense``) or "auto" (warp up to ``WARP_UP_TO_N`` tokens, dense from
+    ``DENSE_FROM_N``, fused between). ``version=1`` is always the first fused kernel."""
     cp = _cupy()
     if dev.bits is not None:
         raise NotImplementedError("the tensor-core SpMM kernel takes float16 Tiled-CBC values only")
@@ -117,12 +168,16 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
     else:
         X, Kx = cp.ascontiguousarray(X), K
     N = X.shape[0]
-    if method not in ("fused", "dense", "auto"):
-        raise ValueError(f"method must be fused, dense or auto, got {method!r}")
+    if method not in ("warp", "fused", "dense", "auto"):
+        raise ValueError(f"method must be warp, fused, dense or auto, got {method!r}")
     if version == 2 and (method == "dense" or (method == "auto" and N >= DENSE_FROM_N)):
         return spmm_dense(dev, X if Kx == K else X[:, :K], out)
     if out is None:
         out = cp.empty((N, M), dtype=cp.float16)
+    if out.shape != (N, M) or out.dtype != cp.float16 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous float16 [{N}, {M}] array")
+    if version == 2 and (method == "warp" or (method == "auto" and N <= WARP_UP_TO_N)):
+        return spmm_warp(dev, X, out, config, splits)
     gr, gc = dev.grid
     if not hasattr(dev, "_spmm_raw"):
         dev._spmm_raw = -(-dev.max_window_bytes(GK) // 16) * 16

@@ -194,6 +194,34 @@ def test_gpu_all_chunks_stages_and_spmm_tiles_agree():
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape,sparsity", [((768, 1040), 0.5), ((300, 70), 0.3), ((257, 48), 0.9), ((256, 16), 0.0)])
+def test_gpu_warp_spmm_every_config_split_and_width(shape, sparsity):
+    """v3 (warp-streamed) SpMM: ragged M and K, empty and full columns, every config, split-K counts, widths
+    that fill 1..8 n-tiles partially, more than one launch (N > 64), tickets reused."""
+    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
+    from unionsparse.kernels.tiled_cbc_spmm import V3_CONFIGS, spmm
+
+    rng = np.random.default_rng(hash((shape, sparsity, "v3")) % 2**32)
+    W = _fp16_layer(rng, *shape, sparsity)
+    M, K = shape
+    m = tiled_cbc.encode(W)
+    dev = DeviceTiledCBC(m)
+    for n in (1, 5, 8, 16, 27, 32, 40, 64, 100):
+        X = rng.standard_normal((n, K)).astype(np.float16)
+        truth = X.astype(np.float64) @ W.astype(np.float64).T
+        bound = tolerance(W.astype(np.float64), X.astype(np.float64), 2.0, True)
+        cfgs = [c for c in V3_CONFIGS if 8 * c[0] >= min(n, 64)] if n <= 64 else [None]
+        for cfg in cfgs:
+            for splits in (1, 2, 3, 40, None):
+                for _ in range(2):
+                    out = cp.full((n, M), cp.nan, cp.float16)
+                    Y = spmm(dev, cp.asarray(X), out=out, config=cfg, splits=splits, method="warp")
+                    err = np.abs(cp.asnumpy(Y).astype(np.float64) - truth)
+                    assert (err <= bound).all(), (n, cfg, splits, float(err.max()))
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape,sparsity", [((768, 1040), 0.5), ((300, 48), 0.3), ((257, 64), 0.9), ((256, 16), 0.0)])
 def test_gpu_decode_dense_is_exact(shape, sparsity):
     """Every GTile count modulo the 4 GTiles a block decodes, ragged M, empty and full columns."""
