@@ -105,28 +105,25 @@ DEVI void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 // Metadata shuffles. Lane 4w + j holds mask row w of tile j (see spmm); shfl_tile reads lane (lane & ~3) | j.
 DEVI uint32_t shfl_tile(uint32_t v, int j) { return __shfl_sync(0xffffffffu, v, j, 4); }
-// Inclusive sum over lanes w' <= w of the same tile (lanes lane, lane - 4, ...): shuffle-up with its
-// in-range predicate, so the add needs no lane test.
-template <int D>
-DEVI void scan_step(int& v) {
-  asm volatile("{\n .reg .s32 u;\n .reg .pred p;\n shfl.sync.up.b32 u|p, %0, %1, 0x0, 0xffffffff;\n"
-               " @p add.s32 %0, %0, u;\n}\n" : "+r"(v) : "n"(D));
+// One step of an inclusive warp scan: shuffle-up by D with its in-range predicate (c operand C: 0 = the
+// whole warp, 0x1c00 = 4-lane segments), so the add needs no lane test.
+template <int D, int C>
+DEVI void scan_up(uint32_t& v) {
+  asm volatile("{\n .reg .u32 u;\n .reg .pred p;\n shfl.sync.up.b32 u|p, %0, %1, %2, 0xffffffff;\n"
+               " @p add.u32 %0, %0, u;\n}\n" : "+r"(v) : "n"(D), "n"(C));
 }
+// Inclusive sum over lanes w' <= w of the same tile (lanes lane, lane - 4, ...).
 DEVI int scan_rows(int v) {
-  scan_step<4>(v);
-  scan_step<8>(v);
-  scan_step<16>(v);
-  return v;
+  uint32_t u = static_cast<uint32_t>(v);
+  scan_up<4, 0>(u);
+  scan_up<8, 0>(u);
+  scan_up<16, 0>(u);
+  return static_cast<int>(u);
 }
-// Inclusive sum over tiles j' <= j of the same row (lanes of one 4-lane segment: segmask 0x1c).
-template <int D>
-DEVI void scan_step_tiles(uint32_t& v) {
-  asm volatile("{\n .reg .u32 u;\n .reg .pred p;\n shfl.sync.up.b32 u|p, %0, %1, 0x1c00, 0xffffffff;\n"
-               " @p add.u32 %0, %0, u;\n}\n" : "+r"(v) : "n"(D));
-}
+// Inclusive sum over tiles j' <= j of the same row (lanes of one 4-lane segment).
 DEVI uint32_t scan_tiles(uint32_t v) {
-  scan_step_tiles<1>(v);
-  scan_step_tiles<2>(v);
+  scan_up<1, 0x1c00>(v);
+  scan_up<2, 0x1c00>(v);
   return v;
 }
 // The value of lane 28 | (lane & 3): mask row 7 of this lane's tile (segmask 0x03, source lane 28).

@@ -61,6 +61,16 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, const u32* b) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[4][NT][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+}
+
 // Visits the warp tile's mma accumulators as f(mm, nn, acc[i][j][q]), mm the row of W and nn the token: the
 // warp tile starts at (m0, n0); in each m16 x n8 tile c0,c1 -> (m = g, n = 2t, 2t+1), c2,c3 -> (m = g + 8, same
 // n), g = lane >> 2, t = lane & 3 (the caller computes g and t once for all its calls).
@@ -118,12 +128,7 @@ __global__ void __launch_bounds__(256, MINB) tcbc_spmm(
     };
 
     float acc[4][NT][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+    zero_acc(acc);
 
     issue(0);
     for (int s = 0; s < nsteps; ++s) {
@@ -307,12 +312,7 @@ __global__ void __launch_bounds__(256, MINB) tcbc_spmm2(
     };
 
     float acc[4][NT][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+    zero_acc(acc);
 
 #pragma unroll
     for (int t = 0; t < NST - 1; ++t) issue(t);
@@ -439,6 +439,18 @@ __device__ __forceinline__ void v3_column(const unsigned char* slot, u32 slot_s,
     }
 }
 
+// Visits v3's accumulators as f(row, token, value): (i, nt, r) is row rbase + 2i + (r >> 1), token
+// nt*8 + 2t + (r & 1) (rbase = the lane's first row, 8g rows into its warp's quarter).
+template <int NT, typename F>
+__device__ __forceinline__ void v3_each_acc(const float (&acc)[4][NT][4], int rbase, int t, F f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) f(rbase + 2 * i + (r >> 1), nt * 8 + 2 * t + (r & 1), acc[i][nt][r]);
+}
+
 template <int NT, int NST, int MINB>
 __global__ void __launch_bounds__(128, MINB) tcbc_spmm3(
     const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
@@ -498,20 +510,13 @@ __global__ void __launch_bounds__(128, MINB) tcbc_spmm3(
                 const int r = i >> 1, h = i & 1;
                 const bool ok = k + 8 * h < K;
                 const u16* xs = ok ? X + (size_t)min(r, N - 1) * K + k + 8 * h : X;
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
-                                 smem_addr(slot + V3_W + r * V3_XS + 16 * h)),
-                             "l"(xs), "r"(ok ? 16 : 0));
+                cp_async16_zfill(slot + V3_W + r * V3_XS + 16 * h, xs, ok);
             }
         }
         cp_commit();
     };
     float acc[4][NT][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+    zero_acc(acc);
 
     load_meta(0);
 #pragma unroll
@@ -553,30 +558,17 @@ __global__ void __launch_bounds__(128, MINB) tcbc_spmm3(
     }
     cp_wait<0>();
 
-    // accumulator (i, nt, r): row 64q + 8g + 2i + (r >> 1), token nt*8 + 2t + (r & 1)
     const int rbase = tr * TILE_M + 64 * q + 8 * g;
     if (gridDim.y == 1) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int row = rbase + 2 * i + (r >> 1), n = nt * 8 + 2 * t + (r & 1);
-                    if (row < M && n < N) Y[(size_t)n * M + row] = f2h(acc[i][nt][r]);
-                }
+        v3_each_acc<NT>(acc, rbase, t, [&](int row, int n, float v) {
+            if (row < M && n < N) Y[(size_t)n * M + row] = f2h(v);
+        });
         return;
     }
     float* part = partial + (size_t)blockIdx.y * N * Mp;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int row = rbase + 2 * i + (r >> 1), n = nt * 8 + 2 * t + (r & 1);
-                if (n < N) part[(size_t)n * Mp + row] = acc[i][nt][r];
-            }
+    v3_each_acc<NT>(acc, rbase, t, [&](int row, int n, float v) {
+        if (n < N) part[(size_t)n * Mp + row] = v;
+    });
     __threadfence();
     __syncthreads();
     if (tid == 0) last_s = atomicAdd(&tickets[tr], 1u) == gridDim.y - 1;
