@@ -626,6 +626,17 @@ def write_md(res, path):
     path.write_text("\n".join(L) + "\n")
 
 
+def _token_counts(text: str) -> list[int]:
+    """argparse type for --spmm-ns: positive integers separated by commas."""
+    try:
+        ns = [int(v) for v in text.split(",")]
+    except ValueError:
+        ns = []
+    if not ns or min(ns) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return ns
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 spMspV shapes, 2 SpMM shapes")
@@ -636,7 +647,8 @@ def main(argv=None):
         "--spmspv-seconds", type=float, default=float("inf"), help="stop adding spMspV shapes after"
     )
     ap.add_argument("--spmm-seconds", type=float, default=float("inf"), help="stop adding SpMM shapes after")
-    ap.add_argument("--spmm-ns", default=None, help="comma-separated token counts (default: all of SPMM_NS)")
+    ap.add_argument("--spmm-ns", default=None, type=_token_counts,
+                    help="comma-separated token counts (default: all of SPMM_NS)")
     args = ap.parse_args(argv)
     import cupy as cp
     import torch
@@ -684,7 +696,7 @@ def main(argv=None):
 
         res["dense_from_n"] = DENSE_FROM_N
         res["warp_up_to_n"] = WARP_UP_TO_N
-        ns = [int(v) for v in args.spmm_ns.split(",")] if args.spmm_ns else SPMM_NS
+        ns = args.spmm_ns or SPMM_NS
         res["spmm"] = bench_spmm(cp, torch, sh, ns, 0.5, log, deadline=t0 + args.spmm_seconds)
         res["geomean_spmm"] = {
             str(n): geomean([r["speedup"] for r in res["spmm"] if r["N"] == n]) for n in ns
