@@ -71,6 +71,30 @@ __device__ __forceinline__ void zero_acc(float (&acc)[4][NT][4]) {
             for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
 }
 
+// Split-K end of v2 and v3, after the block wrote its fp32 partials [split][N][Mp]: the last of the nsplit blocks
+// of an output tile (atomic ticket) adds the partials in split order (deterministic) for tokens n0..n0+ncol-1 and
+// rows tr*256..tr*256+255, writes fp16 Y and resets the ticket for the next launch. NTH = threads per block.
+template <int NTH>
+__device__ __forceinline__ void split_k_finish(const float* __restrict__ partial, u32* ticket, int nsplit, int n0,
+                                               int ncol, int tr, int N, int M, int Mp, u16* __restrict__ Y,
+                                               int& last_s) {
+    const int tid = threadIdx.x;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last_s = atomicAdd(ticket, 1u) == (u32)nsplit - 1;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    for (int idx = tid; idx < ncol * TILE_M; idx += NTH) {
+        const int n = n0 + idx / TILE_M, row = tr * TILE_M + idx % TILE_M;
+        if (n >= N || row >= M) continue;
+        float v = 0.f;
+        for (int z = 0; z < nsplit; ++z) v += ld_cg(partial + ((size_t)z * N + n) * Mp + row);
+        Y[(size_t)n * M + row] = f2h(v);
+    }
+    if (tid == 0) *ticket = 0u;
+}
+
 // Visits the warp tile's mma accumulators as f(mm, nn, acc[i][j][q]), mm the row of W and nn the token: the
 // warp tile starts at (m0, n0); in each m16 x n8 tile c0,c1 -> (m = g, n = 2t, 2t+1), c2,c3 -> (m = g + 8, same
 // n), g = lane >> 2, t = lane & 3 (the caller computes g and t once for all its calls).
@@ -364,21 +388,7 @@ __global__ void __launch_bounds__(256, MINB) tcbc_spmm2(
     for_each_acc<NT>(acc, tr * TILE_M + wm * 64, n0 + wn * WN, g, tq, [&](int mm, int nn, float v) {
         if (nn < N) part[(size_t)nn * Mp + mm] = v;
     });
-    __threadfence();
-    __syncthreads();
-    const int tk = tr * gridDim.x + blockIdx.x;
-    if (tid == 0) last_s = atomicAdd(&tickets[tk], 1u) == gridDim.z - 1;
-    __syncthreads();
-    if (!last_s) return;
-    __threadfence();
-    for (int idx = tid; idx < BN * TILE_M; idx += 256) {
-        const int nn = n0 + idx / TILE_M, mm = tr * TILE_M + idx % TILE_M;
-        if (nn >= N || mm >= M) continue;
-        float v = 0.f;
-        for (int z = 0; z < (int)gridDim.z; ++z) v += ld_cg(partial + ((size_t)z * N + nn) * Mp + mm);
-        Y[(size_t)nn * M + mm] = f2h(v);
-    }
-    if (tid == 0) tickets[tk] = 0u;
+    split_k_finish<256>(partial, tickets + tr * gridDim.x + blockIdx.x, gridDim.z, n0, BN, tr, N, M, Mp, Y, last_s);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -569,20 +579,7 @@ __global__ void __launch_bounds__(128, MINB) tcbc_spmm3(
     v3_each_acc<NT>(acc, rbase, t, [&](int row, int n, float v) {
         if (n < N) part[(size_t)n * Mp + row] = v;
     });
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last_s = atomicAdd(&tickets[tr], 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!last_s) return;
-    __threadfence();
-    for (int idx = tid; idx < N * TILE_M; idx += 128) {
-        const int n = idx / TILE_M, row = tr * TILE_M + idx % TILE_M;
-        if (row >= M) continue;
-        float v = 0.f;
-        for (int z = 0; z < (int)gridDim.y; ++z) v += ld_cg(partial + ((size_t)z * N + n) * Mp + row);
-        Y[(size_t)n * M + row] = f2h(v);
-    }
-    if (tid == 0) tickets[tr] = 0u;
+    split_k_finish<128>(partial, tickets + tr, gridDim.y, 0, N, tr, N, M, Mp, Y, last_s);
 }
 
 template __global__ void tcbc_spmm<128, 2, 1>(const u64*, const u32*, const u32*, const u16*, const u16*, u16*,
