@@ -54,6 +54,9 @@ typedef unsigned long long uint64_t;
 #ifndef IEBME_ILP
 #define IEBME_ILP 2      // tiles decoded back to back before their mma
 #endif
+#ifndef IEBME_MINB
+#define IEBME_MINB 0     // min CTAs per SM asked of the register allocator (0: no bound)
+#endif
 #ifndef IEBME_TMA        // ring copies by cp.async.bulk (one lane, mbarrier) on sm_90; cp.async below
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define IEBME_TMA 1
@@ -517,7 +520,7 @@ DEVI void spmm(const Args& a) {
 
 // C entry points (one per variant, flat arguments) so CuPy can launch them by plain name.
 #define IEBME_ENTRY(B, NT, P, D)                                                                          \
-  extern "C" __global__ void __launch_bounds__(IEBME_WARPS * 32) iebme_spmm_w##B##_nt##NT##_p##P##_d##D(  \
+  extern "C" __global__ void __launch_bounds__(IEBME_WARPS * 32, IEBME_MINB) iebme_spmm_w##B##_nt##NT##_p##P##_d##D(  \
       const uint8_t* values, const uint8_t* bitmaps, const uint32_t* offsets, const uint8_t* pinv,       \
       const uint16_t* wsT, const float* xs, const int8_t* x, float* ws_acc, int* counters, uint16_t* y,  \
       int* partial, int N, int M, int G, int Kp, int Mp, int TR, int TC, int gs_tiles, int chunk) {      \

@@ -26,7 +26,7 @@ from .iebme_reference import check_group_size
 
 SOURCE = Path(__file__).with_name("iebme_spmm.cu")
 BT = 4                                                       # tiles per batch (fixed in the .cu)
-MAX_WARPS = 8                                                # row padding of scales / workspace: 128 rows
+WARP_CHOICES = (4, 5, 6, 7, 8)                               # warps (tile rows) per CTA a launch may use
 
 
 def _env_int(name: str) -> int | None:
@@ -34,19 +34,23 @@ def _env_int(name: str) -> int | None:
     return int(v) if v else None
 
 
-def config(n: int) -> tuple[int, int, int]:
-    """(ring depth in batches, warps per CTA, tiles decoded back to back) for a launch of ``n`` columns,
-    as measured on the H200 (docs/kernels.md, v3 tuning): 2-deep rings; 4 warps for N <= 4, 8 above; ILP 2
-    for N <= 16, 4 above. Environment overrides (UNIONSPARSE_IEBME_NSTAGE / _WARPS / _ILP) are for tuning."""
+def config(n: int) -> tuple[int, int, int, int]:
+    """(ring depth in batches, warps per CTA, tiles decoded back to back, min CTAs per SM for the register
+    allocator, 0 = none) for a launch of ``n`` columns, as measured on the H200 (docs/kernels.md, "Tuning"):
+    2-deep rings; 8 warps; ILP 2 for N <= 16, 4 above; no register bound. Environment overrides
+    (UNIONSPARSE_IEBME_NSTAGE / _WARPS / _ILP / _MINB, and _XBYTES for ``X_BUDGET``) are for tuning."""
     nstage = _env_int("UNIONSPARSE_IEBME_NSTAGE") or 2
-    warps = _env_int("UNIONSPARSE_IEBME_WARPS") or (4 if n <= 4 else 8)
+    warps = _env_int("UNIONSPARSE_IEBME_WARPS") or 8
+    if warps not in WARP_CHOICES:
+        raise ValueError(f"UNIONSPARSE_IEBME_WARPS must be one of {WARP_CHOICES}, got {warps}")
     ilp = _env_int("UNIONSPARSE_IEBME_ILP") or (2 if n <= 16 else 4)
-    return nstage, warps, ilp
+    minb = _env_int("UNIONSPARSE_IEBME_MINB") or 0
+    return nstage, warps, ilp, minb
 
 
 MAX_N = 32            # columns per launch; larger N is cut into launches of 32
 MAX_BATCHES = 31      # per chunk: batch boundaries live in one register per lane
-X_BUDGET = int(os.environ.get("UNIONSPARSE_IEBME_XBYTES", 24 * 1024))  # shared bytes for a chunk's X codes...
+X_BUDGET = 16 * 1024  # shared bytes for a chunk's X codes (UNIONSPARSE_IEBME_XBYTES overrides, for tuning)...
 MIN_CHUNK = 32        # ...but never fewer tiles than this per chunk (large N: more X, fewer CTA start-ups)
 SMEM_SM = 228 * 1024    # shared memory per SM (sm_90), 1 KiB of it reserved per resident CTA
 SMEM_CTA = 227 * 1024   # opt-in limit per CTA, static + dynamic
@@ -86,11 +90,12 @@ def kernel_name(bits: int, nt: int, perm: bool, debug: bool) -> str:
 
 
 @cache
-def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int):
+def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int = 0):
     cp = _cupy()
     name = kernel_name(bits, nt, perm, debug)
     code = SOURCE.read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
-    opts = ("-std=c++17", f"-DIEBME_NSTAGE={nstage}", f"-DIEBME_WARPS={warps}", f"-DIEBME_ILP={ilp}")
+    opts = ("-std=c++17", f"-DIEBME_NSTAGE={nstage}", f"-DIEBME_WARPS={warps}", f"-DIEBME_ILP={ilp}",
+            f"-DIEBME_MINB={minb}")
     tma = os.environ.get("UNIONSPARSE_IEBME_TMA")  # 0: cp.async rings on sm_90 too (A/B timing, tests)
     if tma:
         opts += (f"-DIEBME_TMA={int(tma)}",)
@@ -162,9 +167,10 @@ def device_layer(shape: tuple[int, int], bits: int, group_size: int, values, bit
 
 
 def padded_rows(m: int) -> int:
-    """Rows of the transposed scale array and the workspace (whole CTAs of up to MAX_WARPS tile rows)."""
+    """Rows of the transposed scale array and the workspace: whole CTAs for every warp count in
+    ``WARP_CHOICES`` (the split-K reduction walks all of a CTA's rows)."""
     tr = -(-m // 16)
-    return -(-tr // MAX_WARPS) * MAX_WARPS * 16
+    return max(-(-tr // w) * w for w in WARP_CHOICES) * 16
 
 
 def prepare_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> DeviceLayer:
@@ -197,7 +203,7 @@ def prepare_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> Devi
 def max_chunk(layer: DeviceLayer, n: int) -> int:
     """Largest chunk (tiles) allowed: batch boundaries in one register, the chunk's X within ``X_BUDGET``
     (at least ``MIN_CHUNK`` tiles)."""
-    cap = min(MAX_BATCHES * BT, max(MIN_CHUNK, X_BUDGET // (64 * max(n, 1))))
+    cap = min(MAX_BATCHES * BT, max(MIN_CHUNK, (_env_int("UNIONSPARSE_IEBME_XBYTES") or X_BUDGET) // (64 * max(n, 1))))
     gt = layer.gs_tiles
     if gt <= cap:
         cap = cap // gt * gt
@@ -205,9 +211,12 @@ def max_chunk(layer: DeviceLayer, n: int) -> int:
 
 
 def ctas_per_sm(layer: DeviceLayer, n: int, chunk: int) -> int:
+    """CTAs of an ``n``-column launch with this chunk that fit on one SM: shared memory, warps, registers."""
     ngc = -(-chunk // layer.gs_tiles) + 1
     smem = smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc) + static_smem(*config(n)[:2])
-    return max(1, min(SMEM_SM // (smem + 1024), 2048 // (config(n)[1] * 32)))
+    warps = config(n)[1]
+    regs = _kernel(layer.bits, -(-n // 8), layer.pinv is not None, False, *config(n)).num_regs
+    return max(1, min(SMEM_SM // (smem + 1024), 2048 // (warps * 32), 65536 // (-(-regs // 8) * 8 * 32 * warps)))
 
 
 def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None) -> int:
@@ -273,10 +282,10 @@ def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=N
         nn = min(MAX_N, n - n0)
         nt = -(-nn // 8)
         chunk = chunk_for(layer, nn, splits)
-        nstage, warps, ilp = config(nn)
+        nstage, warps, ilp, minb = config(nn)
         grid = (-(-layer.tr // warps), -(-layer.tc // chunk))
         ngc = -(-chunk // layer.gs_tiles) + 1
-        fn = _kernel(layer.bits, nt, layer.pinv is not None, debug, nstage, warps, ilp)
+        fn = _kernel(layer.bits, nt, layer.pinv is not None, debug, nstage, warps, ilp, minb)
         yp = y[n0:] if not debug else layer.dummy
         pp = partial[n0:] if debug else layer.dummy
         args = (layer.values, layer.bitmaps, layer.offsets, null, layer.wsT, xs[n0:], x[n0:], layer.ws_acc,

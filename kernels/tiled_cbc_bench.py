@@ -347,6 +347,7 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
         default_config,
         default_splits,
         spmm,
+        spmm_dense,
         v3_config,
     )
 
@@ -365,8 +366,10 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
         devs = [dev0] + [DeviceTiledCBC(arrays=_clone(cp, arrays)) for _ in range(nc - 1)]
         ws = cp.empty((M, dev0.grid[1] * 16), dtype=cp.float16)
         t_decode = time_graph_cupy(cp, lambda i, devs=devs, ws=ws: decode_dense(devs[i % len(devs)], ws), nc, reps)
+        t_decode_v1 = time_graph_cupy(
+            cp, lambda i, devs=devs, ws=ws: decode_dense(devs[i % len(devs)], ws, version=1), nc, reps)
         gbs = (dev0.nbytes() + ws.nbytes) / t_decode / 1e9
-        log(f"decode to dense {M}x{K}: {t_decode * 1e6:.1f}us ({gbs:.0f} GB/s)")
+        log(f"decode to dense {M}x{K}: {t_decode * 1e6:.1f}us ({gbs:.0f} GB/s; v1 {t_decode_v1 * 1e6:.1f}us)")
         del ws
         for n in ns:
             if time.time() > deadline:
@@ -414,9 +417,13 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                 return spmm(devs[i % len(devs)], X, out=out, version=1)
 
             t_v1 = time_graph_cupy(cp, sparse_v1, L, reps)
-            # dense path = decode (CuPy graph) + the same cuBLAS GEMM (timed above): CuPy refuses cuBLAS calls
-            # under stream capture, and back-to-back Python launches of cupy.matmul are CPU-bound
-            t_dense, dense_timing = t_decode + t_cublas, "decode graph + cuBLAS graph"
+            # dense path (decode kernel + cublasGemmEx) captured whole in one graph
+
+            def dense_path(i, devs=devs, X=X, out=out):
+                return spmm_dense(devs[i % len(devs)], X, out)
+
+            t_dense = time_graph_cupy(cp, dense_path, L, reps)
+            dense_timing = "one graph: decode + cublasGemmEx"
             t_warp = warp[v3_config(n)] if warp else float("nan")
             t_auto = t_warp if n <= WARP_UP_TO_N else t_dense if n >= DENSE_FROM_N else best[0]
             yd = spmm(dev0, X, method="dense")
@@ -442,6 +449,7 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                     v1_bn=default_bn(n),
                     t_dense_path_us=t_dense * 1e6,
                     t_decode_us=t_decode * 1e6,
+                    t_decode_v1_us=t_decode_v1 * 1e6,
                     dense_path_timing=dense_timing,
                     rel_err_dense_path=rel_dense,
                     speedup_fused=t_cublas / best[0],

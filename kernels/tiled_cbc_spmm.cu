@@ -643,6 +643,62 @@ __global__ void __launch_bounds__(256) tcbc_decode_dense(const u64* __restrict__
     }
 }
 
+// Decode to dense, v2 (the default): the same block shape and output staging, with the per-column work
+// halved. A warp's 32 rows are one 32-bit half of one bitmap word (w = t >> 6, half h = (t >> 5) & 1), so
+// the block first builds, per (column, word half), one 8-byte entry {the half's 32 bits, the value index of
+// its first set bit}; per column a lane then needs one broadcast 8-byte LDS, one masked 32-bit popcount
+// and one predicated 2-byte load (v1: two LDS, 64-bit shifts, a 64-bit popcount and a select).
+__global__ void __launch_bounds__(256) tcbc_decode_dense2(const u64* __restrict__ bitmap, const u32* __restrict__ colinfo,
+                                                          const u32* __restrict__ tile_offset,
+                                                          const u16* __restrict__ values, u16* __restrict__ Wd,
+                                                          int grid_c, int M, int ldw) {
+    __shared__ uint2 ent[DD_G * TILE_K * 8];  // [column][word half]: {bits, value index of the first set bit}
+    __shared__ __align__(16) u16 stage[TILE_M * DD_STRIDE];
+    const int gtc0 = blockIdx.x * DD_G, tr = blockIdx.y, t = threadIdx.x;
+    const int ng = min(DD_G, grid_c - gtc0);
+    const size_t gt0 = (size_t)tr * grid_c + gtc0;  // the block's GTiles are consecutive
+    {   // thread t = (column, word w): its column's words 0..w straight from global memory (one 32-byte run)
+        const int col = t >> 2, w = t & 3;
+        if ((col >> 4) < ng) {
+            const ulonglong2* cw = reinterpret_cast<const ulonglong2*>(bitmap + (gt0 * TILE_K + col) * 4);
+            const ulonglong2 a = cw[0], b = cw[1];
+            const u64 words[4] = {a.x, a.y, b.x, b.y};
+            u32 s = tile_offset[gt0 + (col >> 4)] + (colinfo[gt0 * TILE_K + col] >> 16);
+#pragma unroll
+            for (int q = 0; q < 3; ++q) s += q < w ? __popcll(words[q]) : 0;
+            const u64 wd = w == 0 ? words[0] : w == 1 ? words[1] : w == 2 ? words[2] : words[3];
+            const u32 lo = (u32)wd, hi = (u32)(wd >> 32);
+            ent[col * 8 + 2 * w] = make_uint2(lo, s);
+            ent[col * 8 + 2 * w + 1] = make_uint2(hi, s + __popc(lo));
+        }
+    }
+    __syncthreads();
+    const int hw = t >> 5, lane = t & 31;
+    const u32 lt = (1u << lane) - 1u;
+    for (int gg = 0; gg < ng; ++gg) {
+        u32 h[8];
+#pragma unroll
+        for (int c = 0; c < TILE_K; ++c) {
+            const uint2 e = ent[(gg * TILE_K + c) * 8 + hw];
+            u32 v = 0u;
+            if ((e.x >> lane) & 1u) v = values[e.y + __popc(e.x & lt)];
+            if (c & 1) h[c >> 1] |= v << 16;
+            else h[c >> 1] = v;
+        }
+        uint4* dst = reinterpret_cast<uint4*>(stage + t * DD_STRIDE + gg * TILE_K);
+        dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+        dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    }
+    __syncthreads();
+    const int chunks = ng * 2;  // 16-byte chunks per row (8 halves each)
+    for (int idx = t; idx < TILE_M * DD_G * 2; idx += 256) {
+        const int r = idx >> 3, ch = idx & 7, row = tr * TILE_M + r;
+        if (ch < chunks && row < M)
+            *reinterpret_cast<uint4*>(Wd + (size_t)row * ldw + gtc0 * TILE_K + ch * 8) =
+                *reinterpret_cast<const uint4*>(stage + r * DD_STRIDE + ch * 8);
+    }
+}
+
 #define TCBC_SPMM2(BN, NST, MINB)                                                                          \
     template __global__ void tcbc_spmm2<BN, 2, NST, MINB>(const u64*, const u32*, const u32*, const u16*, \
                                                           const u16*, u16*, int, int, int, int, int, int, \

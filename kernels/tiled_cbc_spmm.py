@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cublas_gemm import OP_N, OP_T, gemm_f16
 from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
 
 GK = 2
@@ -30,10 +31,10 @@ _EXPR = (
     tuple(f"tcbc_spmm<{bn}, {GK}, {mb}>" for bn, mb in CONFIGS.items())
     + tuple(f"tcbc_spmm2<{bn}, {GK}, {nst}, {mb}>" for bn, nst, mb in V2_CONFIGS)
     + tuple(f"tcbc_spmm3<{nt}, {nst}, {mb}>" for nt, nst, mb in V3_CONFIGS)
-    + ("tcbc_decode_dense",)
+    + ("tcbc_decode_dense", "tcbc_decode_dense2")
 )
 DD_G = 4  # GTiles side by side per decode_dense block (DD_G in the .cu)
-DENSE_FROM_N = 64  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
+DENSE_FROM_N = 32  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
 WARP_UP_TO_N = 8  # method="auto": the warp-streamed kernel (v3) up to this many tokens (docs/kernels.md)
 SMS = 132
 _DENSE_WS: dict[tuple[int, int], object] = {}
@@ -56,8 +57,9 @@ def default_config(n: int) -> tuple[int, int, int]:
     return (128, 4, 1)
 
 
-def decode_dense(dev: DeviceTiledCBC, out=None):
-    """W as a dense CuPy fp16 [M, Kp] (Kp = K padded to 16; columns >= K are zero), decoded on the GPU."""
+def decode_dense(dev: DeviceTiledCBC, out=None, version: int = 2):
+    """W as a dense CuPy fp16 [M, Kp] (Kp = K padded to 16; columns >= K are zero), decoded on the GPU.
+    ``version=1`` is the first decode kernel (kept as the benchmark's baseline)."""
     cp = _cupy()
     if dev.bits is not None:
         raise NotImplementedError("decode_dense takes float16 Tiled-CBC values only")
@@ -68,27 +70,37 @@ def decode_dense(dev: DeviceTiledCBC, out=None):
         out = cp.empty((M, kp), dtype=cp.float16)
     if out.shape != (M, kp) or out.dtype != cp.float16 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous float16 [{M}, {kp}] array")
-    _module().get_function("tcbc_decode_dense")(
+    if version not in (1, 2):
+        raise ValueError(f"version must be 1 or 2, got {version!r}")
+    _module().get_function("tcbc_decode_dense2" if version == 2 else "tcbc_decode_dense")(
         (-(-gc // DD_G), gr), (256,), (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, out, np.int32(gc),
                            np.int32(M), np.int32(kp)))
     return out
 
 
 def spmm_dense(dev: DeviceTiledCBC, X, out=None):
-    """Large-N prefill: decode W once into a workspace (one per shape, reused), then cuBLAS fp16
-    (CuPy matmul, fp32 accumulation). Prefill at large N is compute-bound, so this trades one extra pass over
-    W (~3 bytes per weight) for cuBLAS's wgmma kernels, which mma.sync cannot match on Hopper."""
+    """Large-N prefill: decode W into a workspace (one per shape, reused), then one cuBLAS fp16 GEMM (fp32
+    accumulation). Prefill at large N is compute-bound, so this trades one extra pass over W (~3 bytes per
+    weight) for cuBLAS's wgmma kernels, which mma.sync cannot match on Hopper. The GEMM goes through
+    ``cublas_gemm`` (not CuPy's bindings), so the whole path captures into a CUDA graph.
+    X: fp16 [N, Kx >= K] contiguous (columns past K are ignored)."""
     cp = _cupy()
     M, K = dev.shape
     key = (M, dev.grid[1] * TILE[1])
     ws = _DENSE_WS.get(key)
     if ws is None:  # one workspace per shape, shared by all layers of that shape
         ws = _DENSE_WS[key] = cp.empty(key, dtype=cp.float16)
-    decode_dense(dev, ws)
-    w = ws if ws.shape[1] == K else ws[:, :K]
+    X = cp.ascontiguousarray(X)
+    if X.dtype != cp.float16 or X.ndim != 2 or X.shape[1] < K:
+        raise ValueError(f"X must be a float16 [N, >= {K}] array, got {X.dtype} {X.shape}")
+    n = X.shape[0]
     if out is None:
-        return cp.matmul(X, w.T)
-    cp.matmul(X, w.T, out=out)
+        out = cp.empty((n, M), dtype=cp.float16)
+    if out.shape != (n, M) or out.dtype != cp.float16 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous float16 [{n}, {M}] array")
+    decode_dense(dev, ws)
+    # Y [N, M] row-major is Y^T [M, N] column-major: Y^T = W X^T with W [M, Kp] read transposed
+    gemm_f16(OP_T, OP_N, M, n, K, ws.data.ptr, ws.shape[1], X.data.ptr, X.shape[1], out.data.ptr, M)
     return out
 
 
@@ -171,7 +183,7 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
     if method not in ("warp", "fused", "dense", "auto"):
         raise ValueError(f"method must be warp, fused, dense or auto, got {method!r}")
     if version == 2 and (method == "dense" or (method == "auto" and N >= DENSE_FROM_N)):
-        return spmm_dense(dev, X if Kx == K else X[:, :K], out)
+        return spmm_dense(dev, X, out)
     if out is None:
         out = cp.empty((N, M), dtype=cp.float16)
     if out.shape != (N, M) or out.dtype != cp.float16 or not out.flags.c_contiguous:

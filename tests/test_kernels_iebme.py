@@ -87,6 +87,21 @@ def test_quantize_activations_rule():
     assert np.abs(codes * s - x).max() <= s.max() / 2 + 1e-6
 
 
+def test_launch_rows_are_padded_for_every_warp_count(monkeypatch):
+    """The scale array and split-K workspace cover whole CTAs for every warp count a launch may use (the
+    final reduction of a CTA walks all its rows), and a warp count outside the choices is refused."""
+    from unionsparse.kernels import iebme_spmm as ks
+
+    for m in [1, 15, 16, 17, 100, 257, 1000, 4096, 11008, 32000]:
+        tr = -(-m // 16)
+        for w in ks.WARP_CHOICES:
+            assert -(-tr // w) * w * 16 <= ks.padded_rows(m), (m, w)
+    assert ks.config(1)[1] in ks.WARP_CHOICES and ks.config(32)[1] in ks.WARP_CHOICES
+    monkeypatch.setenv("UNIONSPARSE_IEBME_WARPS", "3")
+    with pytest.raises(ValueError, match="WARPS"):
+        ks.config(1)
+
+
 def test_check_layer_cpu_passes_and_catches_corruption():
     rng = np.random.default_rng(5)
     _, mat = random_layer(rng, 48, 192, 4)

@@ -194,6 +194,43 @@ def test_gpu_all_chunks_stages_and_spmm_tiles_agree():
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1000, 1036), (3 * 256, 64), (256, 16)])
+def test_gpu_dense_path_and_its_graph_capture(shape):
+    """Decode + cublasGemmEx (Y^T = W X^T, column-major): the dense product for ragged M and K (X wider than
+    K), and the whole path captures into one CUDA graph (CuPy's own cuBLAS bindings refuse capture)."""
+    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
+    from unionsparse.kernels.tiled_cbc_spmm import spmm_dense
+
+    rng = np.random.default_rng(shape[0])
+    M, K = shape
+    W = _fp16_layer(rng, M, K, 0.5)
+    dev = DeviceTiledCBC(tiled_cbc.encode(W))
+    kx = -(-K // 8) * 8
+    for n in (1, 37, 512):
+        X = np.zeros((n, kx), np.float16)
+        X[:, :K] = rng.standard_normal((n, K)).astype(np.float16)
+        truth = X[:, :K].astype(np.float64) @ W.astype(np.float64).T
+        bound = tolerance(W.astype(np.float64), X[:, :K].astype(np.float64), 2.0, True)
+        out = cp.full((n, M), cp.nan, cp.float16)
+        Y = cp.asnumpy(spmm_dense(dev, cp.asarray(X), out)).astype(np.float64)
+        assert (np.abs(Y - truth) <= bound).all(), n
+    Xd = cp.asarray(X)
+    out = cp.full((X.shape[0], M), cp.nan, cp.float16)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        spmm_dense(dev, Xd, out)  # warm-up outside the capture
+        out.fill(cp.nan)
+        s.synchronize()
+        s.begin_capture()
+        spmm_dense(dev, Xd, out)
+        graph = s.end_capture()
+        assert bool(cp.isnan(out).all())  # captured, not run
+        graph.launch(s)
+        s.synchronize()
+    assert (np.abs(cp.asnumpy(out).astype(np.float64) - truth) <= bound).all()
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape,sparsity", [((768, 1040), 0.5), ((300, 70), 0.3), ((257, 48), 0.9), ((256, 16), 0.0)])
 def test_gpu_warp_spmm_every_config_split_and_width(shape, sparsity):
     """v3 (warp-streamed) SpMM: ragged M and K, empty and full columns, every config, split-K counts, widths
@@ -234,11 +271,12 @@ def test_gpu_decode_dense_is_exact(shape, sparsity):
     W[:, 5] = 1.5  # a full one
     dev = DeviceTiledCBC(tiled_cbc.encode(W))
     kp = -(-shape[1] // 16) * 16
-    out = cp.full((shape[0], kp), cp.nan, cp.float16)
-    got = cp.asnumpy(decode_dense(dev, out))
     want = np.zeros((shape[0], kp), np.float16)
     want[:, : shape[1]] = W
-    assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist()
+    for version in (1, 2):
+        out = cp.full((shape[0], kp), cp.nan, cp.float16)
+        got = cp.asnumpy(decode_dense(dev, out, version=version))
+        assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist(), version
 
 
 @gpu

@@ -1,0 +1,79 @@
+"""fp16 GEMM through cuBLAS by ctypes, usable inside CUDA-graph stream capture.
+
+CuPy's cuBLAS bindings refuse to run while a stream is being captured; cuBLAS itself supports capture
+when the handle has a preset workspace. This module opens the libcublas that CuPy already loaded, keeps one
+handle per device with its own workspace (a CuPy allocation), and exposes one call::
+
+    gemm_f16(transa, transb, m, n, k, a, lda, b, ldb, c, ldc)   # column-major C = op(A) op(B), pointers
+
+fp16 inputs and output, fp32 accumulation (CUBLAS_COMPUTE_32F), on CuPy's current stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+CUDA_R_16F = 2
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+OP_N, OP_T = 0, 1
+WORKSPACE_BYTES = 32 * 1024 * 1024   # cuBLAS's recommendation for Hopper is 32 MiB
+
+_LIB = None
+_HANDLES: dict[int, tuple[ctypes.c_void_p, object]] = {}
+_ONE = ctypes.c_float(1.0)
+_ZERO = ctypes.c_float(0.0)
+
+
+def _lib():
+    global _LIB
+    if _LIB is None:
+        import cupy  # noqa: F401  (loads libcublas's soname into the process first)
+
+        for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so.11", "libcublas.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise RuntimeError("libcublas not found (looked for libcublas.so.13/.12/.11)")
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+        _LIB = lib
+    return _LIB
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+
+def _handle():
+    import cupy as cp
+
+    dev = cp.cuda.Device().id
+    if dev not in _HANDLES:
+        lib = _lib()
+        h = ctypes.c_void_p()
+        _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+        ws = cp.empty(WORKSPACE_BYTES, dtype=cp.uint8)
+        _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.data.ptr), WORKSPACE_BYTES), "cublasSetWorkspace")
+        _HANDLES[dev] = (h, ws)
+    return _HANDLES[dev][0]
+
+
+def gemm_f16(transa: int, transb: int, m: int, n: int, k: int, a: int, lda: int, b: int, ldb: int, c: int,
+             ldc: int) -> None:
+    """Column-major ``C[m, n] = op(A) @ op(B)`` on device pointers (fp16, fp32 accumulation, beta = 0)."""
+    import cupy as cp
+
+    lib = _lib()
+    h = _handle()
+    _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(cp.cuda.get_current_stream().ptr)), "cublasSetStream")
+    _check(lib.cublasGemmEx(h, transa, transb, m, n, k, ctypes.byref(_ONE), ctypes.c_void_p(a), CUDA_R_16F, lda,
+                            ctypes.c_void_p(b), CUDA_R_16F, ldb, ctypes.byref(_ZERO), ctypes.c_void_p(c), CUDA_R_16F,
+                            ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
