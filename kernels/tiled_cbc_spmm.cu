@@ -596,6 +596,35 @@ template __global__ void tcbc_spmm<64, 2, 2>(const u64*, const u32*, const u32*,
 // warp store, 1.2 TB/s on 28672 x 8192; see docs/kernels.md.) Wd is [M, ldw], ldw >= the padded K.
 #define DD_G 4
 #define DD_STRIDE (DD_G * TILE_K + 8)
+// The part both decode kernels share: thread t = row t packs value(gg, c) (its row's value of column c of
+// the block's GTile gg, 0 where the bit is clear) into the staging tile, 16 halves per GTile, then the block
+// writes its rows out, 8 lanes per 128-byte line.
+template <class Value>
+__device__ __forceinline__ void dd_stage_and_write(u16* stage, u16* __restrict__ Wd, int ng, int tr, int gtc0,
+                                                   int M, int ldw, Value value) {
+    const int t = threadIdx.x;
+    for (int gg = 0; gg < ng; ++gg) {
+        u32 h[8];
+#pragma unroll
+        for (int c = 0; c < TILE_K; ++c) {
+            const u32 v = value(gg, c);
+            if (c & 1) h[c >> 1] |= v << 16;
+            else h[c >> 1] = v;
+        }
+        uint4* dst = reinterpret_cast<uint4*>(stage + t * DD_STRIDE + gg * TILE_K);
+        dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+        dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    }
+    __syncthreads();
+    const int chunks = ng * 2;  // 16-byte chunks per row (8 halves each)
+    for (int idx = t; idx < TILE_M * DD_G * 2; idx += 256) {
+        const int r = idx >> 3, ch = idx & 7, row = tr * TILE_M + r;
+        if (ch < chunks && row < M)
+            *reinterpret_cast<uint4*>(Wd + (size_t)row * ldw + gtc0 * TILE_K + ch * 8) =
+                *reinterpret_cast<const uint4*>(stage + r * DD_STRIDE + ch * 8);
+    }
+}
+
 __global__ void __launch_bounds__(256) tcbc_decode_dense(const u64* __restrict__ bitmap, const u32* __restrict__ colinfo,
                                                          const u32* __restrict__ tile_offset,
                                                          const u16* __restrict__ values, u16* __restrict__ Wd,
@@ -619,28 +648,11 @@ __global__ void __launch_bounds__(256) tcbc_decode_dense(const u64* __restrict__
     __syncthreads();
     const int w = t >> 6, b = t & 63;
     const u64 below = (1ull << b) - 1ull;
-    for (int gg = 0; gg < ng; ++gg) {
-        u32 h[8];
-#pragma unroll
-        for (int c = 0; c < TILE_K; ++c) {
-            const int i = (gg * TILE_K + c) * 4 + w;
-            const u64 wd = bm[i];
-            const u32 v = ((wd >> b) & 1ull) ? (u32)values[start[i] + __popcll(wd & below)] : 0u;
-            if (c & 1) h[c >> 1] |= v << 16;
-            else h[c >> 1] = v;
-        }
-        uint4* dst = reinterpret_cast<uint4*>(stage + t * DD_STRIDE + gg * TILE_K);
-        dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-        dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
-    }
-    __syncthreads();
-    const int chunks = ng * 2;  // 16-byte chunks per row (8 halves each)
-    for (int idx = t; idx < TILE_M * DD_G * 2; idx += 256) {
-        const int r = idx >> 3, ch = idx & 7, row = tr * TILE_M + r;
-        if (ch < chunks && row < M)
-            *reinterpret_cast<uint4*>(Wd + (size_t)row * ldw + gtc0 * TILE_K + ch * 8) =
-                *reinterpret_cast<const uint4*>(stage + r * DD_STRIDE + ch * 8);
-    }
+    dd_stage_and_write(stage, Wd, ng, tr, gtc0, M, ldw, [&](int gg, int c) -> u32 {
+        const int i = (gg * TILE_K + c) * 4 + w;
+        const u64 wd = bm[i];
+        return ((wd >> b) & 1ull) ? (u32)values[start[i] + __popcll(wd & below)] : 0u;
+    });
 }
 
 // Decode to dense, v2 (the default): the same block shape and output staging, with the per-column work
@@ -675,28 +687,12 @@ __global__ void __launch_bounds__(256) tcbc_decode_dense2(const u64* __restrict_
     __syncthreads();
     const int hw = t >> 5, lane = t & 31;
     const u32 lt = (1u << lane) - 1u;
-    for (int gg = 0; gg < ng; ++gg) {
-        u32 h[8];
-#pragma unroll
-        for (int c = 0; c < TILE_K; ++c) {
-            const uint2 e = ent[(gg * TILE_K + c) * 8 + hw];
-            u32 v = 0u;
-            if ((e.x >> lane) & 1u) v = values[e.y + __popc(e.x & lt)];
-            if (c & 1) h[c >> 1] |= v << 16;
-            else h[c >> 1] = v;
-        }
-        uint4* dst = reinterpret_cast<uint4*>(stage + t * DD_STRIDE + gg * TILE_K);
-        dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-        dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
-    }
-    __syncthreads();
-    const int chunks = ng * 2;  // 16-byte chunks per row (8 halves each)
-    for (int idx = t; idx < TILE_M * DD_G * 2; idx += 256) {
-        const int r = idx >> 3, ch = idx & 7, row = tr * TILE_M + r;
-        if (ch < chunks && row < M)
-            *reinterpret_cast<uint4*>(Wd + (size_t)row * ldw + gtc0 * TILE_K + ch * 8) =
-                *reinterpret_cast<const uint4*>(stage + r * DD_STRIDE + ch * 8);
-    }
+    dd_stage_and_write(stage, Wd, ng, tr, gtc0, M, ldw, [&](int gg, int c) -> u32 {
+        const uint2 e = ent[(gg * TILE_K + c) * 8 + hw];
+        u32 v = 0u;
+        if ((e.x >> lane) & 1u) v = values[e.y + __popc(e.x & lt)];
+        return v;
+    });
 }
 
 #define TCBC_SPMM2(BN, NST, MINB)                                                                          \
