@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -163,7 +162,7 @@ def main() -> None:
         rows = run_bench([("8192x29568", 8192, 29568), ("4096x4096", 4096, 4096), ("28672x8192", 28672, 8192),
                           ("36864x12288", 36864, 12288)], [1, 8, 32], 0.5, 4, baselines=False, log=None)
         for r in rows:
-            log(f"TUNE (NSTAGE, WARPS, ILP, MINB)={ks.config(r['N'])} XB={os.environ.get('UNIONSPARSE_IEBME_XBYTES') or ks.X_BUDGET} {r['shape']} N={r['N']} {r['iebme_us']:.1f} us "
+            log(f"TUNE (NSTAGE, WARPS, ILP, MINB)={ks.config(r['N'])} XB={ks.x_budget()} {r['shape']} N={r['N']} {r['iebme_us']:.1f} us "
                 f"{100 * r['iebme_bw_frac']:.0f}% of 4.16 TB/s")
         return
     t0 = time.time()

@@ -200,10 +200,15 @@ def prepare_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> Devi
                         cp.asarray(wst))
 
 
+def x_budget() -> int:
+    """Shared bytes a chunk's X codes may take: ``X_BUDGET``, or UNIONSPARSE_IEBME_XBYTES when tuning."""
+    return _env_int("UNIONSPARSE_IEBME_XBYTES") or X_BUDGET
+
+
 def max_chunk(layer: DeviceLayer, n: int) -> int:
     """Largest chunk (tiles) allowed: batch boundaries in one register, the chunk's X within ``X_BUDGET``
     (at least ``MIN_CHUNK`` tiles)."""
-    cap = min(MAX_BATCHES * BT, max(MIN_CHUNK, (_env_int("UNIONSPARSE_IEBME_XBYTES") or X_BUDGET) // (64 * max(n, 1))))
+    cap = min(MAX_BATCHES * BT, max(MIN_CHUNK, x_budget() // (64 * max(n, 1))))
     gt = layer.gs_tiles
     if gt <= cap:
         cap = cap // gt * gt

@@ -97,6 +97,9 @@ def test_launch_rows_are_padded_for_every_warp_count(monkeypatch):
         for w in ks.WARP_CHOICES:
             assert -(-tr // w) * w * 16 <= ks.padded_rows(m), (m, w)
     assert ks.config(1)[1] in ks.WARP_CHOICES and ks.config(32)[1] in ks.WARP_CHOICES
+    assert ks.x_budget() == ks.X_BUDGET
+    monkeypatch.setenv("UNIONSPARSE_IEBME_XBYTES", "6144")
+    assert ks.x_budget() == 6144
     monkeypatch.setenv("UNIONSPARSE_IEBME_WARPS", "3")
     with pytest.raises(ValueError, match="WARPS"):
         ks.config(1)
