@@ -76,13 +76,13 @@ def main() -> None:
                 for c in chunks:
                     splits = None if c is None else -(-one.tc // c)
                     t, _ = time_iebme(layers, n, splits=splits)
-                    chunk = ks.chunk_for(one, n, splits)
-                    cfg = ks.config(n)
+                    p = ks.plan(one, n, splits)
+                    chunk = p.chunk
                     rows.append({"shape": label, "M": m, "K": k, "N": n, "bits": args.bits, "variant": tag,
-                                 "warps": cfg[1], "minb": cfg[3], "us": t * 1e6, "chunk": chunk,
-                                 "grid": [-(-one.tr // cfg[1]), -(-one.tc // chunk)],
-                                 "ctas_per_sm": ks.ctas_per_sm(one, n, chunk),
-                                 "regs": ks._kernel(args.bits, -(-n // 8), False, False, *cfg).num_regs})
+                                 "warps": p.warps, "minb": p.minb, "us": t * 1e6, "chunk": chunk,
+                                 "grid": list(p.grid), "ctas_per_sm": ks.ctas_per_sm(one, n, chunk, p.warps),
+                                 "regs": ks._kernel(args.bits, -(-n // 8), False, False, p.nstage, p.warps, p.ilp,
+                                                    p.minb).num_regs})
                     line.append(f"{tag}/c{chunk} {t * 1e6:.1f}")
             print(f"{label} {m}x{k} N={n}: " + " ".join(line), flush=True)
         del layers, one

@@ -9,19 +9,19 @@
 // sigma(4t + i) = 8t + i, sigma(16 + 4t + i) = 8t + 4 + i, so a segment's 8 positions are exactly one
 // lane's 8 A-fragment bytes of m16n8k32, and the same order read from X is one 8-byte load per lane.
 //
-// Schedule (v4; v3 in docs/kernels.md): a CTA of WARPS warps owns WARPS tile rows x one K chunk. The CTA
-// stages the chunk's X codes and activation scales in shared memory once (one barrier); after that every
-// warp runs alone: it is its own producer, streaming its tile row's contiguous value bytes through a
-// private NSTAGE-deep ring of BT-tile batches (sm_90: one cp.async.bulk per batch by an elect.sync lane,
-// one mbarrier per slot; older GPUs or IEBME_TMA=0: cp.async by every lane, wait_group + __syncwarp), and
-// its own consumer; no CTA barrier. Batch boundaries come from one register of byte offsets per lane,
-// loaded once, so copies never wait on metadata. A batch's bitmap words (and inverse perms) are not
-// copied through the ring: each lane loads its word straight into a register, one batch ahead, with lane
-// 4w + j holding mask row w of tile j, so the per-tile metadata shuffles have constant sources (width 4)
-// and the batch's ranks, stream lengths and tile starts take 3 + 1 + 2 shuffles (scans with the shuffle's
-// own in-range predicate). The last batch is padded to BT tiles: missing tiles get zero words (so decode
-// zeros) and zeroed X columns, so the tile loop has no per-tile bounds test. Per mask byte, one 16-byte
-// table entry (LDS.128) holds both byte-permute selectors and both code masks of the decode.
+// Schedule (v5; earlier versions in docs/kernels.md): a CTA of WARPS warps owns WARPS tile rows x one K chunk. The CTA
+// stages the chunk's X codes (sm_90: one bulk copy per row on an mbarrier) and activation scales in shared memory once;
+// its one barrier waits on no memory access (the loads the first batch needs are issued before any ring copy). After
+// that every warp runs alone: it is its own producer, streaming its tile row's contiguous value bytes through a private
+// NSTAGE-deep ring of BT-tile batches (sm_90: one cp.async.bulk per batch by an elect.sync lane, one mbarrier per slot;
+// older GPUs or IEBME_TMA=0: cp.async by every lane, wait_group + __syncwarp), and its own consumer; no CTA barrier.
+// Batch boundaries come from one register of byte offsets per lane, loaded once, so copies never wait on metadata. A
+// batch's bitmap words (and inverse perms) are not copied through the ring: each lane loads its word straight into a
+// register, two batches ahead, with lane 4w + j holding mask row w of tile j, so the per-tile metadata shuffles have
+// constant sources (width 4) and the batch's ranks, stream lengths and tile starts take 3 + 1 + 2 shuffles (scans with
+// the shuffle's own in-range predicate). The last batch is padded to BT tiles: missing tiles get zero words (so decode
+// zeros) and zeroed X columns, so the tile loop has no per-tile bounds test. Per mask byte, one 16-byte table entry
+// (LDS.128) holds both byte-permute selectors and both code masks of the decode.
 //
 // Per-tile row permutations are applied on the A side: fragment row r of the mma is output row r; lane
 // (g, t) fetches, with one shuffle per row, the (word, rank) of the mask row that holds reordered row
@@ -33,8 +33,10 @@
 // 16x / 64x the true ones; the factor 2^-SHIFT is folded into the staged activation scales, exactly):
 // on sm_90 the s4 mma is emulated and ~20x slower than s8. Scaling at the end of every group (and of the
 // chunk): acc += (s_w * s_x) * float(partial) with round-to-nearest multiplies and add (no FMA), matching
-// the CPU reference bit for bit without split-K. DEBUG writes the exact int32 group partial sums instead
-// (atomicAdd, exact).
+// the CPU reference bit for bit without split-K. Split-K: the CTAs of a row block add their fp32 partial
+// outputs in a global workspace (atomics, the last CTA writes Y), or, when they form one thread-block
+// cluster (a launch attribute, sm_90), through distributed shared memory in split order. DEBUG writes the
+// exact int32 group partial sums instead (atomicAdd, exact).
 // NVRTC (CuPy's run-time compiler) ships no C library headers: fixed-width types by hand
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
@@ -56,6 +58,9 @@ typedef unsigned long long uint64_t;
 #endif
 #ifndef IEBME_MINB
 #define IEBME_MINB 0     // min CTAs per SM asked of the register allocator (0: no bound)
+#endif
+#ifndef IEBME_TRACE      // 1: thread 0 of each CTA writes %globaltimer at entry, after the prologue, after its
+#define IEBME_TRACE 0    // warp's loop and at exit, and %smid, to u64 [CTA][5] passed as `partial` (timing study)
 #endif
 #ifndef IEBME_TMA        // ring copies by cp.async.bulk (one lane, mbarrier) on sm_90; cp.async below
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -106,6 +111,19 @@ DEVI void mbar_wait(uint32_t bar, uint32_t parity) {
       "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
       " @!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+DEVI void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// fp32 at shared::cta address `off` in the shared memory of cluster CTA `rank`
+DEVI float ld_cluster_f32(uint32_t off, uint32_t rank) {
+  uint32_t ra;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(off), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
+  return v;
+}
+#endif
 // Metadata shuffles. Lane 4w + j holds mask row w of tile j (see spmm); shfl_tile reads lane (lane & ~3) | j.
 DEVI uint32_t shfl_tile(uint32_t v, int j) { return __shfl_sync(0xffffffffu, v, j, 4); }
 // One step of an inclusive warp scan: shuffle-up by D with its in-range predicate (c operand C: 0 = the
@@ -146,6 +164,11 @@ DEVI uint4 lds128(uint32_t addr) {  // shared::cta address; the table is written
   uint4 v;
   asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
+}
+DEVI uint64_t gtimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 DEVI float h2f(uint16_t h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 DEVI uint16_t f2h(float f) { uint16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
@@ -216,8 +239,20 @@ DEVI void spmm(const Args& a) {
   extern __shared__ __align__(16) uint8_t smem[];
   // per mask byte: byte-permute selectors of output codes 0-3 and 4-7, even / odd code masks (count_masks)
   __shared__ uint4 tab[256];
-  __shared__ __align__(8) uint64_t bars[TMA ? WARPS * NSTAGE : 1];  // one mbarrier per ring slot
+  __shared__ __align__(8) uint64_t bars[TMA ? WARPS * NSTAGE + 1 : 1];  // one per ring slot, one for X
 
+  constexpr bool TRACE = IEBME_TRACE && !DEBUG;
+  uint64_t tt[3] = {0, 0, 0};
+  if (TRACE) tt[0] = gtimer();
+  // trace: thread 0 records its exit (every return below goes through here)
+  auto trace_exit = [&]() {
+    if (TRACE && threadIdx.x == 0) {
+      uint32_t sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      uint64_t* o = reinterpret_cast<uint64_t*>(a.partial) + 5 * (blockIdx.y * gridDim.x + blockIdx.x);
+      o[0] = tt[0]; o[1] = tt[1]; o[2] = tt[2]; o[3] = gtimer(); o[4] = sm;
+    }
+  };
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;   // mma fragment position; in the metadata layout: mask row, tile
   const int tr = blockIdx.x * WARPS + warp;
@@ -237,17 +272,75 @@ DEVI void spmm(const Args& a) {
   uint32_t ring_off = warp * R::WARP_BYTES;                              // this warp's ring in smem
   uint32_t ring_s = sptr(smem) + ring_off;
   uint32_t bar_s = sptr(bars + (TMA ? warp * NSTAGE : 0));
+  const uint32_t xbar_s = sptr(bars + (TMA ? WARPS * NSTAGE : 0));
   const size_t row_t0 = static_cast<size_t>(tr) * a.TC;
 
+  // ---------------- prologue ----------------
+  // The loads the first batch needs and that depend on nothing are issued first, before any ring copy
+  // (which waits for the offsets): once the ring copies flood the memory system, a load queues behind
+  // them (measured with benchmarks/trace_iebme.py). The CTA barrier then waits on no memory
+  // access: X arrives on an mbarrier (sm_90) that each warp waits on just before its loop.
+  // activation scales [group][NT * 8] times 2^-SHIFT (see the group end), zero past N: XS_REG per thread
+  // into registers now, stored to shared memory after the table (the rest, rare, synchronously there)
+  constexpr int XS_REG = 4, NTHR = WARPS * 32;
+  const int nxs = DEBUG ? 0 : ngc * NT * 8;
+  float xsv[XS_REG];
+#pragma unroll
+  for (int q = 0; q < XS_REG; ++q) {
+    const int i = tid + q * NTHR, j = i / (NT * 8), n = i - j * (NT * 8);
+    xsv[q] = i < nxs && n < a.N ? __ldg(a.xs + static_cast<size_t>(n) * a.G + ga0 + j) : 0.f;
+  }
   // batch boundaries: lane j holds the value byte offset of batch j's first tile (<= MAX_BATCHES batches);
   // offsets are segment starts (16-byte aligned, so multiples of 8 codes): (o >> 3) * BITS is exact
   uint32_t boff = 0;
   if (active && lane <= nb) boff = (__ldg(a.offsets + row_t0 + min(k0 + BT * lane, k1)) >> 3) * BITS;
-  if (TMA && lane == 0) {
-    for (int s = 0; s < NSTAGE; ++s) mbar_init(bar_s + 8 * s);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  // Metadata layout: lane 4w + j (w = lane >> 2 = g, j = lane & 3 = t) holds bitmap word w (mask row w) of
+  // tile j of a batch, so the lane (g, t) that decodes mask row g of tile j reads lane (lane & ~3) | j:
+  // a width-4 shuffle with a constant source. Bitmap words (and inverse perms) come straight from global
+  // memory into registers, two batches ahead (w0: the next batch, w1: the one after); tiles past the
+  // chunk's end get zero words.
+  const uint32_t* bmp = reinterpret_cast<const uint32_t*>(a.bitmaps) + (row_t0 + k0 + t) * 8 + g;
+  const uint8_t* pmp = PERM ? a.pinv + (row_t0 + k0 + t) * 16 + g : nullptr;
+  int tl = nk - t;                             // tiles from this lane's tile of the current batch on
+  uint32_t w0 = 0, w1 = 0, r0 = 0, r1 = 0;
+  if (active && tl > 0) {
+    w0 = __ldg(bmp);
+    if (PERM) r0 = __ldg(pmp) | (static_cast<uint32_t>(__ldg(pmp + 8)) << 8);
   }
-  __syncwarp();
+  if (active && tl > BT) {
+    w1 = __ldg(bmp + BT * 8);
+    if (PERM) r1 = __ldg(pmp + BT * 16) | (static_cast<uint32_t>(__ldg(pmp + BT * 16 + 8)) << 8);
+  }
+  // this group's weight scales for output rows g and g + 8, loaded one group ahead
+  int grp = ga0;                               // group of the next tile
+  const uint16_t* wsp = a.wsT + static_cast<size_t>(grp) * a.Mp + tr * 16 + g;
+  uint16_t sw0 = 0, sw1 = 0;
+  if (!DEBUG && active) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }
+  // X chunk: sm_90, one bulk copy per row (lanes n < N of warp 0) on the X mbarrier; else cp.async
+  if (TMA) {
+    if (lane == 0) {
+      if (warp == 0) mbar_init(xbar_s);
+      for (int s = 0; s < NSTAGE; ++s) mbar_init(bar_s + 8 * s);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncwarp();
+    if (warp == 0) {
+      const uint32_t rowb = static_cast<uint32_t>(nk) * 64;
+      if (lane == 0)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                     ::"r"(xbar_s), "r"(rowb * static_cast<uint32_t>(a.N)) : "memory");
+      __syncwarp();
+      if (lane < a.N)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                     ::"r"(sptr(xsm + lane * xs_stride)), "l"(a.x + static_cast<size_t>(lane) * a.Kp + k0 * 64),
+                     "r"(rowb), "r"(xbar_s) : "memory");
+    }
+  } else {
+    for (int n = 0; n < a.N; ++n)
+      for (int c = tid; c < nk * 4; c += NTHR)
+        cp16(xsm + n * xs_stride + 16 * c, a.x + static_cast<size_t>(n) * a.Kp + k0 * 64 + 16 * c);
+    cp_commit();
+  }
 
   // copy batch bi's value bytes (BT tiles, or fewer at the chunk's end) into ring slot si = bi % NSTAGE,
   // if bi < nbi (nbi: the warp's batch count, 0 for an inactive warp). Branch-free: every lane shuffles.
@@ -276,26 +369,25 @@ DEVI void spmm(const Args& a) {
     }
   };
 
-  // ---------------- prologue: first batches, X chunk, selector table ----------------
+  // the ring's first NSTAGE - 1 batches. (Filling all NSTAGE slots here and refilling each slot before the
+  // wait for the next batch, so that the whole ring is in flight while a warp waits, measured 2-4% slower.)
   const int nbl = active ? nb : 0;        // batches of this warp
   for (int s = 0; s < NSTAGE - 1; ++s) issue(s, s, nbl);
-  for (int n = 0; n < a.N; ++n)
-    for (int c = tid; c < nk * 4; c += blockDim.x)
-      cp16(xsm + n * xs_stride + 16 * c, a.x + static_cast<size_t>(n) * a.Kp + k0 * 64 + 16 * c);
-  cp_commit();
   {  // zero the X columns of the last batch's missing tiles: their mma (A decoded as zeros) adds exact zeros
     const int pad = (nb * BT - nk) * 4;  // 16-byte chunks per row
-    for (int i = tid; i < a.N * pad; i += blockDim.x) {
+    for (int i = tid; i < a.N * pad; i += NTHR) {
       const int n = i / pad, c = nk * 4 + (i - n * pad);
       *reinterpret_cast<uint4*>(xsm + n * xs_stride + 16 * c) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  if (!DEBUG)  // activation scales [group][NT * 8] times 2^-SHIFT (see the group end), zero past N
-    for (int i = tid; i < ngc * NT * 8; i += blockDim.x) {
-      const int j = i / (NT * 8), n = i - j * (NT * 8);
-      sxs[i] = n < a.N ? a.xs[static_cast<size_t>(n) * a.G + ga0 + j] * (1.f / (1 << SHIFT)) : 0.f;
-    }
-  for (int s = tid; s < 256; s += blockDim.x) {
+#pragma unroll
+  for (int q = 0; q < XS_REG; ++q)
+    if (tid + q * NTHR < nxs) sxs[tid + q * NTHR] = xsv[q] * (1.f / (1 << SHIFT));
+  for (int i = tid + XS_REG * NTHR; i < nxs; i += NTHR) {
+    const int j = i / (NT * 8), n = i - j * (NT * 8);
+    sxs[i] = n < a.N ? a.xs[static_cast<size_t>(n) * a.G + ga0 + j] * (1.f / (1 << SHIFT)) : 0.f;
+  }
+  for (int s = tid; s < 256; s += NTHR) {
     // byte-permute selectors: output byte b of a segment = rank of bit b, or a zero byte when inactive
     const int n = __popc(s);
     uint32_t sel = 0;
@@ -309,8 +401,10 @@ DEVI void spmm(const Args& a) {
     count_masks<BITS>(n, me, mo);
     tab[s] = make_uint4(sel & 0xffffu, sel >> 16, me, mo);
   }
-  cp_wait<0>();        // X landed (and, without TMA, the first batches); the kernel's one CTA barrier
-  __syncthreads();
+  if (!TMA) cp_wait<0>();  // X landed (and the first batches)
+  __syncthreads();         // the table, the X padding and scales, mbarrier inits: the kernel's one CTA barrier
+  if (TMA) mbar_wait(xbar_s, 0);  // this warp's X chunk
+  if (TRACE) tt[1] = gtimer();
 
   // ---------------- main loop: every warp streams its own tile row ----------------
   int acc[NT][4];
@@ -327,29 +421,11 @@ DEVI void spmm(const Args& a) {
   const int8_t* xl[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xl[nt] = xsm + min(nt * 8 + g, a.N - 1) * xs_stride + 8 * t;
-  // this group's weight scales for output rows g and g + 8, loaded one group ahead
-  int grp = ga0;                               // group of the next tile
-  const uint16_t* wsp = a.wsT + static_cast<size_t>(grp) * a.Mp + tr * 16 + g;
   const float* sxp = sxs + 2 * t;             // this group's activation scales (times 2^-SHIFT)
-  uint16_t sw0 = 0, sw1 = 0;
-  if (!DEBUG && active) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }
   // tile indices relative to the current batch's first tile: the chunk's last tile, and the next tile that
   // ends a group or the chunk (never a padding tile past the chunk: gend <= jlast always)
   int jlast = nk - 1;
   int gend = min(a.gs_tiles - (k0 - ga0 * a.gs_tiles) - 1, jlast);
-
-  // Metadata layout: lane 4w + j (w = lane >> 2 = g, j = lane & 3 = t) holds bitmap word w (mask row w) of
-  // tile j of a batch, so the lane (g, t) that decodes mask row g of tile j reads lane (lane & ~3) | j:
-  // a width-4 shuffle with a constant source. Bitmap words (and inverse perms) come straight from global
-  // memory into registers, one batch ahead; tiles past the chunk's end get zero words.
-  const uint32_t* bmp = reinterpret_cast<const uint32_t*>(a.bitmaps) + (row_t0 + k0 + t) * 8 + g;
-  const uint8_t* pmp = PERM ? a.pinv + (row_t0 + k0 + t) * 16 + g : nullptr;
-  int tl = nk - t;                             // tiles from this lane's tile of the current batch on
-  uint32_t wnext = 0, rnext = 0;
-  if (active && tl > 0) {
-    wnext = __ldg(bmp);
-    if (PERM) rnext = __ldg(pmp) | (static_cast<uint32_t>(__ldg(pmp + 8)) << 8);
-  }
 
   // rounds of NSTAGE batches: batch b0 + si uses ring slot si, whose mbarrier phase flips once per round
   // (not unrolled: unrolling saved ~1 instruction per tile for 8 more registers)
@@ -365,22 +441,24 @@ DEVI void spmm(const Args& a) {
     } else {
       cp_wait<NSTAGE - 2>();
     }
-    __syncwarp();        // every lane is done with the slot refilled next
+    __syncwarp();        // the slot's copies are visible to every lane; every lane is done with the next slot
     issue(b + NSTAGE - 1, (si + NSTAGE - 1) % NSTAGE, nbl);
-    const uint32_t wl = wnext;
+    const uint32_t wl = w0;
     // inverse perms of this lane's (row w, tile j): ra = pinv[j][w], rb = pinv[j][w + 8] packed for the
     // decoding lanes: byte 0 / 1 = source lane 4 (ra & 7) + j / 4 (rb & 7) + j, byte 2 / 3 = 2 * area row
-    const uint32_t pk = PERM ? (((rnext << 2) & 0x1c1cu) | (0x0101u * t) | ((rnext << 14) & 0x02020000u)) : 0u;
-    // prefetch the next batch's words
+    const uint32_t pk = PERM ? (((r0 << 2) & 0x1c1cu) | (0x0101u * t) | ((r0 << 14) & 0x02020000u)) : 0u;
+    // shift the register queue and load the words of batch b + 2
+    w0 = w1;
+    r0 = r1;
+    w1 = 0;
+    r1 = 0;
+    if (tl > 2 * BT) {
+      w1 = __ldg(bmp + 2 * BT * 8);
+      if (PERM) r1 = __ldg(pmp + 2 * BT * 16) | (static_cast<uint32_t>(__ldg(pmp + 2 * BT * 16 + 8)) << 8);
+    }
     tl -= BT;
     bmp += BT * 8;
     if (PERM) pmp += BT * 16;
-    wnext = 0;
-    rnext = 0;
-    if (tl > 0) {
-      wnext = __ldg(bmp);
-      if (PERM) rnext = __ldg(pmp) | (static_cast<uint32_t>(__ldg(pmp + 8)) << 8);
-    }
     // ---- batch metadata by warp scans (bit units) ----
     const int incl = scan_rows(__popc(wl));               // inclusive popcount scan over the tile's rows
     const uint32_t pb = static_cast<uint32_t>(last_row(incl)) * BITS;  // P * BITS: stream length of tile t
@@ -475,6 +553,7 @@ DEVI void spmm(const Args& a) {
   }
   cp_wait<0>();
   if (DEBUG) return;
+  if (TRACE) tt[2] = gtimer();
 
   // ---------------- output ----------------
   if (gridDim.y == 1) {
@@ -487,8 +566,42 @@ DEVI void spmm(const Args& a) {
           if (row < a.M && col < a.N) a.y[static_cast<size_t>(col) * a.M + row] = f2h(yv[nt][i]);
         }
     }
+    trace_exit();
     return;
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t ncl;
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(ncl));
+  if (ncl == gridDim.y) {
+    // Split-K inside one thread-block cluster (the launch put the K chunks of a row block in one cluster):
+    // each warp leaves its partial [16 rows][NT * 8 columns] in its own ring (idle: every copy it issued
+    // has landed); after a cluster barrier, CTA rank r sums its share of the block's outputs over the
+    // cluster's CTAs in split order, through distributed shared memory. No global atomics, fences or
+    // workspace, and the same sums in the same order on every run.
+    constexpr int COLS = NT * 8, ROWS = WARPS * 16;
+    static_assert(16 * COLS * 4 <= R::WARP_BYTES, "a warp's partial must fit in its ring");
+    float* red = reinterpret_cast<float*>(smem + ring_off);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[(g + 8 * (i >> 1)) * COLS + nt * 8 + 2 * t + (i & 1)] = yv[nt][i];
+    cluster_sync();
+    uint32_t rank;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const uint32_t base = sptr(smem);
+    for (int e = rank * (WARPS * 32) + tid; e < ROWS * a.N; e += ncl * (WARPS * 32)) {
+      const int col = e / ROWS, rb = e - col * ROWS;   // consecutive threads: consecutive rows of y
+      const uint32_t off = base + (rb >> 4) * R::WARP_BYTES + ((rb & 15) * COLS + col) * 4;
+      float v = 0.f;
+      for (uint32_t q = 0; q < ncl; ++q) v = __fadd_rn(v, ld_cluster_f32(off, q));
+      const int row = blockIdx.x * ROWS + rb;
+      if (row < a.M) a.y[static_cast<size_t>(col) * a.M + row] = f2h(v);
+    }
+    cluster_sync();  // no CTA leaves while another still reads its shared memory
+    trace_exit();
+    return;
+  }
+#endif
   if (active) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -503,7 +616,10 @@ DEVI void spmm(const Args& a) {
   __shared__ int last;
   if (tid == 0) last = atomicAdd(a.counters + blockIdx.x, 1) == static_cast<int>(gridDim.y) - 1;
   __syncthreads();
-  if (!last) return;
+  if (!last) {
+    trace_exit();
+    return;
+  }
   __threadfence();
   constexpr int ROWS = WARPS * 16;
   for (int i = tid; i < ROWS * a.N; i += blockDim.x) {
@@ -514,6 +630,7 @@ DEVI void spmm(const Args& a) {
     if (row < a.M) a.y[static_cast<size_t>(col) * a.M + row] = f2h(v);
   }
   if (tid == 0) a.counters[blockIdx.x] = 0;
+  trace_exit();
 }
 
 }  // namespace iebme

@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from ..formats.iebme import IEBMEMatrix
+from .cluster_launch import launch_cluster
 from .iebme_reference import check_group_size
 
 SOURCE = Path(__file__).with_name("iebme_spmm.cu")
 BT = 4                                                       # tiles per batch (fixed in the .cu)
-WARP_CHOICES = (4, 5, 6, 7, 8)                               # warps (tile rows) per CTA a launch may use
+WARP_CHOICES = (4, 5, 6, 7, 8, 16)                           # warps (tile rows) per CTA a launch may use
 
 
 def _env_int(name: str) -> int | None:
@@ -34,13 +35,14 @@ def _env_int(name: str) -> int | None:
     return int(v) if v else None
 
 
-def config(n: int) -> tuple[int, int, int, int]:
+def config(n: int, warps: int | None = None) -> tuple[int, int, int, int]:
     """(ring depth in batches, warps per CTA, tiles decoded back to back, min CTAs per SM for the register
     allocator, 0 = none) for a launch of ``n`` columns, as measured on the H200 (docs/kernels.md, "Tuning"):
-    2-deep rings; 8 warps; ILP 2 for N <= 16, 4 above; no register bound. Environment overrides
-    (UNIONSPARSE_IEBME_NSTAGE / _WARPS / _ILP / _MINB, and _XBYTES for ``X_BUDGET``) are for tuning."""
+    2-deep rings; 8 warps unless ``warps`` says otherwise (``launch_warps`` picks 16 for some shapes); ILP 2
+    for N <= 16, 4 above; no register bound. Environment overrides (UNIONSPARSE_IEBME_NSTAGE / _WARPS / _ILP
+    / _MINB, and _XBYTES for the X budget) are for tuning; _WARPS wins over ``warps``."""
     nstage = _env_int("UNIONSPARSE_IEBME_NSTAGE") or 2
-    warps = _env_int("UNIONSPARSE_IEBME_WARPS") or 8
+    warps = _env_int("UNIONSPARSE_IEBME_WARPS") or warps or 8
     if warps not in WARP_CHOICES:
         raise ValueError(f"UNIONSPARSE_IEBME_WARPS must be one of {WARP_CHOICES}, got {warps}")
     ilp = _env_int("UNIONSPARSE_IEBME_ILP") or (2 if n <= 16 else 4)
@@ -50,8 +52,10 @@ def config(n: int) -> tuple[int, int, int, int]:
 
 MAX_N = 32            # columns per launch; larger N is cut into launches of 32
 MAX_BATCHES = 31      # per chunk: batch boundaries live in one register per lane
-X_BUDGET = 16 * 1024  # shared bytes for a chunk's X codes (UNIONSPARSE_IEBME_XBYTES overrides, for tuning)...
+X_BUDGET = 16 * 1024  # shared bytes for a chunk's X codes per 8 warps (UNIONSPARSE_IEBME_XBYTES overrides)...
 MIN_CHUNK = 32        # ...but never fewer tiles than this per chunk (large N: more X, fewer CTA start-ups)
+WIDE_WARPS = 16       # CTAs of 16 tile rows (X staged once for twice the rows, with twice the X budget)...
+WIDE_N = (4, 16)      # ...are considered for these N and taken when they need fewer waves (docs/kernels.md)
 SMEM_SM = 228 * 1024    # shared memory per SM (sm_90), 1 KiB of it reserved per resident CTA
 SMEM_CTA = 227 * 1024   # opt-in limit per CTA, static + dynamic
 
@@ -63,8 +67,9 @@ def _cupy():
 
 
 def static_smem(nstage: int, warps: int) -> int:
-    """Static shared bytes of the kernel: the 256 x 16 B decode table, one mbarrier per ring slot, a flag."""
-    return 256 * 16 + 8 * warps * nstage + 16
+    """Static shared bytes of the kernel: the 256 x 16 B decode table, one mbarrier per ring slot and one
+    for X, a flag."""
+    return 256 * 16 + 8 * (warps * nstage + 1) + 16
 
 
 def ring_bytes(bits: int, perm: bool, nstage: int, warps: int) -> int:
@@ -80,25 +85,33 @@ def x_stride(nk: int) -> int:
     return -(-nk // BT) * BT * 64 + 32
 
 
-def smem_bytes(bits: int, perm: bool, n: int, chunk: int, n_groups_chunk: int) -> int:
+def smem_bytes(bits: int, perm: bool, n: int, chunk: int, n_groups_chunk: int, warps: int | None = None) -> int:
     """Dynamic shared memory of one CTA for ``n`` activation rows and a chunk of ``chunk`` tiles."""
-    return ring_bytes(bits, perm, *config(n)[:2]) + n * x_stride(chunk) + 4 * 8 * -(-n // 8) * n_groups_chunk
+    ring = ring_bytes(bits, perm, *config(n, warps)[:2])
+    return ring + n * x_stride(chunk) + 4 * 8 * -(-n // 8) * n_groups_chunk
 
 
 def kernel_name(bits: int, nt: int, perm: bool, debug: bool) -> str:
     return f"iebme_spmm_w{bits}_nt{nt}_p{int(perm)}_d{int(debug)}"
 
 
-@cache
 def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int = 0):
+    """The compiled kernel of one variant. Studies only: UNIONSPARSE_IEBME_TMA=0 (cp.async rings on sm_90
+    too), _TRACE=1 (per-CTA timestamps, ``launch(trace=...)``), _SOURCE=path (another revision of the .cu,
+    for old-vs-new timings in one process)."""
+    env = tuple(os.environ.get(f"UNIONSPARSE_IEBME_{k}", "") for k in ("TMA", "TRACE", "SOURCE"))
+    return _compiled(bits, nt, perm, debug, nstage, warps, ilp, minb, *env)
+
+
+@cache
+def _compiled(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int,
+              tma: str, trace: str, source: str):
     cp = _cupy()
     name = kernel_name(bits, nt, perm, debug)
-    code = SOURCE.read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
+    code = Path(source or SOURCE).read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
     opts = ("-std=c++17", f"-DIEBME_NSTAGE={nstage}", f"-DIEBME_WARPS={warps}", f"-DIEBME_ILP={ilp}",
             f"-DIEBME_MINB={minb}")
-    tma = os.environ.get("UNIONSPARSE_IEBME_TMA")  # 0: cp.async rings on sm_90 too (A/B timing, tests)
-    if tma:
-        opts += (f"-DIEBME_TMA={int(tma)}",)
+    opts += tuple(f"-DIEBME_{k}={int(v)}" for k, v in (("TMA", tma), ("TRACE", trace)) if v)
     fn = cp.RawModule(code=code, options=opts).get_function(name)
     fn.max_dynamic_shared_size_bytes = SMEM_CTA - static_smem(nstage, warps)
     fn.preferred_shared_memory_carveout = 100  # all of L1 as shared memory: the most CTAs per SM
@@ -200,35 +213,37 @@ def prepare_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> Devi
                         cp.asarray(wst))
 
 
-def x_budget() -> int:
-    """Shared bytes a chunk's X codes may take: ``X_BUDGET``, or UNIONSPARSE_IEBME_XBYTES when tuning."""
-    return _env_int("UNIONSPARSE_IEBME_XBYTES") or X_BUDGET
+def x_budget(warps: int = 8) -> int:
+    """Shared bytes a chunk's X codes may take in a CTA of ``warps`` warps: ``X_BUDGET`` per 8 warps, or
+    UNIONSPARSE_IEBME_XBYTES when tuning."""
+    return _env_int("UNIONSPARSE_IEBME_XBYTES") or X_BUDGET * warps // 8
 
 
-def max_chunk(layer: DeviceLayer, n: int) -> int:
-    """Largest chunk (tiles) allowed: batch boundaries in one register, the chunk's X within ``X_BUDGET``
+def max_chunk(layer: DeviceLayer, n: int, warps: int | None = None) -> int:
+    """Largest chunk (tiles) allowed: batch boundaries in one register, the chunk's X within the X budget
     (at least ``MIN_CHUNK`` tiles)."""
-    cap = min(MAX_BATCHES * BT, max(MIN_CHUNK, x_budget() // (64 * max(n, 1))))
+    cap = min(MAX_BATCHES * BT, max(MIN_CHUNK, x_budget(config(n, warps)[1]) // (64 * max(n, 1))))
     gt = layer.gs_tiles
     if gt <= cap:
         cap = cap // gt * gt
     return max(1, cap)
 
 
-def ctas_per_sm(layer: DeviceLayer, n: int, chunk: int) -> int:
+def ctas_per_sm(layer: DeviceLayer, n: int, chunk: int, warps: int | None = None) -> int:
     """CTAs of an ``n``-column launch with this chunk that fit on one SM: shared memory, warps, registers."""
+    cfg = config(n, warps)
     ngc = -(-chunk // layer.gs_tiles) + 1
-    smem = smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc) + static_smem(*config(n)[:2])
-    warps = config(n)[1]
-    regs = _kernel(layer.bits, -(-n // 8), layer.pinv is not None, False, *config(n)).num_regs
+    smem = smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps) + static_smem(*cfg[:2])
+    warps = cfg[1]
+    regs = _kernel(layer.bits, -(-n // 8), layer.pinv is not None, False, *cfg).num_regs
     return max(1, min(SMEM_SM // (smem + 1024), 2048 // (warps * 32), 65536 // (-(-regs // 8) * 8 * 32 * warps)))
 
 
-def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None) -> int:
+def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int | None = None) -> int:
     """Tiles per CTA along K. With ``splits`` given: ceil(TC / splits) (whole groups, capped); otherwise
     the chunk that minimises (waves of CTAs) x (tiles per CTA), i.e. fills the GPU with the fewest
     partial waves."""
-    cap = max_chunk(layer, n)
+    cap = max_chunk(layer, n, warps)
     gt = layer.gs_tiles
 
     def rounded(c: int) -> int:
@@ -241,8 +256,8 @@ def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None) -> int:
 
     if splits is not None:
         return rounded(-(-layer.tc // max(1, splits)))
-    grid_x = -(-layer.tr // config(n)[1])
-    slots = _sm_count() * ctas_per_sm(layer, n, cap)
+    grid_x = -(-layer.tr // config(n, warps)[1])
+    slots = _sm_count() * ctas_per_sm(layer, n, cap, warps)
     best, best_cost = cap, None
     for s in range(-(-layer.tc // cap), 4 * -(-layer.tc // cap) + 8):
         c = rounded(-(-layer.tc // s))
@@ -253,10 +268,50 @@ def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None) -> int:
     return best
 
 
+def waves(layer: DeviceLayer, n: int, chunk: int, warps: int) -> int:
+    """Waves of CTAs a launch of this chunk and CTA size needs on this GPU."""
+    ctas = -(-layer.tr // warps) * -(-layer.tc // chunk)
+    return -(-ctas // (_sm_count() * ctas_per_sm(layer, n, chunk, warps)))
+
+
+def launch_warps(layer: DeviceLayer, n: int, splits: int | None = None) -> int:
+    """Warps per CTA: the default (8), or ``WIDE_WARPS`` for ``WIDE_N`` widths when CTAs of that many tile
+    rows, each staging X once for all of them (so a larger chunk fits the same X budget per warp), need
+    fewer waves (H200, N = 8: 1.03-1.30x on the shapes where the waves drop, slower where they do not)."""
+    base = config(n)[1]
+    if _env_int("UNIONSPARSE_IEBME_WARPS") or not WIDE_N[0] <= n <= WIDE_N[1]:
+        return base
+    wide = waves(layer, n, chunk_for(layer, n, splits, WIDE_WARPS), WIDE_WARPS)
+    return WIDE_WARPS if wide < waves(layer, n, chunk_for(layer, n, splits, base), base) else base
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch: its kernel configuration, chunk along K, grid and dynamic shared memory."""
+
+    nstage: int
+    warps: int
+    ilp: int
+    minb: int
+    chunk: int
+    grid: tuple[int, int]
+    smem: int
+
+
+def plan(layer: DeviceLayer, n: int, splits: int | None = None) -> Plan:
+    """The launch of ``n`` (<= ``MAX_N``) columns: warps per CTA, then the chunk for them."""
+    warps = launch_warps(layer, n, splits)
+    nstage, warps, ilp, minb = config(n, warps)
+    chunk = chunk_for(layer, n, splits, warps)
+    ngc = -(-chunk // layer.gs_tiles) + 1
+    return Plan(nstage, warps, ilp, minb, chunk, (-(-layer.tr // warps), -(-layer.tc // chunk)),
+                smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps))
+
+
 def single_chunk(layer: DeviceLayer, n: int, splits: int | None = None) -> bool:
     """True when every launch of an ``n``-column product covers the whole K in one CTA (no split-K), so the
     output is bit-identical to the CPU reference (split-K only changes the fp32 summation order)."""
-    return all(chunk_for(layer, min(MAX_N, n - n0), splits) >= layer.tc for n0 in range(0, n, MAX_N))
+    return all(plan(layer, min(MAX_N, n - n0), splits).grid[1] == 1 for n0 in range(0, n, MAX_N))
 
 
 def prepare_x(layer: DeviceLayer, x_codes, x_scales):
@@ -277,8 +332,30 @@ def prepare_x(layer: DeviceLayer, x_codes, x_scales):
     return x, xs
 
 
-def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=None, stream=None) -> None:
-    """Launch on prepared inputs (``prepare_x``); writes y fp16 [N, M] or, with ``partial``, int32 sums."""
+@cache
+def _cc() -> int:
+    cp = _cupy()
+    return int(cp.cuda.Device().compute_capability)
+
+
+CLUSTER_UP_TO = 2   # split counts run as one cluster per row block (H200: 2 splits 1.08x faster, 3-8 slower)
+
+
+def cluster_split(splits: int) -> bool:
+    """True when a launch with ``splits`` CTAs along K runs them as one thread-block cluster per row block
+    (sm_90+, 2 <= splits <= ``CLUSTER_UP_TO``), so the split-K sum goes through distributed shared memory
+    instead of global atomics (docs/kernels.md, "Split-K through a cluster"). UNIONSPARSE_IEBME_CLUSTER
+    overrides the bound (0: never; up to 8 portable, 16 with the non-portable opt-in) for timings and tests."""
+    largest = _env_int("UNIONSPARSE_IEBME_CLUSTER")
+    largest = CLUSTER_UP_TO if largest is None else largest
+    return 1 < splits <= largest and _cc() >= 90
+
+
+def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=None, stream=None,
+           trace=None) -> None:
+    """Launch on prepared inputs (``prepare_x``); writes y fp16 [N, M] or, with ``partial``, int32 sums.
+    ``trace`` (uint64 [CTAs, 5], a kernel built with UNIONSPARSE_IEBME_TRACE=1, N <= 32) receives per CTA
+    %globaltimer at entry, after the prologue, after warp 0's loop, at exit, and the SM id."""
     n = x.shape[0]
     m, _ = layer.shape
     debug = partial is not None
@@ -286,23 +363,23 @@ def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=N
     for n0 in range(0, n, MAX_N):
         nn = min(MAX_N, n - n0)
         nt = -(-nn // 8)
-        chunk = chunk_for(layer, nn, splits)
-        nstage, warps, ilp, minb = config(nn)
-        grid = (-(-layer.tr // warps), -(-layer.tc // chunk))
-        ngc = -(-chunk // layer.gs_tiles) + 1
-        fn = _kernel(layer.bits, nt, layer.pinv is not None, debug, nstage, warps, ilp, minb)
+        p = plan(layer, nn, splits)
+        grid = p.grid
+        fn = _kernel(layer.bits, nt, layer.pinv is not None, debug, p.nstage, p.warps, p.ilp, p.minb)
         yp = y[n0:] if not debug else layer.dummy
-        pp = partial[n0:] if debug else layer.dummy
+        pp = partial[n0:] if debug else (layer.dummy if trace is None else trace)
         args = (layer.values, layer.bitmaps, layer.offsets, null, layer.wsT, xs[n0:], x[n0:], layer.ws_acc,
                 layer.counters, yp, pp, np.int32(nn), np.int32(m), np.int32(layer.n_groups),
                 np.int32(layer.tc * 64), np.int32(layer.mp), np.int32(layer.tr), np.int32(layer.tc),
-                np.int32(layer.gs_tiles), np.int32(chunk))
-        smem = smem_bytes(layer.bits, layer.pinv is not None, nn, chunk, ngc)
-        if stream is None:
-            fn(grid, (warps * 32,), args, shared_mem=smem)
+                np.int32(layer.gs_tiles), np.int32(p.chunk))
+        block = (p.warps * 32,)
+        if not debug and cluster_split(grid[1]):
+            launch_cluster(fn, grid, block, p.smem, args, cluster=(1, grid[1], 1), stream=stream)
+        elif stream is None:
+            fn(grid, block, args, shared_mem=p.smem)
         else:
             with stream:
-                fn(grid, (warps * 32,), args, shared_mem=smem)
+                fn(grid, block, args, shared_mem=p.smem)
 
 
 def spmm_iebme(layer: DeviceLayer, x_codes, x_scales, *, splits: int | None = None,

@@ -97,12 +97,39 @@ def test_launch_rows_are_padded_for_every_warp_count(monkeypatch):
         for w in ks.WARP_CHOICES:
             assert -(-tr // w) * w * 16 <= ks.padded_rows(m), (m, w)
     assert ks.config(1)[1] in ks.WARP_CHOICES and ks.config(32)[1] in ks.WARP_CHOICES
-    assert ks.x_budget() == ks.X_BUDGET
+    assert ks.x_budget() == ks.X_BUDGET and ks.x_budget(ks.WIDE_WARPS) == 2 * ks.X_BUDGET
+    assert ks.config(4, ks.WIDE_WARPS)[1] == ks.WIDE_WARPS
     monkeypatch.setenv("UNIONSPARSE_IEBME_XBYTES", "6144")
-    assert ks.x_budget() == 6144
+    assert ks.x_budget() == 6144 and ks.x_budget(ks.WIDE_WARPS) == 6144
     monkeypatch.setenv("UNIONSPARSE_IEBME_WARPS", "3")
     with pytest.raises(ValueError, match="WARPS"):
         ks.config(1)
+
+
+def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
+    """CUlaunchAttribute is 72 bytes (id, padding, 64-byte value union) and CUlaunchConfig puts the stream at
+    byte 32 (cuda.h, CUDA 12+); kernel arguments are device pointers or 4-byte scalars; the cluster path is
+    chosen for 2 splits on sm_90 only, its bound can be moved and it can be turned off."""
+    import ctypes
+
+    from unionsparse.kernels import cluster_launch as cl
+    from unionsparse.kernels import iebme_spmm as ks
+
+    assert ctypes.sizeof(cl.LaunchAttribute) == 72 and cl.LaunchAttribute.x.offset == 8
+    assert cl.LaunchConfig.hStream.offset == 32 and cl.LaunchConfig.numAttrs.offset == 48
+    ptrs, vals = cl.kernel_params([np.int32(7), np.float32(0.5)])
+    assert len(ptrs) == 2 and vals[0].value == 7 and ctypes.sizeof(vals[0]) == 4
+    with pytest.raises(TypeError, match="unsupported kernel argument"):
+        cl.kernel_params([7])
+    monkeypatch.setattr(ks, "_cc", lambda: 90)
+    assert [ks.cluster_split(s) for s in (1, 2, 3, 8)] == [False, True, False, False]
+    monkeypatch.setenv("UNIONSPARSE_IEBME_CLUSTER", "8")
+    assert [ks.cluster_split(s) for s in (1, 2, 8, 9)] == [False, True, True, False]
+    monkeypatch.setenv("UNIONSPARSE_IEBME_CLUSTER", "0")
+    assert not ks.cluster_split(4)
+    monkeypatch.delenv("UNIONSPARSE_IEBME_CLUSTER")
+    monkeypatch.setattr(ks, "_cc", lambda: 80)
+    assert not ks.cluster_split(4)
 
 
 def test_check_layer_cpu_passes_and_catches_corruption():
@@ -140,6 +167,76 @@ def test_gpu_partials_exact_and_output_close(bits, perm, m, k, gs):
             if single_chunk(layer, n, splits):
                 np.testing.assert_array_equal(y, y_ref)  # same operations in the same order
             assert fp16_close(y, y_ref).all()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("env", [{}, {"TMA": "0"}, {"NSTAGE": "3"}, {"NSTAGE": "3", "TMA": "0"}, {"CLUSTER": "0"},
+                                 {"CLUSTER": "8"}, {"CLUSTER": "16"}, {"WARPS": "16"}, {"TRACE": "1"}])
+def test_gpu_ring_variants_and_trace(monkeypatch, env):
+    """Both ring paths (bulk copy + mbarrier, cp.async groups) at depths 2 and 3, over chunks of 1 to 9
+    batches, give the exact partial sums; split-K through a thread-block cluster (2 splits on sm_90, up to 8
+    or 16 with CLUSTER=8 / 16) and through global atomics (more splits, or CLUSTER=0) give the reference
+    output, the cluster path the same bits on every run; a trace build writes ordered per-CTA timestamps
+    and the same output."""
+    import cupy as cp
+    from unionsparse.kernels import iebme_spmm as ks
+
+    for key, val in env.items():
+        monkeypatch.setenv(f"UNIONSPARSE_IEBME_{key}", val)
+    rng = np.random.default_rng(21)
+    m, k, gs = 100, 2300, 128
+    _, mat = random_layer(rng, m, k, 4, perm="random")
+    ws = (rng.random((m, -(-k // gs))) + 0.5).astype(np.float16)
+    layer = ks.prepare_layer(mat, ws, gs)
+    for n in (1, 8, 17):
+        xq, xs = quantize_activations(rng.standard_normal((n, k)).astype(np.float32), 4, gs)
+        y_ref, p_ref = iebme_spmm_reference(mat, ws, xq, xs, gs)
+        for splits in (1, 2, 5, 9):
+            if "TRACE" in env:
+                x, xsd = ks.prepare_x(layer, xq, xs)
+                grid = ks.plan(layer, n, splits).grid
+                tr = cp.zeros((grid[0] * grid[1], 5), dtype=cp.uint64)
+                y = cp.full((n, m), 0x7E00, dtype=cp.uint16)
+                ks.launch(layer, x, xsd, y, splits=splits, trace=tr)
+                t = tr.get().astype(np.int64)
+                assert (t[:, 0] > 0).all() and (np.diff(t[:, :4], axis=1) >= 0).all()
+                assert t[:, 4].max() < cp.cuda.Device().attributes["MultiProcessorCount"]
+                assert fp16_close(y.view(cp.float16).get(), y_ref).all()
+                continue
+            p = ks.spmm_iebme(layer, xq, xs, splits=splits, debug_partials=True).get()
+            np.testing.assert_array_equal(p, p_ref)
+            y = ks.spmm_iebme(layer, xq, xs, splits=splits).get()
+            assert fp16_close(y, y_ref).all()
+            grid_y = ks.plan(layer, n, splits).grid[1]
+            assert ks.cluster_split(grid_y) == (1 < grid_y <= int(env.get("CLUSTER", ks.CLUSTER_UP_TO)))
+            if ks.cluster_split(grid_y):
+                np.testing.assert_array_equal(ks.spmm_iebme(layer, xq, xs, splits=splits).get(), y)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_wide_ctas_when_they_need_fewer_waves(monkeypatch):
+    """With a GPU of one SM (patched), a 512 x 8192 layer at N = 8 needs 4+ waves of 8-warp CTAs (X budget:
+    32 tiles per chunk) but 2 of 16-warp CTAs (64 tiles): the launch takes 16 warps and gives the reference
+    output; N = 32 is outside ``WIDE_N`` and keeps 8."""
+    from unionsparse.kernels import iebme_spmm as ks
+
+    rng = np.random.default_rng(8)
+    m, k, gs = 512, 8192, 128
+    _, mat = random_layer(rng, m, k, 4, perm="none")
+    ws = (rng.random((m, k // gs)) + 0.5).astype(np.float16)
+    layer = ks.prepare_layer(mat, ws, gs)
+    monkeypatch.setattr(ks, "_sm_count", lambda: 1)
+    p8 = ks.plan(layer, 8)
+    assert p8.warps == ks.WIDE_WARPS and p8.chunk > ks.chunk_for(layer, 8, warps=8)
+    assert ks.waves(layer, 8, p8.chunk, p8.warps) < ks.waves(layer, 8, ks.chunk_for(layer, 8, warps=8), 8)
+    assert ks.plan(layer, 32).warps == 8
+    for n in (8, 32):
+        xq, xs = quantize_activations(rng.standard_normal((n, k)).astype(np.float32), 4, gs)
+        y_ref, p_ref = iebme_spmm_reference(mat, ws, xq, xs, gs)
+        np.testing.assert_array_equal(ks.spmm_iebme(layer, xq, xs, debug_partials=True).get(), p_ref)
+        assert fp16_close(ks.spmm_iebme(layer, xq, xs).get(), y_ref).all()
 
 
 @gpu

@@ -1,0 +1,97 @@
+"""Launch a CuPy-compiled kernel as thread-block clusters (sm_90+), by ctypes on the CUDA driver.
+
+CuPy's ``Function.__call__`` has no launch attributes, so a cluster launch goes through
+``cuLaunchKernelEx`` with the ``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`` attribute; the kernel needs no
+``__cluster_dims__``, so one compiled kernel serves every cluster shape (and plain launches). Driver
+launches are captured into CUDA graphs like any other::
+
+    launch_cluster(fn, grid, block, shared_mem, args, cluster=(1, 4, 1), stream=None)
+
+``args`` are CuPy arrays (passed as device pointers) and NumPy scalars (passed by value).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+MAX_PORTABLE_CLUSTER = 8      # any sm_90 GPU; up to 16 with the non-portable opt-in (H100 / H200)
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value union (here its clusterDim)."""
+
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("x", ctypes.c_uint), ("y", ctypes.c_uint),
+                ("z", ctypes.c_uint), ("rest", ctypes.c_char * 52)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (CUDA 12+)."""
+
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_LIB = None
+_NON_PORTABLE: set[int] = set()   # functions opted in to clusters of more than 8 CTAs
+
+
+def _lib():
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
+        lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        lib.cuFuncSetAttribute.restype = ctypes.c_int
+        _LIB = lib
+    return _LIB
+
+
+def kernel_params(args) -> tuple[ctypes.Array, list]:
+    """(void* array for kernelParams, the ctypes values it points to, to keep alive until the launch)."""
+    vals: list = []
+    for a in args:
+        if hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its device pointer
+            vals.append(ctypes.c_uint64(a.data.ptr))
+        elif isinstance(a, np.int32):
+            vals.append(ctypes.c_int32(int(a)))
+        elif isinstance(a, np.float32):
+            vals.append(ctypes.c_float(float(a)))
+        else:
+            raise TypeError(f"unsupported kernel argument {type(a).__name__}: pass CuPy arrays or np.int32/float32")
+    ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+    return ptrs, vals
+
+
+def launch_cluster(fn, grid: tuple[int, int], block: tuple[int], shared_mem: int, args, cluster: tuple[int, int, int],
+                   stream=None) -> None:
+    """Launch CuPy kernel ``fn`` on ``grid`` (x, y) in clusters of ``cluster`` CTAs, on ``stream`` (or CuPy's
+    current stream)."""
+    import cupy as cp
+
+    if any(g % c for g, c in zip((*grid, 1), cluster, strict=True)):
+        raise ValueError(f"cluster {cluster} must divide the grid {grid}")
+    fptr = getattr(fn, "kernel", fn).ptr  # CuPy RawKernel -> its cuda.Function (the CUfunction)
+    size = cluster[0] * cluster[1] * cluster[2]
+    if size > MAX_PORTABLE_CLUSTER and fptr not in _NON_PORTABLE:
+        attr = CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        status = _lib().cuFuncSetAttribute(ctypes.c_void_p(fptr), attr, 1)
+        if status != 0:
+            raise RuntimeError(f"clusters of {size} CTAs are not allowed here (CUDA driver error {status})")
+        _NON_PORTABLE.add(fptr)
+    s = stream if stream is not None else cp.cuda.get_current_stream()
+    attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, x=cluster[0], y=cluster[1], z=cluster[2])
+    cfg = LaunchConfig(gridDimX=grid[0], gridDimY=grid[1], gridDimZ=1, blockDimX=block[0], blockDimY=1,
+                       blockDimZ=1, sharedMemBytes=shared_mem, hStream=ctypes.c_void_p(s.ptr),
+                       attrs=ctypes.pointer(attr), numAttrs=1)
+    ptrs, _keep = kernel_params(args)
+    status = _lib().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fptr), ptrs, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx (cluster {cluster}, grid {grid}) failed with CUDA driver error {status}")
