@@ -344,7 +344,7 @@ CLUSTER_UP_TO = 2   # split counts run as one cluster per row block (H200: 2 spl
 def cluster_split(splits: int) -> bool:
     """True when a launch with ``splits`` CTAs along K runs them as one thread-block cluster per row block
     (sm_90+, 2 <= splits <= ``CLUSTER_UP_TO``), so the split-K sum goes through distributed shared memory
-    instead of global atomics (docs/kernels.md, "Split-K through a cluster"). UNIONSPARSE_IEBME_CLUSTER
+    instead of global atomics (docs/kernels.md, "v5"). UNIONSPARSE_IEBME_CLUSTER
     overrides the bound (0: never; up to 8 portable, 16 with the non-portable opt-in) for timings and tests."""
     largest = _env_int("UNIONSPARSE_IEBME_CLUSTER")
     largest = CLUSTER_UP_TO if largest is None else largest
