@@ -4,7 +4,7 @@
         [--variants "SOURCE=old.cu;;CLUSTER=0"]  # UNIONSPARSE_IEBME_* overrides, "" = as shipped
 
 The kernel is built with UNIONSPARSE_IEBME_TRACE=1: thread 0 of every CTA records the time at entry, after
-the prologue (ring filled, X staged, the CTA barrier), after warp 0's loop and at exit, and its SM. A CUDA
+the prologue (the CTA barrier passed, X staged), after warp 0's loop and at exit, and its SM. A CUDA
 graph of R launches (weights rotated beyond L2, as ``bench``), each with its own trace buffer, is replayed;
 per launch: span (first entry to last exit), the gap to the next launch's first entry, and over CTAs the
 median prologue, loop and exit (split-K reduction) times and how late the last CTA starts and ends.
@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=8)
     ap.add_argument("--variants", default="", help="';'-separated KEY=VALUE[,KEY=VALUE] overrides")
     args = ap.parse_args()
+    if args.launches < 3:
+        ap.error("--launches must be at least 3 (gaps are measured between launches 1..R-1)")
     variants = [dict(kv.split("=", 1) for kv in item.split(",") if kv) for item in args.variants.split(";")]
 
     import cupy as cp
@@ -48,10 +50,10 @@ def main() -> None:
         nb = int(one.values.nbytes + one.bitmaps.nbytes)
         layers = [one] + [synth_layer(m, k, 4, 0.5, "none", 128, i) for i in range(1, n_copies(nb))]
         for n, var in ((n, v) for n in args.ns for v in variants):
-            for key in [k for k in os.environ if k.startswith("UNIONSPARSE_IEBME_") and not k.endswith("TRACE")]:
+            for key in [e for e in os.environ if e.startswith("UNIONSPARSE_IEBME_") and not e.endswith("TRACE")]:
                 del os.environ[key]
-            os.environ.update({f"UNIONSPARSE_IEBME_{k}": v for k, v in var.items()})
-            tag = ",".join(f"{k}={v}" for k, v in var.items()) or "default"
+            os.environ.update({f"UNIONSPARSE_IEBME_{key}": val for key, val in var.items()})
+            tag = ",".join(f"{key}={val}" for key, val in var.items()) or "default"
             p = ks.plan(one, n)
             chunk, grid = p.chunk, p.grid
             ctas = grid[0] * grid[1]
@@ -102,7 +104,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = cp.cuda.runtime.getDeviceProperties(0)
-    opts = " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out")
+    opts = " ".join(f"--{name} {val}" for name, val in vars(args).items() if name != "out")
     meta = {"gpu": dev["name"].decode(), "cupy": cp.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": f"benchmarks/trace_iebme.py {opts}"}
     (out / "iebme_trace_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
