@@ -262,3 +262,23 @@ def test_kernel_sources_compile_under_nvrtc_without_libc_headers():
         bad = re.findall(r"#include\s*<([^>]+)>", cu.read_text())
         libc = [h for h in bad if h.endswith(".h") and not h.startswith(("cuda", "mma", "cuda_fp16"))]
         assert not libc, f"{cu.name} includes {libc}"
+
+
+def test_gpu_study_scripts_check_their_arguments_without_a_gpu():
+    """The launch studies parse and check their arguments before touching CuPy: a bad value is one line and
+    exit code 2 on any machine, and variant strings parse to override dicts."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    r = subprocess.run([sys.executable, str(bench / "trace_iebme.py"), "--launches", "2"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--launches must be at least 3" in r.stderr
+    spec = importlib.util.spec_from_file_location("tune_iebme_warps", bench / "tune_iebme_warps.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    assert tune.parse_variants("WARPS=16,XBYTES=32768;") == [{"WARPS": "16", "XBYTES": "32768"}, {}]
+    with pytest.raises(Exception, match="KEY=VALUE"):
+        tune.parse_variants("WARPS")
