@@ -1,11 +1,11 @@
 """Launch a CuPy-compiled kernel as thread-block clusters (sm_90+), by ctypes on the CUDA driver.
 
-CuPy's ``Function.__call__`` has no launch attributes, so a cluster launch goes through
+CuPy's ``RawKernel.__call__`` takes no launch attributes, so a cluster launch goes through
 ``cuLaunchKernelEx`` with the ``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`` attribute; the kernel needs no
 ``__cluster_dims__``, so one compiled kernel serves every cluster shape (and plain launches). Driver
 launches are captured into CUDA graphs like any other::
 
-    launch_cluster(fn, grid, block, shared_mem, args, cluster=(1, 4, 1), stream=None)
+    launch_cluster(fn, grid, block, shared_mem, args, cluster=(1, 2, 1), stream=None)
 
 ``args`` are CuPy arrays (passed as device pointers) and NumPy scalars (passed by value).
 """
