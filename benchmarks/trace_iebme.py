@@ -20,6 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
+from unionsparse.kernels.bench import apply_overrides, parse_overrides
+
 os.environ["UNIONSPARSE_IEBME_TRACE"] = "1"
 
 SHAPES = "4096x4096,8192x8192,8192x29568,28672x8192,12288x49152"
@@ -31,11 +33,11 @@ def main() -> None:
     ap.add_argument("--ns", default="1,8", type=lambda s: [int(v) for v in s.split(",")])
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--launches", type=int, default=8)
-    ap.add_argument("--variants", default="", help="';'-separated KEY=VALUE[,KEY=VALUE] overrides")
+    ap.add_argument("--variants", default=[{}], type=parse_overrides,
+                    help="';'-separated KEY=VALUE[,KEY=VALUE] overrides")
     args = ap.parse_args()
     if args.launches < 3:
         ap.error("--launches must be at least 3 (gaps are measured between launches 1..R-1)")
-    variants = [dict(kv.split("=", 1) for kv in item.split(",") if kv) for item in args.variants.split(";")]
 
     import cupy as cp
     import numpy as np
@@ -49,11 +51,8 @@ def main() -> None:
         one = synth_layer(m, k, 4, 0.5, "none", 128, 0)
         nb = int(one.values.nbytes + one.bitmaps.nbytes)
         layers = [one] + [synth_layer(m, k, 4, 0.5, "none", 128, i) for i in range(1, n_copies(nb))]
-        for n, var in ((n, v) for n in args.ns for v in variants):
-            for key in [e for e in os.environ if e.startswith("UNIONSPARSE_IEBME_") and not e.endswith("TRACE")]:
-                del os.environ[key]
-            os.environ.update({f"UNIONSPARSE_IEBME_{key}": val for key, val in var.items()})
-            tag = ",".join(f"{key}={val}" for key, val in var.items()) or "default"
+        for n, var in ((n, v) for n in args.ns for v in args.variants):
+            tag = apply_overrides(var, keep=("TRACE",))
             p = ks.plan(one, n)
             chunk, grid = p.chunk, p.grid
             ctas = grid[0] * grid[1]

@@ -14,23 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-PREFIX = "UNIONSPARSE_IEBME_"
+from unionsparse.kernels.bench import apply_overrides, parse_overrides
 
-
-def parse_variants(text: str) -> list[dict[str, str]]:
-    """``"WARPS=8,MINB=5;"`` -> [{"WARPS": "8", "MINB": "5"}, {}] (an empty item is the default)."""
-    out = []
-    for item in text.split(";"):
-        kv = [p.split("=", 1) for p in item.split(",") if p.strip()]
-        if any(len(p) != 2 for p in kv):
-            raise argparse.ArgumentTypeError(f"a variant is KEY=VALUE[,KEY=VALUE...], got {item!r}")
-        out.append({k.strip().upper(): v.strip() for k, v in kv})
-    return out
+parse_variants = parse_overrides  # the name the command line and tests know
 
 
 def main() -> None:
@@ -50,11 +40,6 @@ def main() -> None:
     from unionsparse.kernels import iebme_spmm as ks
     from unionsparse.kernels.bench import n_copies, spinfer_shapes, synth_layer, time_iebme
 
-    def apply(v: dict[str, str]) -> None:
-        for key in [k for k in os.environ if k.startswith(PREFIX)]:
-            del os.environ[key]
-        os.environ.update({PREFIX + k: val for k, val in v.items()})
-
     t0 = time.time()
     rows = []
     for label, m, k in spinfer_shapes():
@@ -67,8 +52,7 @@ def main() -> None:
         for n in args.ns:
             line = []
             for v in variants:
-                apply(v)
-                tag = ",".join(f"{a}={b}" for a, b in v.items()) or "default"
+                tag = apply_overrides(v)
                 chunks = [None]
                 if args.splits:
                     s0 = -(-one.tc // ks.max_chunk(one, n))
@@ -87,7 +71,7 @@ def main() -> None:
             print(f"{label} {m}x{k} N={n}: " + " ".join(line), flush=True)
         del layers, one
         cp.get_default_memory_pool().free_all_blocks()
-    apply({})
+    apply_overrides({})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = cp.cuda.runtime.getDeviceProperties(0)

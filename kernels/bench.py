@@ -9,7 +9,9 @@ time is the IE-BME kernel's bytes over ``PEAK_BW``.
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
 import statistics
 
 import numpy as np
@@ -31,6 +33,29 @@ MODELS = {  # (hidden, intermediate, kv width) -> projections (M, K)
     "qwen2-7b": (3584, 18944, 512),
     "llama3-8b": (4096, 14336, 1024),
 }
+
+
+OVERRIDE_PREFIX = "UNIONSPARSE_IEBME_"
+
+
+def parse_overrides(text: str) -> list[dict[str, str]]:
+    """Launch variants for the IE-BME studies: ``"WARPS=8,MINB=5;"`` -> [{"WARPS": "8", "MINB": "5"}, {}]
+    (an empty item is the shipped default); each key is an UNIONSPARSE_IEBME_* override."""
+    out = []
+    for item in text.split(";"):
+        kv = [p.split("=", 1) for p in item.split(",") if p.strip()]
+        if any(len(p) != 2 for p in kv):
+            raise argparse.ArgumentTypeError(f"a variant is KEY=VALUE[,KEY=VALUE...], got {item!r}")
+        out.append({k.strip().upper(): v.strip() for k, v in kv})
+    return out
+
+
+def apply_overrides(variant: dict[str, str], keep: tuple[str, ...] = ()) -> str:
+    """Replace the UNIONSPARSE_IEBME_* environment by ``variant`` (keys in ``keep`` stay); returns its label."""
+    for key in [e for e in os.environ if e.startswith(OVERRIDE_PREFIX) and e[len(OVERRIDE_PREFIX):] not in keep]:
+        del os.environ[key]
+    os.environ.update({OVERRIDE_PREFIX + key: val for key, val in variant.items()})
+    return ",".join(f"{key}={val}" for key, val in variant.items()) or "default"
 
 
 def spinfer_shapes() -> list[tuple[str, int, int]]:

@@ -38,7 +38,7 @@ def _env_int(name: str) -> int | None:
 def config(n: int, warps: int | None = None) -> tuple[int, int, int, int]:
     """(ring depth in batches, warps per CTA, tiles decoded back to back, min CTAs per SM for the register
     allocator, 0 = none) for a launch of ``n`` columns, as measured on the H200 (docs/kernels.md, "Tuning"):
-    2-deep rings; 8 warps unless ``warps`` says otherwise (``launch_warps`` picks 16 for some shapes); ILP 2
+    2-deep rings; 8 warps unless ``warps`` says otherwise (``plan`` picks 16 for some shapes); ILP 2
     for N <= 16, 4 above; no register bound. Environment overrides (UNIONSPARSE_IEBME_NSTAGE / _WARPS / _ILP
     / _MINB, and _XBYTES for the X budget) are for tuning; _WARPS wins over ``warps``."""
     nstage = _env_int("UNIONSPARSE_IEBME_NSTAGE") or 2
@@ -274,17 +274,6 @@ def waves(layer: DeviceLayer, n: int, chunk: int, warps: int) -> int:
     return -(-ctas // (_sm_count() * ctas_per_sm(layer, n, chunk, warps)))
 
 
-def launch_warps(layer: DeviceLayer, n: int, splits: int | None = None) -> int:
-    """Warps per CTA: the default (8), or ``WIDE_WARPS`` for ``WIDE_N`` widths when CTAs of that many tile
-    rows, each staging X once for all of them (so a larger chunk fits the same X budget per warp), need
-    fewer waves (H200, N = 8: 1.03-1.30x on the shapes where the waves drop, slower where they do not)."""
-    base = config(n)[1]
-    if _env_int("UNIONSPARSE_IEBME_WARPS") or not WIDE_N[0] <= n <= WIDE_N[1]:
-        return base
-    wide = waves(layer, n, chunk_for(layer, n, splits, WIDE_WARPS), WIDE_WARPS)
-    return WIDE_WARPS if wide < waves(layer, n, chunk_for(layer, n, splits, base), base) else base
-
-
 @dataclass(frozen=True)
 class Plan:
     """One launch: its kernel configuration, chunk along K, grid and dynamic shared memory."""
@@ -299,10 +288,22 @@ class Plan:
 
 
 def plan(layer: DeviceLayer, n: int, splits: int | None = None) -> Plan:
-    """The launch of ``n`` (<= ``MAX_N``) columns: warps per CTA, then the chunk for them."""
-    warps = launch_warps(layer, n, splits)
+    """The launch of ``n`` (<= ``MAX_N``) columns. Warps per CTA: the default (8), or ``WIDE_WARPS`` for
+    ``WIDE_N`` widths when CTAs of that many tile rows, each staging X once for all of them (so a larger
+    chunk fits the same X budget per warp), need fewer waves (H200, N = 8: 1.03-1.30x on the shapes where
+    the waves drop, slower where they do not); then the chunk for them."""
+    base = config(n)[1]
+    choices = [base]
+    if not _env_int("UNIONSPARSE_IEBME_WARPS") and WIDE_N[0] <= n <= WIDE_N[1]:
+        choices.append(WIDE_WARPS)
+    best = None
+    for w in choices:  # the wide CTA only when strictly fewer waves
+        c = chunk_for(layer, n, splits, w)
+        wv = waves(layer, n, c, w)
+        if best is None or wv < best[0]:
+            best = (wv, w, c)
+    _, warps, chunk = best
     nstage, warps, ilp, minb = config(n, warps)
-    chunk = chunk_for(layer, n, splits, warps)
     ngc = -(-chunk // layer.gs_tiles) + 1
     return Plan(nstage, warps, ilp, minb, chunk, (-(-layer.tr // warps), -(-layer.tc // chunk)),
                 smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps))

@@ -132,6 +132,52 @@ def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
     assert not ks.cluster_split(4)
 
 
+def test_launch_plan_takes_wide_ctas_only_when_they_need_fewer_waves(monkeypatch):
+    """The launch rule, without a GPU (the compiled kernel's register count and the SM count patched): a
+    512 x 8192 layer at N = 8 on a one-SM GPU needs 4 waves of 8-warp CTAs (X budget: 32 tiles per chunk)
+    and 2 of 16-warp CTAs (64 tiles), so it takes 16; N = 1 (outside ``WIDE_N``, and X never caps its chunk),
+    N = 32 and a forced warp count keep theirs; on 132 SMs the same layer fits one wave either way and keeps
+    8. The plan's grid and shared memory follow its warps and chunk."""
+    from types import SimpleNamespace
+
+    from unionsparse.kernels import iebme_spmm as ks
+
+    monkeypatch.setattr(ks, "_kernel", lambda *a, **k: SimpleNamespace(num_regs=64))
+    monkeypatch.setattr(ks, "_sm_count", lambda: 1)
+    m, k = 512, 8192
+    layer = ks.DeviceLayer(shape=(m, k), bits=4, group_size=128, n_groups=k // 128, values=None, bitmaps=None,
+                           offsets=None, pinv=None, wsT=None, ws_acc=None, counters=None, tr=m // 16, tc=k // 64,
+                           mp=ks.padded_rows(m))
+    p8 = ks.plan(layer, 8)
+    assert (p8.warps, p8.chunk, p8.grid) == (ks.WIDE_WARPS, 64, (2, 2))
+    assert ks.waves(layer, 8, p8.chunk, p8.warps) < ks.waves(layer, 8, ks.chunk_for(layer, 8, warps=8), 8)
+    assert p8.smem == ks.smem_bytes(4, False, 8, 64, 64 // 2 + 1, ks.WIDE_WARPS)
+    assert ks.plan(layer, 1).warps == 8 and ks.plan(layer, 32).warps == 8
+    assert ks.plan(layer, 8, splits=4).grid[1] == 4
+    monkeypatch.setenv("UNIONSPARSE_IEBME_WARPS", "8")
+    assert ks.plan(layer, 8).warps == 8
+    monkeypatch.delenv("UNIONSPARSE_IEBME_WARPS")
+    monkeypatch.setattr(ks, "_sm_count", lambda: 132)
+    assert ks.plan(layer, 8).warps == 8
+    assert not ks.single_chunk(layer, 8)  # 128 tiles of K never fit one chunk (at most 124)
+
+
+def test_study_overrides_parse_and_replace_the_environment(monkeypatch):
+    """``parse_overrides`` / ``apply_overrides`` (the launch studies' variants): keys upper-cased, an empty
+    item is the default, every other UNIONSPARSE_IEBME_* variable is cleared except those kept."""
+    import os
+
+    from unionsparse.kernels.bench import apply_overrides, parse_overrides
+
+    assert parse_overrides("warps=16, xbytes=32768;") == [{"WARPS": "16", "XBYTES": "32768"}, {}]
+    monkeypatch.setenv("UNIONSPARSE_IEBME_TRACE", "1")
+    monkeypatch.setenv("UNIONSPARSE_IEBME_ILP", "4")
+    assert apply_overrides({"WARPS": "16"}, keep=("TRACE",)) == "WARPS=16"
+    assert os.environ["UNIONSPARSE_IEBME_WARPS"] == "16" and "UNIONSPARSE_IEBME_ILP" not in os.environ
+    assert os.environ["UNIONSPARSE_IEBME_TRACE"] == "1"
+    assert apply_overrides({}) == "default" and not [e for e in os.environ if e.startswith("UNIONSPARSE_IEBME_")]
+
+
 def test_check_layer_cpu_passes_and_catches_corruption():
     rng = np.random.default_rng(5)
     _, mat = random_layer(rng, 48, 192, 4)
