@@ -1,11 +1,19 @@
-"""Tiled-CBC SpMM v3 (warp-streamed) launches on a large synthetic layer, for Nsight Compute stall analysis.
+"""Tiled-CBC launches on a large synthetic layer, for Nsight Compute stall analysis.
+
+SpMM v3 (warp-streamed), per config (NT, NST, MINB) after M K N (default (1,4,4) and (8,4,2)):
 
     ncu --clock-control none --kernel-name regex:tcbc_spmm3 --launch-skip 2 --launch-count 2 \\
         --section WarpStateStats --section SchedulerStats --section Occupancy \\
-        python3 benchmarks/ncu_tiled_cbc.py [M K N]
+        python3 benchmarks/ncu_tiled_cbc.py [M K N [NT,NST,MINB ...]]
 
-Per config (NT, NST, MINB) in argv order after M K N (default (1,4,4) and (8,4,2)): one warm-up launch
-(compile, skipped), one profiled launch.
+spMspV v2 at static 50% + dynamic 30% (tau = the input's 30% quantile), per fp16 decode mode after M K
+(default modes 0 and 1, the full decode and the data movement alone), default warps, stages and chunk;
+all modes are launched once as warm-ups, then once each to be profiled:
+
+    ncu --clock-control none --kernel-name regex:tcbc_spmspv2 --launch-skip 2 --launch-count 2 ... \\
+        python3 benchmarks/ncu_tiled_cbc.py spmspv [M K [MODE ...]]
+
+SpMM: each config one warm-up launch (compile, skipped), then one profiled launch.
 """
 
 from __future__ import annotations
@@ -13,16 +21,32 @@ from __future__ import annotations
 import sys
 
 import cupy as cp
+import numpy as np
 from unionsparse.kernels.tiled_cbc_bench import random_weights
 from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device
-from unionsparse.kernels.tiled_cbc_spmm import spmm
 
-m, k, n = (int(v) for v in (sys.argv[1:4] if len(sys.argv) > 3 else (28672, 8192, 8)))
-cfgs = [tuple(int(c) for c in a.split(",")) for a in sys.argv[4:]] or [(1, 4, 4), (8, 4, 2)]
-dev = DeviceTiledCBC(arrays=encode_on_device(random_weights(cp, m, k, 0.5, 0)))
-X = cp.random.RandomState(0).standard_normal((n, k), dtype=cp.float32).astype(cp.float16)
-out = cp.empty((n, m), dtype=cp.float16)
-for cfg in cfgs:
-    spmm(dev, X, out=out, config=cfg, method="warp")
-    spmm(dev, X, out=out, config=cfg, method="warp")
+args = sys.argv[1:]
+if args[:1] == ["spmspv"]:
+    from unionsparse.compressor.thresholds import tau_from_samples
+    from unionsparse.kernels.tiled_cbc_spmspv import spmspv
+
+    m, k = (int(v) for v in (args[1:3] if len(args) > 2 else (28672, 8192)))
+    modes = [int(a) for a in args[3:]] or [0, 1]
+    dev = DeviceTiledCBC(arrays=encode_on_device(random_weights(cp, m, k, 0.5, 0)))
+    xh = np.random.default_rng(0).standard_normal(k).astype(np.float16)
+    tau = tau_from_samples(np.abs(xh), 0.3)
+    x, out = cp.asarray(xh), cp.empty(m, dtype=cp.float16)
+    for mode in modes + modes:  # warm-ups first: --launch-skip and --launch-count = the number of modes
+        spmspv(dev, x, tau, out=out, mode=mode)
+else:
+    from unionsparse.kernels.tiled_cbc_spmm import spmm
+
+    m, k, n = (int(v) for v in (args[0:3] if len(args) > 2 else (28672, 8192, 8)))
+    cfgs = [tuple(int(c) for c in a.split(",")) for a in args[3:]] or [(1, 4, 4), (8, 4, 2)]
+    dev = DeviceTiledCBC(arrays=encode_on_device(random_weights(cp, m, k, 0.5, 0)))
+    X = cp.random.RandomState(0).standard_normal((n, k), dtype=cp.float32).astype(cp.float16)
+    out = cp.empty((n, m), dtype=cp.float16)
+    for cfg in cfgs:
+        spmm(dev, X, out=out, config=cfg, method="warp")
+        spmm(dev, X, out=out, config=cfg, method="warp")
 cp.cuda.Device().synchronize()

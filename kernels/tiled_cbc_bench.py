@@ -178,14 +178,16 @@ def random_weights(cp, M, K, sparsity, seed):
 
 
 def spmspv_candidates(bits: int = 16, full: bool = True) -> list[dict]:
-    """Launch settings the benchmark tries per shape: v2 (warps, stages) x chunk scale x fp16 decode mode."""
+    """Launch settings the benchmark tries per shape: v2 (warps, stages) x chunk scale x fp16 decode mode with
+    split-K, and stream-K at 4 and 8 warps (``full=False``: the default launch only)."""
     from .tiled_cbc_spmspv import DEFAULT_MODE, V2_CONFIGS
 
     if not full:
         w, st = next((w, st) for b, w, st in V2_CONFIGS if b == bits)
-        return [dict(warps=w, stages=st, scale=1.0, mode=DEFAULT_MODE)]
+        return [dict(warps=w, stages=st, scale=1.0, mode=DEFAULT_MODE, streamk=None)]
     base = [(4, 2, 1.0), (4, 2, 0.25), (4, 3, 1.0), (8, 2, 1.0)]
-    return [dict(warps=w, stages=st, scale=sc, mode=m) for w, st, sc in base for m in (0, 2)]
+    split = [dict(warps=w, stages=st, scale=sc, mode=m, streamk=False) for w, st, sc in base for m in (0, 2)]
+    return split + [dict(warps=w, stages=2, scale=1.0, mode=0, streamk=True) for w in (4, 8)]
 
 
 def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=float("inf"), reps=5):
@@ -232,29 +234,33 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
             rel = float(cp.linalg.norm(y - ref) / cp.linalg.norm(ref))
             best = None
             tried = {}
+            by_setting = {}  # the same figures keyed by launch setting (warps/stages/scale/mode), not chunk
             bad = {}
             cands = candidates if s == statics[0] else shape_cands  # later statics: the first one's top two
             timed = []
             for cand in cands:
-                w, st, md = cand["warps"], cand["stages"], cand["mode"]
-                chunk = v2_default_chunk(dev0, w, st, scale=cand["scale"])
-                key = f"w{w}/d{st}/c{chunk}/m{md}"
+                w, st, md, sk = cand["warps"], cand["stages"], cand["mode"], cand.get("streamk", False)
+                chunk = v2_default_chunk(dev0, w, st, scale=cand["scale"]) if sk is False else 0
+                tag = {False: "", True: "/sk", None: "/auto"}[sk]  # split-K, stream-K, the default rule
+                key = f"w{w}/d{st}/c{chunk}/m{md}{tag}"
+                kw = dict(chunk=chunk or None, stages=st, warps=w, mode=md, streamk=sk, scale=cand["scale"])
                 yc = cp.full(M, cp.nan, dtype=cp.float32)
-                spmspv(dev0, x, tau, out=yc, chunk=chunk, stages=st, warps=w, mode=md)
+                spmspv(dev0, x, tau, out=yc, **kw)
                 rc = float(cp.linalg.norm(yc - ref) / cp.linalg.norm(ref))
                 if not rc < 1e-4:  # a wrong result is never timed (the strict bound is in gpu_check)
                     bad[key] = rc
                     log(f"  candidate {key}: rel err {rc:.1e}, skipped")
                     continue
 
-                def run(i, c=chunk, st=st, w=w, md=md, devs=devs, x=x, tau=tau, out=out):
-                    return spmspv(devs[i % len(devs)], x, tau, out=out, chunk=c, stages=st, warps=w, mode=md)
+                def run(i, kw=kw, devs=devs, x=x, tau=tau, out=out):
+                    return spmspv(devs[i % len(devs)], x, tau, out=out, **kw)
 
                 t = time_graph_cupy(cp, run, L, reps)
                 tried[key] = t * 1e6
+                by_setting[f"w{w}/d{st}/x{cand['scale']:g}/m{md}{tag}"] = t * 1e6
                 timed.append((t, cand))
                 if best is None or t < best[0]:
-                    best = (t, chunk, st, w, md)
+                    best = (t, chunk, st, w, md, kw)
 
             if best is None:
                 log(f"spmspv {M}x{K} s={s}: every candidate gave a wrong result; shape skipped")
@@ -268,11 +274,13 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
             def run_v1(i, devs=devs, x=x, tau=tau, out=out):
                 return spmspv(devs[i % len(devs)], x, tau, out=out, version=1)
 
-            def run_dp_off(i, b=best, devs=devs, x=x, out=out):
-                return spmspv(devs[i % len(devs)], x, None, out=out, chunk=b[1], stages=b[2], warps=b[3], mode=b[4])
+            def run_dp_off(i, kw=best[5], devs=devs, x=x, out=out):
+                return spmspv(devs[i % len(devs)], x, None, out=out, **kw)
 
-            def run_nodecode(i, b=best, devs=devs, x=x, tau=tau, out=out):
-                return spmspv(devs[i % len(devs)], x, tau, out=out, chunk=b[1], stages=b[2], warps=b[3], mode=1)
+            nodecode_kw = dict(best[5], mode=1)
+
+            def run_nodecode(i, kw=nodecode_kw, devs=devs, x=x, tau=tau, out=out):
+                return spmspv(devs[i % len(devs)], x, tau, out=out, **kw)
 
             t_nodec = time_graph_cupy(cp, run_nodecode, L, reps)
             t_def = time_graph_cupy(cp, run_default, L, reps)
@@ -293,6 +301,7 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
                 best_stages=best[2],
                 best_warps=best[3],
                 best_mode=best[4],
+                best_streamk=best[5]["streamk"],
                 t_default_us=t_def * 1e6,
                 default_chunk=v2_default_chunk(dev0, dw, ds),
                 t_v1_us=t_v1 * 1e6,
@@ -310,13 +319,15 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
                 gbps_default=br / t_def / 1e9,
                 gbps_cublas=dense_bytes / t_cublas / 1e9,
                 tried_us=tried,
+                tried_by_setting_us=by_setting,
                 rejected_rel_err=bad,
                 copies=nc,
             )
             rows.append(row)
             log(
                 f"spmspv {M}x{K} s={s} dp={dp}: cublas {t_cublas * 1e6:.1f}us  ours {best[0] * 1e6:.1f}us "
-                f"(w{best[3]}/d{best[2]}/c{best[1]}/m{best[4]}; default {t_def * 1e6:.1f}, v1 {t_v1 * 1e6:.1f}) "
+                f"(w{best[3]}/d{best[2]}/c{best[1]}/m{best[4]}/sk={best[5]['streamk']}; "
+                f"default {t_def * 1e6:.1f}, v1 {t_v1 * 1e6:.1f}) "
                 f"x{t_cublas / best[0]:.2f} (default x{t_cublas / t_def:.2f}) dp-off {t_static * 1e6:.1f}us "
                 f"{row['gbps_spmspv']:.0f} GB/s (no-decode {t_nodec * 1e6:.1f}us {row['gbps_nodecode']:.0f} GB/s) "
                 f"rel {rel:.1e}"
@@ -581,7 +592,7 @@ def write_md(res, path):
         L += [
             "",
             "| M | K | static | cuBLAS us | v2 best us | speedup | v2 default us | v1 us | DP off us | v2 GB/s | "
-            "cuBLAS GB/s | no-decode us | best w/d/chunk/mode |",
+            "cuBLAS GB/s | no-decode us | best w/d/chunk (sk: stream-K)/mode |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in res["spmspv"]:
@@ -589,7 +600,8 @@ def write_md(res, path):
                 f"| {r['M']} | {r['K']} | {r['static']:.0%} | {r['t_cublas_us']:.1f} | {r['t_spmspv_us']:.1f} | "
                 f"{r['speedup']:.2f} | {r['t_default_us']:.1f} | {r['t_v1_us']:.1f} | "
                 f"{r['t_spmspv_dp_off_us']:.1f} | {r['gbps_spmspv']:.0f} | {r['gbps_cublas']:.0f} | "
-                f"{r['t_nodecode_us']:.1f} | {r['best_warps']}/{r['best_stages']}/{r['best_chunk']}/m{r['best_mode']} |"
+                f"{r['t_nodecode_us']:.1f} | {r['best_warps']}/{r['best_stages']}/"
+                f"{'sk' if r.get('best_streamk') else r['best_chunk']}/m{r['best_mode']} |"
             )
     if res.get("spmm"):
         L += [

@@ -67,21 +67,20 @@ __device__ __forceinline__ float code_at(const unsigned char* v, int i) {
     return (float)((c ^ half) - half);
 }
 
-// Step 4 of v1 and v2: the NW warps' accumulators (lane l: rows 8l..8l+7 of GTile row blockIdx.y) are summed
-// through `red` (shared, NW * TILE_M floats, free to reuse: the caller has synchronized the block). One split
-// writes the output directly; with split-K each block writes its fp32 partial row and the last block of the
-// GTile row (atomic ticket, `last_s` a __shared__ int) sums the partials in split order (deterministic),
-// writes the output and resets its ticket for the next launch.
+// Step 4 of v1 and v2: the NW warps' accumulators (lane l: rows 8l..8l+7 of GTile row tr) are summed
+// through `red` (shared, NW * TILE_M floats, free to reuse: the caller has synchronized the block). When the
+// block is the row's only part it writes the output directly; otherwise it writes its fp32 partial row as
+// part `part` of `nparts`, and the last part to finish (atomic ticket, `last_s` a __shared__ int) sums the
+// partials in part order (deterministic), writes the output and resets its ticket for the next launch.
 template <int NW>
 __device__ __forceinline__ void reduce_store(const float (&acc)[8], float* red, int& last_s, int M, int Mp,
                                              float* __restrict__ partial, u32* __restrict__ tickets,
-                                             void* __restrict__ out, int out_f32) {
+                                             void* __restrict__ out, int out_f32, int tr, int part, int nparts) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int tr = blockIdx.y, split = blockIdx.x;
 #pragma unroll
     for (int r = 0; r < 8; ++r) red[warp * TILE_M + lane * 8 + r] = acc[r];
     __syncthreads();
-    const bool single = gridDim.x == 1;
+    const bool single = nparts == 1;
     for (int r = tid; r < TILE_M; r += NW * 32) {
         float v = 0.f;
 #pragma unroll
@@ -93,20 +92,20 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[8], float* red, 
                 else reinterpret_cast<u16*>(out)[row] = f2h(v);
             }
         } else {
-            partial[(size_t)split * Mp + row] = v;
+            partial[(size_t)part * Mp + row] = v;
         }
     }
     if (single) return;
     __threadfence();
     __syncthreads();
-    if (tid == 0) last_s = atomicAdd(&tickets[tr], 1u) == gridDim.x - 1;
+    if (tid == 0) last_s = atomicAdd(&tickets[tr], 1u) == (u32)nparts - 1u;
     __syncthreads();
     if (!last_s) return;
     __threadfence();
     for (int r = tid; r < TILE_M; r += NW * 32) {
         const int row = tr * TILE_M + r;
         float v = 0.f;
-        for (int s = 0; s < (int)gridDim.x; ++s) v += ld_cg(partial + (size_t)s * Mp + row);
+        for (int s = 0; s < nparts; ++s) v += ld_cg(partial + (size_t)s * Mp + row);
         if (row < M) {
             if (out_f32) reinterpret_cast<float*>(out)[row] = v;
             else reinterpret_cast<u16*>(out)[row] = f2h(v);
@@ -241,15 +240,18 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv(
     __syncthreads();
 
     // 4. reduce warps, then split-K (the ring, NW * 256 floats or more, holds the reduction)
-    reduce_store<NW>(acc, reinterpret_cast<float*>(ring), last_s, M, Mp, partial, tickets, out, out_f32);
+    reduce_store<NW>(acc, reinterpret_cast<float*>(ring), last_s, M, Mp, partial, tickets, out, out_f32, tr, split,
+                     gridDim.x);
 }
 
 
 // ---------------------------------------------------------------------------------------------------
 // v2: a warp per GTile, one cp.async batch (one commit, one wait) per GTile, D GTiles in flight per warp.
 //
-// Block = NW warps = one GTile row x a chunk of GTiles along K (split-K as in v1); warp w takes the
-// chunk's GTiles w, w + NW, ... Each warp owns a ring of D slots, one GTile per slot:
+// Block = NW warps = one GTile row x a chunk of GTiles along K (split-K as in v1), or, with `streamk`, an
+// equal share of all GTiles in row-major order, run as one segment per GTile row it meets (see the
+// kernel); warp w takes the segment's GTiles w, w + NW, ... Each warp owns a ring of D slots, one GTile per
+// slot:
 //   [0, 512)      the 16 column bitmaps (32 B each, by column index; inactive columns are not copied)
 //   [512, 768)    the compacted active-column list: {x_k (f32 bits), start (values), column, 16-B chunks}
 //   [768, 1280)   BITS < 16 only: the lane's 8 group scales (16 B per lane, one group per GTile)
@@ -280,178 +282,203 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
     const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
     const unsigned char* __restrict__ values, const u16* __restrict__ x, float tau,
     const u16* __restrict__ scales_t, int group, int grid_c, int M, int K, int Mp, int chunk, int slot_bytes,
-    float* __restrict__ partial, u32* __restrict__ tickets, void* __restrict__ out, int out_f32) {
+    int streamk, float* __restrict__ partial, u32* __restrict__ tickets, void* __restrict__ out, int out_f32) {
     using H = Hdr<BITS>;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int nact[NW][D];
     __shared__ int last_s;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int tr = blockIdx.y, split = blockIdx.x;
-    const int c0 = split * chunk;
-    const int nct = min(chunk, grid_c - c0);
-    const int mine = nct > warp ? (nct - warp + NW - 1) / NW : 0;
-    unsigned char* ring = smem + warp * D * slot_bytes;
-    const int row0 = tr * TILE_M + lane * 8;
-
-    // metadata of the next GTile to issue (registers, loaded one GTile ahead)
-    u32 m_ci = 0u, m_toff = 0u;
-    u16 m_x = 0;
-    uint4 m_sc = make_uint4(0u, 0u, 0u, 0u);
-    auto load_meta = [&](int j) {
-        m_ci = 0u;
-        if (j < mine) {
-            const int gtc = c0 + warp + j * NW, gt = tr * grid_c + gtc;
-            if (lane < TILE_K) {
-                const int k = gtc * TILE_K + lane;
-                m_ci = colinfo[gt * TILE_K + lane];
-                m_x = k < K ? x[k] : (u16)0;
-            } else if (lane == TILE_K) {
-                m_toff = tile_offset[gt];
-            }
-            if (BITS != 16)
-                m_sc = *reinterpret_cast<const uint4*>(scales_t + (size_t)((gtc * TILE_K) / group) * Mp + row0);
+    // The block's GTiles in the row-major order of the GTile grid: split-K, one row's chunk blockIdx.x of
+    // `chunk` GTiles (grid splits x rows); stream-K (`streamk` != 0, a 1-D grid of B blocks), the equal share
+    // [b T / B, (b + 1) T / B) of all T GTiles, which may start and end inside rows. Each row the range meets
+    // is one segment, reduced as part `part` of the row's `nparts` (the blocks whose share meets the row).
+    const long long T = (long long)(Mp / TILE_M) * grid_c, B = gridDim.x;  // T < 2^31 GTiles
+    int f, fend;
+    if (streamk) {
+        f = (int)(blockIdx.x * T / B);
+        fend = (int)((blockIdx.x + 1) * T / B);
+    } else {
+        f = blockIdx.y * grid_c + blockIdx.x * chunk;
+        fend = f + min(chunk, grid_c - (int)blockIdx.x * chunk);
+    }
+    for (bool first_seg = true; f < fend; first_seg = false) {
+        const int tr = f / grid_c;
+        const int c0 = f - tr * grid_c;
+        const int nct = min(fend, (tr + 1) * grid_c) - f;
+        f += nct;
+        int part = blockIdx.x, nparts = gridDim.x;
+        if (streamk) {  // owner(g) = ((g + 1) B - 1) / T, the block whose share holds GTile g
+            const int first = (int)((((long long)tr * grid_c + 1) * B - 1) / T);
+            part -= first;
+            nparts = (int)((((long long)tr + 1) * grid_c * B - 1) / T) - first + 1;
         }
-    };
-    auto issue = [&](int j) {
-        if (j < mine) {
-            unsigned char* slot = ring + (j % D) * slot_bytes;
-            const int gt = tr * grid_c + c0 + warp + j * NW;
-            const float xf = h2f(m_x);
-            const u32 nnz = m_ci & 0xFFFFu;
-            const bool act = lane < TILE_K && nnz != 0u && fabsf(xf) > tau;
-            const u32 b = __ballot_sync(0xFFFFFFFFu, act);
-            const u32 toff = __shfl_sync(0xFFFFFFFFu, m_toff, TILE_K);
-            if (act) {
-                const int p = __popc(b & ((1u << lane) - 1u));
-                *reinterpret_cast<uint4*>(slot + H::LIST + 16 * p) =
-                    make_uint4(__float_as_uint(xf), m_ci >> 16, (u32)lane, (nnz * BITS + 127u) >> 7);
+        if (!first_seg) __syncthreads();  // the previous segment's reduction has left the shared memory
+        const int mine = nct > warp ? (nct - warp + NW - 1) / NW : 0;
+        unsigned char* ring = smem + warp * D * slot_bytes;
+        const int row0 = tr * TILE_M + lane * 8;
+
+        // metadata of the next GTile to issue (registers, loaded one GTile ahead)
+        u32 m_ci = 0u, m_toff = 0u;
+        u16 m_x = 0;
+        uint4 m_sc = make_uint4(0u, 0u, 0u, 0u);
+        auto load_meta = [&](int j) {
+            m_ci = 0u;
+            if (j < mine) {
+                const int gtc = c0 + warp + j * NW, gt = tr * grid_c + gtc;
+                if (lane < TILE_K) {
+                    const int k = gtc * TILE_K + lane;
+                    m_ci = colinfo[gt * TILE_K + lane];
+                    m_x = k < K ? x[k] : (u16)0;
+                } else if (lane == TILE_K) {
+                    m_toff = tile_offset[gt];
+                }
+                if (BITS != 16)
+                    m_sc = *reinterpret_cast<const uint4*>(scales_t + (size_t)((gtc * TILE_K) / group) * Mp + row0);
             }
-            if ((b >> (lane >> 1)) & 1u) cp_async16(slot + 16 * lane, bitmap + (size_t)gt * (TILE_K * 4) + 2 * lane);
-            if (BITS != 16) *reinterpret_cast<uint4*>(slot + H::SCL + 16 * lane) = m_sc;
-            if (lane == 0) nact[warp][j % D] = __popc(b);
-            __syncwarp();
-            const int n = __popc(b);
-            constexpr int CPP = 32 / H::MAXCH;
-            const int sub = lane / H::MAXCH, jj = lane % H::MAXCH;
-            const unsigned char* src = values + (size_t)toff * BITS / 8;
-            for (int i = sub; i < n; i += CPP) {
-                const uint4 e = lds128(slot + H::LIST + 16 * i);
-                if (jj < (int)e.w) {
-                    const u32 o = e.y * BITS / 8 + 16 * jj;
-                    cp_async16(slot + H::VOFF + o, src + o);
+        };
+        auto issue = [&](int j) {
+            if (j < mine) {
+                unsigned char* slot = ring + (j % D) * slot_bytes;
+                const int gt = tr * grid_c + c0 + warp + j * NW;
+                const float xf = h2f(m_x);
+                const u32 nnz = m_ci & 0xFFFFu;
+                const bool act = lane < TILE_K && nnz != 0u && fabsf(xf) > tau;
+                const u32 b = __ballot_sync(0xFFFFFFFFu, act);
+                const u32 toff = __shfl_sync(0xFFFFFFFFu, m_toff, TILE_K);
+                if (act) {
+                    const int p = __popc(b & ((1u << lane) - 1u));
+                    *reinterpret_cast<uint4*>(slot + H::LIST + 16 * p) =
+                        make_uint4(__float_as_uint(xf), m_ci >> 16, (u32)lane, (nnz * BITS + 127u) >> 7);
+                }
+                if ((b >> (lane >> 1)) & 1u)
+                    cp_async16(slot + 16 * lane, bitmap + (size_t)gt * (TILE_K * 4) + 2 * lane);
+                if (BITS != 16) *reinterpret_cast<uint4*>(slot + H::SCL + 16 * lane) = m_sc;
+                if (lane == 0) nact[warp][j % D] = __popc(b);
+                __syncwarp();
+                const int n = __popc(b);
+                constexpr int CPP = 32 / H::MAXCH;
+                const int sub = lane / H::MAXCH, jj = lane % H::MAXCH;
+                const unsigned char* src = values + (size_t)toff * BITS / 8;
+                for (int i = sub; i < n; i += CPP) {
+                    const uint4 e = lds128(slot + H::LIST + 16 * i);
+                    if (jj < (int)e.w) {
+                        const u32 o = e.y * BITS / 8 + 16 * jj;
+                        cp_async16(slot + H::VOFF + o, src + o);
+                    }
                 }
             }
+            cp_commit();
+        };
+
+        float acc[8];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) acc[r] = 0.f;
+        const int src_h = lane >> 4, bsh = 8 * ((lane >> 2) & 3), sh = 8 * (lane & 3);
+        const u32 below = (1u << sh) - 1u;
+
+        load_meta(0);
+#pragma unroll
+        for (int j = 0; j < D - 1; ++j) {
+            issue(j);
+            load_meta(j + 1);
         }
-        cp_commit();
-    };
-
-    float acc[8];
+        for (int j = 0; j < mine; ++j) {
+            issue(j + D - 1);
+            load_meta(j + D);
+            cp_wait<D - 1>();
+            __syncwarp();
+            const unsigned char* slot = ring + (j % D) * slot_bytes;
+            const int n = nact[warp][j % D];
+            // prefix popcounts of this lane's bitmap chunk (column lane >> 1, u32 words 4h..4h+3)
+            const uint4 q = lds128(slot + 16 * lane);
+            const u32 a0 = __popc(q.x), a1 = __popc(q.y), a2 = __popc(q.z), a3 = __popc(q.w);
+            const u32 tp = __shfl_xor_sync(0xFFFFFFFFu, a0 + a1 + a2 + a3, 1);
+            const u32 P = ((lane & 1) ? tp : 0u) * 0x01010101u + (a0 << 8) + ((a0 + a1) << 16) + ((a0 + a1 + a2) << 24);
+            float sc[8];
+            if (BITS != 16) {
+                const uint4 s4 = lds128(slot + H::SCL + 16 * lane);
+                const u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
 #pragma unroll
-    for (int r = 0; r < 8; ++r) acc[r] = 0.f;
-    const int src_h = lane >> 4, bsh = 8 * ((lane >> 2) & 3), sh = 8 * (lane & 3);
-    const u32 below = (1u << sh) - 1u;
-
-    load_meta(0);
-#pragma unroll
-    for (int j = 0; j < D - 1; ++j) {
-        issue(j);
-        load_meta(j + 1);
-    }
-    for (int j = 0; j < mine; ++j) {
-        issue(j + D - 1);
-        load_meta(j + D);
-        cp_wait<D - 1>();
-        __syncwarp();
-        const unsigned char* slot = ring + (j % D) * slot_bytes;
-        const int n = nact[warp][j % D];
-        // prefix popcounts of this lane's bitmap chunk (column lane >> 1, u32 words 4h..4h+3)
-        const uint4 q = lds128(slot + 16 * lane);
-        const u32 a0 = __popc(q.x), a1 = __popc(q.y), a2 = __popc(q.z), a3 = __popc(q.w);
-        const u32 tp = __shfl_xor_sync(0xFFFFFFFFu, a0 + a1 + a2 + a3, 1);
-        const u32 P = ((lane & 1) ? tp : 0u) * 0x01010101u + (a0 << 8) + ((a0 + a1) << 16) + ((a0 + a1 + a2) << 24);
-        float sc[8];
-        if (BITS != 16) {
-            const uint4 s4 = lds128(slot + H::SCL + 16 * lane);
-            const u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                sc[2 * t] = h2f((u16)(sw[t] & 0xFFFFu));
-                sc[2 * t + 1] = h2f((u16)(sw[t] >> 16));
+                for (int t = 0; t < 4; ++t) {
+                    sc[2 * t] = h2f((u16)(sw[t] & 0xFFFFu));
+                    sc[2 * t + 1] = h2f((u16)(sw[t] >> 16));
+                }
             }
-        }
 #pragma unroll 2
-        for (int i = 0; i < n; ++i) {
-            const uint4 e = lds128(slot + H::LIST + 16 * i);
-            const float xk = __uint_as_float(e.x);
-            const int c = (int)e.z;
-            const u32 pc = __shfl_sync(0xFFFFFFFFu, P, 2 * c + src_h);
-            const u32 w32 = *reinterpret_cast<const u32*>(slot + 32 * c + 4 * (lane >> 2));
-            const int rank = (int)((pc >> bsh) & 0xFFu) + __popc(w32 & below);
-            const u32 byte = (w32 >> sh) & 0xFFu;
-            if (MODE == 1) {
-                acc[0] += (float)(rank + (int)byte) * xk;
-            } else if (BITS == 16 && MODE == 2) {
-                // wide decode: two conflict-free LDS.128 hold the lane's <= 8 values (16 halves from the
-                // aligned chunk of its first value), a 3-stage shifter aligns them, and each set bit
-                // consumes the lowest half of a shift register (only the registers still needed shift).
-                const int s = (int)e.y + rank;
-                const uint4* vc = reinterpret_cast<const uint4*>(slot + H::VOFF) + (s >> 3);
-                const uint4 A = vc[0], B = vc[1];
-                const int o = s & 7;
-                const u32 R[8] = {A.x, A.y, A.z, A.w, B.x, B.y, B.z, B.w};
-                u32 S[6], T[5], Q[4];
+            for (int i = 0; i < n; ++i) {
+                const uint4 e = lds128(slot + H::LIST + 16 * i);
+                const float xk = __uint_as_float(e.x);
+                const int c = (int)e.z;
+                const u32 pc = __shfl_sync(0xFFFFFFFFu, P, 2 * c + src_h);
+                const u32 w32 = *reinterpret_cast<const u32*>(slot + 32 * c + 4 * (lane >> 2));
+                const int rank = (int)((pc >> bsh) & 0xFFu) + __popc(w32 & below);
+                const u32 byte = (w32 >> sh) & 0xFFu;
+                if (MODE == 1) {
+                    acc[0] += (float)(rank + (int)byte) * xk;
+                } else if (BITS == 16 && MODE == 2) {
+                    // wide decode: two conflict-free LDS.128 hold the lane's <= 8 values (16 halves from the
+                    // aligned chunk of its first value), a 3-stage shifter aligns them, and each set bit
+                    // consumes the lowest half of a shift register (only the registers still needed shift).
+                    const int s = (int)e.y + rank;
+                    const uint4* vc = reinterpret_cast<const uint4*>(slot + H::VOFF) + (s >> 3);
+                    const uint4 A = vc[0], B = vc[1];
+                    const int o = s & 7;
+                    const u32 R[8] = {A.x, A.y, A.z, A.w, B.x, B.y, B.z, B.w};
+                    u32 S[6], T[5], Q[4];
 #pragma unroll
-                for (int t = 0; t < 6; ++t) S[t] = (o & 4) ? R[t + 2] : R[t];
+                    for (int t = 0; t < 6; ++t) S[t] = (o & 4) ? R[t + 2] : R[t];
 #pragma unroll
-                for (int t = 0; t < 5; ++t) T[t] = (o & 2) ? S[t + 1] : S[t];
-                const u32 fs = (u32)(o & 1) * 16u;
+                    for (int t = 0; t < 5; ++t) T[t] = (o & 2) ? S[t + 1] : S[t];
+                    const u32 fs = (u32)(o & 1) * 16u;
 #pragma unroll
-                for (int t = 0; t < 4; ++t) Q[t] = __funnelshift_r(T[t], T[t + 1], fs);
+                    for (int t = 0; t < 4; ++t) Q[t] = __funnelshift_r(T[t], T[t + 1], fs);
 #pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    if (byte & (1u << r)) {
-                        acc[r] = fmaf(h2f((u16)(Q[0] & 0xFFFFu)), xk, acc[r]);
-                        const int need = 7 - r;  // halves rows r+1..7 can still take (positions 0..need-1)
+                    for (int r = 0; r < 8; ++r) {
+                        if (byte & (1u << r)) {
+                            acc[r] = fmaf(h2f((u16)(Q[0] & 0xFFFFu)), xk, acc[r]);
+                            const int need = 7 - r;  // halves rows r+1..7 can still take (positions 0..need-1)
 #pragma unroll
-                        for (int t = 0; t < 4; ++t) {
-                            if (t < 3 && 2 * t + 1 < need) Q[t] = __funnelshift_r(Q[t], Q[t < 3 ? t + 1 : 3], 16);
-                            else if (2 * t < need) Q[t] >>= 16;
+                            for (int t = 0; t < 4; ++t) {
+                                if (t < 3 && 2 * t + 1 < need) Q[t] = __funnelshift_r(Q[t], Q[t < 3 ? t + 1 : 3], 16);
+                                else if (2 * t < need) Q[t] >>= 16;
+                            }
+                        }
+                    }
+                } else if (BITS == 16) {
+                    const u16* v = reinterpret_cast<const u16*>(slot + H::VOFF) + e.y + rank;
+#pragma unroll
+                    for (int r = 0; r < 8; ++r) {
+                        if (byte & (1u << r)) {
+                            acc[r] = fmaf(h2f(*v), xk, acc[r]);
+                            ++v;
+                        }
+                    }
+                } else {
+                    constexpr int PER = 32 / BITS;
+                    const u32* vw = reinterpret_cast<const u32*>(slot + H::VOFF);
+                    const int s = (int)e.y + rank;
+                    const u32 lo = vw[s / PER], hi = vw[s / PER + 1];  // PER is a power of two: shifts
+                    u32 win = __funnelshift_r(lo, hi, (s % PER) * BITS);
+#pragma unroll
+                    for (int r = 0; r < 8; ++r) {
+                        if (byte & (1u << r)) {
+                            const int qv = ((int)(win << (32 - BITS))) >> (32 - BITS);
+                            win >>= BITS;
+                            acc[r] = fmaf((float)qv * sc[r], xk, acc[r]);
                         }
                     }
                 }
-            } else if (BITS == 16) {
-                const u16* v = reinterpret_cast<const u16*>(slot + H::VOFF) + e.y + rank;
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    if (byte & (1u << r)) {
-                        acc[r] = fmaf(h2f(*v), xk, acc[r]);
-                        ++v;
-                    }
-                }
-            } else {
-                constexpr int PER = 32 / BITS;
-                const u32* vw = reinterpret_cast<const u32*>(slot + H::VOFF);
-                const int s = (int)e.y + rank;
-                const u32 lo = vw[s / PER], hi = vw[s / PER + 1];  // PER is a power of two: shifts
-                u32 win = __funnelshift_r(lo, hi, (s % PER) * BITS);
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    if (byte & (1u << r)) {
-                        const int qv = ((int)(win << (32 - BITS))) >> (32 - BITS);
-                        win >>= BITS;
-                        acc[r] = fmaf((float)qv * sc[r], xk, acc[r]);
-                    }
-                }
             }
+            __syncwarp();  // all lanes are done with this slot before a later issue overwrites it
         }
-        __syncwarp();  // all lanes are done with this slot before a later issue overwrites it
-    }
-    cp_wait<0>();
-    __syncthreads();
+        cp_wait<0>();
+        __syncthreads();
 
-    // reduce warps, then split-K (the host sizes smem for the NW * 256-float reduction)
-    reduce_store<NW>(acc, reinterpret_cast<float*>(smem), last_s, M, Mp, partial, tickets, out, out_f32);
+        // reduce warps, then the row's parts (the host sizes smem for the NW * 256-float reduction)
+        reduce_store<NW>(acc, reinterpret_cast<float*>(smem), last_s, M, Mp, partial, tickets, out, out_f32, tr, part,
+                         nparts);
+    }  // segments
 }
 
 // explicit instantiations (compile checks with nvcc; CuPy uses name_expressions)
@@ -471,7 +498,7 @@ template __global__ void tcbc_spmspv<4, 4, 8>(const u64*, const u32*, const u32*
 #define TCBC2(B, W, S, MODE)                                                                                    \
     template __global__ void tcbc_spmspv2<B, W, S, MODE>(const u64*, const u32*, const u32*, const unsigned char*, \
                                                          const u16*, float, const u16*, int, int, int, int, int,    \
-                                                         int, int, float*, u32*, void*, int);
+                                                         int, int, int, float*, u32*, void*, int);
 TCBC2(16, 4, 2, 0)
 TCBC2(16, 4, 2, 1)
 TCBC2(16, 4, 2, 2)

@@ -65,14 +65,49 @@ def v2_default_config(dev: DeviceTiledCBC) -> tuple[int, int]:
     return next((w, s) for b, w, s in V2_CONFIGS if b == bits)
 
 
+def _resident_blocks(dev: DeviceTiledCBC, warps: int, stages: int, sms: int) -> int:
+    smem = v2_smem(dev, warps, stages)
+    return sms * max(1, min(SMEM_PER_SM // (smem + 1024), 2048 // (32 * warps)))
+
+
 def v2_default_chunk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int = 132, scale: float = 1.0) -> int:
     """GTiles per block: ``scale`` = 1 makes one resident wave (as many blocks as fit on the GPU at once,
     each warp streaming an equal share of its GTile row); ``scale`` < 1 makes 1/scale waves of smaller blocks."""
     gr, gc = dev.grid
-    smem = v2_smem(dev, warps, stages)
-    per_sm = max(1, min(SMEM_PER_SM // (smem + 1024), 2048 // (32 * warps)))
-    splits = max(1, min(gc, int(sms * per_sm / scale) // gr))
+    splits = max(1, min(gc, int(_resident_blocks(dev, warps, stages, sms) / scale) // gr))
     return int(min(gc, max(warps, -(-gc // splits))))
+
+
+STREAMK_MAX_FILL = 0.9  # stream-K when a split-K launch would leave >= 10% of the resident block slots empty
+STREAMK_MIN_SHARE = 32  # ...and each stream-K block gets at least this many GTiles (docs/kernels.md, H200 study)
+
+
+def use_streamk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int = 132) -> bool:
+    """The default launch: stream-K where split-K fills the GPU badly and the layer is large (below the
+    share bound a block's second segment, a pipeline restart and one more reduction, costs more than it saves)."""
+    gr, gc = dev.grid
+    resident = _resident_blocks(dev, warps, stages, sms)
+    fill = -(-gc // v2_default_chunk(dev, warps, stages, sms)) * gr / resident
+    return fill < STREAMK_MAX_FILL and gr * gc >= STREAMK_MIN_SHARE * resident
+
+
+def streamk_blocks(dev: DeviceTiledCBC, warps: int, stages: int, sms: int = 132, scale: float = 1.0) -> int:
+    """Blocks of a stream-K launch: one resident wave (``scale`` < 1: 1/scale waves), at least ``warps`` GTiles
+    each, so that every block's share of the T GTiles differs from the others' by at most one GTile."""
+    gr, gc = dev.grid
+    return int(max(1, min(int(_resident_blocks(dev, warps, stages, sms) / scale), gr * gc // warps)))
+
+
+def streamk_parts(grid: tuple[int, int], blocks: int) -> int:
+    """Most blocks whose stream-K share meets one GTile row (the partial rows a launch needs)."""
+    gr, gc = grid
+    t = gr * gc
+
+    def owner(g):  # the block whose share holds GTile g (as in the .cu file)
+        return ((g + 1) * blocks - 1) // t
+
+    rows = np.arange(gr, dtype=np.int64)
+    return int((owner((rows + 1) * gc - 1) - owner(rows * gc) + 1).max())
 
 
 def spmspv(
@@ -86,12 +121,18 @@ def spmspv(
     warps: int | None = None,
     version: int = 2,
     mode: int | None = None,
+    streamk: bool | None = None,
+    scale: float = 1.0,
+    blocks: int | None = None,
 ):
     """Launch the kernel on the current stream; returns ``out`` (CuPy [M], fp16 or fp32).
 
     ``mode`` (fp16 v2 only): the value decode, 0 or 2 (see the .cu file); ``mode=1`` is a measurement aid that
     moves the same bytes but skips the value loads and FMAs (meaningless output), used by the benchmark to
-    separate the decode's cost from the data movement's."""
+    separate the decode's cost from the data movement's. ``streamk`` (v2): True launches one resident wave of
+    blocks, each with an equal share of the layer's GTiles in row-major order (``chunk`` is then ignored;
+    ``scale`` < 1 makes 1/scale waves; ``blocks`` sets the block count); False launches split-K chunks of one
+    GTile row per block; None (default) picks stream-K by :func:`use_streamk` unless ``chunk`` is given."""
     cp = _cupy()
     M, K = dev.shape
     if x.shape != (K,) or x.dtype != cp.float16:
@@ -113,22 +154,31 @@ def spmspv(
             warps, stages = v2_default_config(dev)
         if (bits, warps, stages) not in V2_CONFIGS:
             raise ValueError(f"v2 (bits, warps, stages) must be one of {V2_CONFIGS}")
-        chunk = v2_default_chunk(dev, warps, stages) if chunk is None else int(chunk)
         slot = v2_slot_bytes(dev)
         smem = v2_smem(dev, warps, stages)
         mode = DEFAULT_MODE if mode is None or bits != 16 else int(mode)
         if mode not in (0, 1, 2):
             raise ValueError(f"mode must be 0, 1 or 2, got {mode}")
+        if streamk is None:
+            streamk = chunk is None and use_streamk(dev, warps, stages)
+        if streamk:
+            blocks = streamk_blocks(dev, warps, stages, scale=scale) if blocks is None else int(blocks)
+            if not 1 <= blocks <= gr * gc:
+                raise ValueError(f"blocks must be in [1, {gr * gc}] (the layer's GTiles), got {blocks}")
+            grid, nparts, chunk = (blocks, 1), streamk_parts(dev.grid, blocks), 0
+        else:
+            chunk = v2_default_chunk(dev, warps, stages, scale=scale) if chunk is None else int(chunk)
+            grid = (-(-gc // chunk), gr)
+            nparts = grid[0]
         name = f"tcbc_spmspv2<{bits}, {warps}, {stages}" + (">" if mode == 0 else f", {mode}>")
         f = _module().get_function(name)
         if _SMEM_SET.get(name, -1) < smem:  # once per size: no driver call while a graph is captured
             f.max_dynamic_shared_size_bytes = smem
             _SMEM_SET[name] = smem
-        splits = -(-gc // chunk)
-        f((splits, gr), (warps * 32,),
+        f(grid, (warps * 32,),
           (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u8, x, t, scales, np.int32(group), np.int32(gc),
-           np.int32(M), np.int32(K), np.int32(dev.Mp), np.int32(chunk), np.int32(slot), dev.partial(splits),
-           dev.tickets, out, np.int32(out_f32)),
+           np.int32(M), np.int32(K), np.int32(dev.Mp), np.int32(chunk), np.int32(slot), np.int32(streamk),
+           dev.partial(nparts), dev.tickets, out, np.int32(out_f32)),
           shared_mem=smem)
         return out
     if version != 1:

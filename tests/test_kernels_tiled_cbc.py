@@ -168,8 +168,10 @@ def test_gpu_all_chunks_stages_and_spmm_tiles_agree():
     tol = tolerance(W.astype(np.float64), xe[None])[0]
     runs = [dict(version=1, stages=st) for st in (4, 8)]
     runs += [dict(version=2, warps=w, stages=st, mode=md) for b, w, st in V2_CONFIGS if b == 16 for md in (0, 2)]
+    runs += [dict(version=2, warps=w, stages=st, mode=md, streamk=True, blocks=nb)
+             for w, st, md in ((4, 2, 0), (8, 2, 0), (4, 3, 2)) for nb in (1, 2, 7, 48, 195, None)]
     for kw in runs:
-        for chunk in (1, 2, 3, 4, 8, 16, 32, 65, None):
+        for chunk in (1, 2, 3, 4, 8, 16, 32, 65, None) if not kw.get("streamk") else (None,):
             for _ in range(2):  # second launch: the split-K tickets were reset by the first
                 out = cp.full(768, cp.nan, cp.float32)
                 y = cp.asnumpy(spmspv(dev, cp.asarray(x), 0.4, out=out, chunk=chunk, **kw))
@@ -358,3 +360,76 @@ def test_kernel_source_compiles_for_sm90(name):
     lib.nvrtcGetProgramLog(prog, log)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     assert rc == 0, log.value.decode(errors="replace")
+
+
+def test_spmspv_mode_study_checks_arguments_and_summarizes_without_a_gpu():
+    """The decode-mode study rejects a bad sparsity with one line and exit code 2 before touching CuPy, and
+    its summary is the geomean over shapes of speedup and of the time ratio to the default setting."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "study_spmspv_modes.py"
+    r = subprocess.run([sys.executable, str(script), "--statics", "0.5,1.2"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "expected sparsities in [0, 1)" in r.stderr and "Traceback" not in r.stderr
+    spec = importlib.util.spec_from_file_location("study_spmspv_modes", script)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    rows = [dict(t_cublas_us=100.0, tried_by_setting_us={study.BASE: 100.0, "w4/d2/x1/m3": 50.0}),
+            dict(t_cublas_us=10.0, tried_by_setting_us={study.BASE: 20.0, "w4/d2/x1/m3": 40.0, "w8/d2/x1/m0": 5.0})]
+    s = study.summarize(rows)
+    assert s[study.BASE]["speedup"] == pytest.approx((1.0 * 0.5) ** 0.5)
+    assert s["w4/d2/x1/m3"]["vs_default"] == pytest.approx((2.0 * 0.5) ** 0.5)
+    assert s["w4/d2/x1/m3"]["min_vs_default"] == 0.5 and s["w4/d2/x1/m3"]["max_vs_default"] == 2.0
+    assert s["w8/d2/x1/m0"]["n"] == 1 and s["w8/d2/x1/m0"]["vs_default"] == pytest.approx(4.0)
+
+
+def test_streamk_shares_cover_every_gtile_once_and_number_the_parts_of_each_row():
+    """The stream-K arithmetic of tcbc_spmspv2 (block shares of the row-major GTile order, owner(), part and
+    nparts per segment), replayed in Python: every GTile is in exactly one block's share, each row's parts
+    are numbered 0..nparts-1 once each, and streamk_parts() bounds the partial rows the kernel writes."""
+    from unionsparse.kernels.tiled_cbc_spmspv import streamk_parts
+
+    for gr, gc in ((1, 1), (3, 65), (112, 512), (7, 3)):
+        t = gr * gc
+        for nb in sorted({1, 2, 7, 48, 660, t // 4 or 1, t}):
+            if nb > t:
+                continue
+            owner = lambda g, nb=nb, t=t: ((g + 1) * nb - 1) // t  # noqa: E731
+            seen = np.zeros(t, dtype=int)
+            parts: dict[int, list[int]] = {}
+            for b in range(nb):
+                f, fend = b * t // nb, (b + 1) * t // nb
+                while f < fend:
+                    tr = f // gc
+                    nct = min(fend, (tr + 1) * gc) - f
+                    seen[f:f + nct] += 1
+                    assert all(owner(g) == b for g in (f, f + nct - 1))
+                    part = b - owner(tr * gc)
+                    nparts = owner((tr + 1) * gc - 1) - owner(tr * gc) + 1
+                    parts.setdefault(tr, []).append(part)
+                    assert 0 <= part < nparts <= streamk_parts((gr, gc), nb)
+                    f += nct
+            assert (seen == 1).all()
+            for tr, pp in parts.items():
+                assert sorted(pp) == list(range(len(pp))), (gr, gc, nb, tr)
+
+
+def test_default_spmspv_launch_takes_stream_k_only_for_large_badly_filled_layers():
+    """use_streamk on fp16 layers at static 50% (largest GTile ~4.3 KB: 5 blocks of 4 warps per SM): split-K
+    fills 560 of 660 block slots for 28672 x 8192 (stream-K), 592 for 4096 x 4096 (too small for stream-K)
+    and 640 for 8192 x 8192 (full enough)."""
+    from types import SimpleNamespace
+
+    from unionsparse.kernels.tiled_cbc_spmspv import use_streamk, v2_default_chunk
+
+    def layer(m, k):
+        return SimpleNamespace(grid=(-(-m // 256), -(-k // 16)), bits=None, max_gtile_value_bytes=lambda: 4400)
+
+    assert use_streamk(layer(28672, 8192), 4, 2)
+    assert use_streamk(layer(49152, 12288), 4, 2)
+    assert not use_streamk(layer(4096, 4096), 4, 2)
+    assert not use_streamk(layer(8192, 8192), 4, 2)
+    assert v2_default_chunk(layer(28672, 8192), 4, 2) == 103  # 5 splits x 112 rows
