@@ -2,7 +2,34 @@
 
 from __future__ import annotations
 
+import sys
 from functools import cache
+from importlib.machinery import PathFinder
+from importlib.util import module_from_spec
+from pathlib import Path
+
+
+def _yield_top_level_name() -> None:
+    """Imported as the top-level ``kernels`` (Python run with the checkout's root on ``sys.path``: ``python -m``
+    or ``python -c`` from it), this folder would shadow an installed package of that name, such as Hugging
+    Face's ``kernels``, which transformers >= 5.25 requires and imports. Load that package instead and leave it
+    in ``sys.modules``, which the running import then returns; with none installed, stay as we are."""
+    root = Path(__file__).resolve().parent.parent
+    path = [p for p in sys.path if Path(p or ".").resolve() != root]
+    spec = PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        return
+    real = module_from_spec(spec)
+    sys.modules["kernels"] = real
+    try:
+        spec.loader.exec_module(real)
+    except BaseException:
+        del sys.modules["kernels"]
+        raise
+
+
+if __name__ == "kernels":
+    _yield_top_level_name()
 
 
 @cache
