@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cublas_gemm import OP_N, OP_T, gemm_f16
-from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
+from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module, sm_count
 
 GK = 2
 CONFIGS = {128: 1, 64: 2}  # v1: BN -> min blocks per SM (launch bounds)
@@ -36,7 +36,6 @@ _EXPR = (
 DD_G = 4  # GTiles side by side per decode_dense block (DD_G in the .cu)
 DENSE_FROM_N = 32  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
 WARP_UP_TO_N = 8  # method="auto": the warp-streamed kernel (v3) up to this many tokens (docs/kernels.md)
-SMS = 132
 _DENSE_WS: dict[tuple[int, int], object] = {}
 
 
@@ -109,7 +108,7 @@ def default_splits(dev: DeviceTiledCBC, n: int, bn: int, min_steps: int = 4) -> 
     gr, gc = dev.grid
     nsteps = -(-gc // GK)
     blocks = gr * -(-n // bn)
-    want = max(1, -(-2 * SMS // blocks))
+    want = max(1, -(-2 * sm_count() // blocks))
     return int(max(1, min(want, nsteps // min_steps)))
 
 
@@ -122,7 +121,7 @@ def v3_config(n: int) -> tuple[int, int, int]:
 def v3_splits(dev: DeviceTiledCBC, minb: int, min_tiles: int = 16) -> int:
     """Split K so that every SM gets ``minb`` blocks (4 warps each), keeping >= min_tiles GTiles per warp."""
     gr, gc = dev.grid
-    want = -(-SMS * minb // gr)
+    want = -(-sm_count() * minb // gr)
     return int(max(1, min(want, gc // min_tiles)))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
+from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module, sm_count
 
 NW = 4  # default warps per block
 WARPS = (4, 8)
@@ -38,9 +38,10 @@ def _slot_bytes(bits: int) -> int:
     return TILE[0] * bits // 8 + 32
 
 
-def default_chunk(dev: DeviceTiledCBC, sms: int = 132) -> int:
+def default_chunk(dev: DeviceTiledCBC, sms: int | None = None) -> int:
     """v1: GTiles per block along K: the largest power of two leaving >= 16 blocks per SM."""
     gr, gc = dev.grid
+    sms = sm_count() if sms is None else sms
     for chunk in (32, 16, 8, 4):
         if gr * -(-gc // chunk) >= 16 * sms:
             return chunk
@@ -65,12 +66,14 @@ def v2_default_config(dev: DeviceTiledCBC) -> tuple[int, int]:
     return next((w, s) for b, w, s in V2_CONFIGS if b == bits)
 
 
-def _resident_blocks(dev: DeviceTiledCBC, warps: int, stages: int, sms: int) -> int:
+def _resident_blocks(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None) -> int:
+    """Blocks of the v2 kernel that fit on the GPU at once (shared memory and threads per SM)."""
     smem = v2_smem(dev, warps, stages)
-    return sms * max(1, min(SMEM_PER_SM // (smem + 1024), 2048 // (32 * warps)))
+    return (sm_count() if sms is None else sms) * max(1, min(SMEM_PER_SM // (smem + 1024), 2048 // (32 * warps)))
 
 
-def v2_default_chunk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int = 132, scale: float = 1.0) -> int:
+def v2_default_chunk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None = None,
+                     scale: float = 1.0) -> int:
     """GTiles per block: ``scale`` = 1 makes one resident wave (as many blocks as fit on the GPU at once,
     each warp streaming an equal share of its GTile row); ``scale`` < 1 makes 1/scale waves of smaller blocks."""
     gr, gc = dev.grid
@@ -82,7 +85,7 @@ STREAMK_MAX_FILL = 0.9  # stream-K when a split-K launch would leave >= 10% of t
 STREAMK_MIN_SHARE = 32  # ...and each stream-K block gets at least this many GTiles (docs/kernels.md, H200 study)
 
 
-def use_streamk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int = 132) -> bool:
+def use_streamk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None = None) -> bool:
     """The default launch: stream-K where split-K fills the GPU badly and the layer is large (below the
     share bound a block's second segment, a pipeline restart and one more reduction, costs more than it saves)."""
     gr, gc = dev.grid
@@ -91,7 +94,8 @@ def use_streamk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int = 132) ->
     return fill < STREAMK_MAX_FILL and gr * gc >= STREAMK_MIN_SHARE * resident
 
 
-def streamk_blocks(dev: DeviceTiledCBC, warps: int, stages: int, sms: int = 132, scale: float = 1.0) -> int:
+def streamk_blocks(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None = None,
+                   scale: float = 1.0) -> int:
     """Blocks of a stream-K launch: one resident wave (``scale`` < 1: 1/scale waves), at least ``warps`` GTiles
     each, so that every block's share of the T GTiles differs from the others' by at most one GTile."""
     gr, gc = dev.grid

@@ -428,8 +428,19 @@ def test_default_spmspv_launch_takes_stream_k_only_for_large_badly_filled_layers
     def layer(m, k):
         return SimpleNamespace(grid=(-(-m // 256), -(-k // 16)), bits=None, max_gtile_value_bytes=lambda: 4400)
 
-    assert use_streamk(layer(28672, 8192), 4, 2)
-    assert use_streamk(layer(49152, 12288), 4, 2)
-    assert not use_streamk(layer(4096, 4096), 4, 2)
-    assert not use_streamk(layer(8192, 8192), 4, 2)
-    assert v2_default_chunk(layer(28672, 8192), 4, 2) == 103  # 5 splits x 112 rows
+    assert use_streamk(layer(28672, 8192), 4, 2, sms=132)
+    assert use_streamk(layer(49152, 12288), 4, 2, sms=132)
+    assert not use_streamk(layer(4096, 4096), 4, 2, sms=132)
+    assert not use_streamk(layer(8192, 8192), 4, 2, sms=132)
+    assert v2_default_chunk(layer(28672, 8192), 4, 2, sms=132) == 103  # 5 splits x 112 rows
+    # grids follow the device's SM count (a 58-SM GPU: 290 block slots, 2 splits of 256 GTiles)
+    assert v2_default_chunk(layer(28672, 8192), 4, 2, sms=58) == 256
+    assert use_streamk(layer(28672, 8192), 4, 2, sms=58) and not use_streamk(layer(4096, 4096), 4, 2, sms=58)
+
+
+def test_launch_rules_size_grids_by_the_device_sm_count():
+    from unionsparse.kernels.tiled_cbc_device import H200_SMS, cupy_or_none, sm_count
+
+    cp = cupy_or_none()
+    expected = H200_SMS if cp is None else cp.cuda.Device().attributes["MultiProcessorCount"]
+    assert sm_count() == expected
