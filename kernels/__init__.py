@@ -45,6 +45,26 @@ def available() -> bool:
 
 gpu_available = available
 
+H200_SMS = 132  # the benchmark machine's SM count: what the launch rules use where no GPU is visible
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current CUDA device (the kernels' launch rules size grids by it);
+    H200_SMS without a GPU, so that the rules can be checked on any machine. No driver call after the first
+    per device (launches may be captured into CUDA graphs)."""
+    if not available():
+        return H200_SMS
+    import cupy
+
+    return _device_sm_count(cupy.cuda.Device().id)
+
+
+@cache
+def _device_sm_count(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
 
 def __getattr__(name: str):
     # lazy: importing the package must not import numba, cupy or torch
@@ -67,5 +87,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'unionsparse.kernels' has no attribute {name!r}")
 
 
-__all__ = ["available", "check_iebme_layer", "gpu_available", "iebme_partial_sums", "iebme_spmm_reference",
-           "prepare_layer", "quantize_activations", "spmm_iebme"]
+__all__ = ["H200_SMS", "available", "check_iebme_layer", "gpu_available", "iebme_partial_sums",
+           "iebme_spmm_reference", "prepare_layer", "quantize_activations", "sm_count", "spmm_iebme"]

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..formats.iebme import IEBMEMatrix
+from . import sm_count
 from .cluster_launch import launch_cluster
 from .iebme_reference import check_group_size
 
@@ -116,12 +117,6 @@ def _compiled(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: i
     fn.max_dynamic_shared_size_bytes = SMEM_CTA - static_smem(nstage, warps)
     fn.preferred_shared_memory_carveout = 100  # all of L1 as shared memory: the most CTAs per SM
     return fn
-
-
-@cache
-def _sm_count() -> int:
-    cp = _cupy()
-    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
 
 
 @dataclass
@@ -257,7 +252,7 @@ def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int 
     if splits is not None:
         return rounded(-(-layer.tc // max(1, splits)))
     grid_x = -(-layer.tr // config(n, warps)[1])
-    slots = _sm_count() * ctas_per_sm(layer, n, cap, warps)
+    slots = sm_count() * ctas_per_sm(layer, n, cap, warps)
     best, best_cost = cap, None
     for s in range(-(-layer.tc // cap), 4 * -(-layer.tc // cap) + 8):
         c = rounded(-(-layer.tc // s))
@@ -271,7 +266,7 @@ def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int 
 def waves(layer: DeviceLayer, n: int, chunk: int, warps: int) -> int:
     """Waves of CTAs a launch of this chunk and CTA size needs on this GPU."""
     ctas = -(-layer.tr // warps) * -(-layer.tc // chunk)
-    return -(-ctas // (_sm_count() * ctas_per_sm(layer, n, chunk, warps)))
+    return -(-ctas // (sm_count() * ctas_per_sm(layer, n, chunk, warps)))
 
 
 @dataclass(frozen=True)

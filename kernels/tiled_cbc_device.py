@@ -32,27 +32,6 @@ def cupy_or_none():
         return None
 
 
-H200_SMS = 132  # the benchmark machine's SM count, used by the launch rules where no GPU is visible
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the current CUDA device (the launch rules size grids by it); H200_SMS
-    without a GPU, so that the rules can be checked on any machine. No driver call after the first (launches
-    may be captured into CUDA graphs)."""
-    cp = _cupy_once()
-    return H200_SMS if cp is None else _device_sm_count(cp.cuda.Device().id)
-
-
-@cache
-def _cupy_once():
-    return cupy_or_none()
-
-
-@cache
-def _device_sm_count(device: int) -> int:
-    return int(_cupy().cuda.Device(device).attributes["MultiProcessorCount"])
-
-
 def _cupy():
     cp = cupy_or_none()
     if cp is None:

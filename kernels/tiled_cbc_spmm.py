@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import sm_count
 from .cublas_gemm import OP_N, OP_T, gemm_f16
-from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module, sm_count
+from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
 
 GK = 2
 CONFIGS = {128: 1, 64: 2}  # v1: BN -> min blocks per SM (launch bounds)

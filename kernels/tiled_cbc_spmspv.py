@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module, sm_count
+from . import sm_count
+from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
 
 NW = 4  # default warps per block
 WARPS = (4, 8)

@@ -143,7 +143,7 @@ def test_launch_plan_takes_wide_ctas_only_when_they_need_fewer_waves(monkeypatch
     from unionsparse.kernels import iebme_spmm as ks
 
     monkeypatch.setattr(ks, "_kernel", lambda *a, **k: SimpleNamespace(num_regs=64))
-    monkeypatch.setattr(ks, "_sm_count", lambda: 1)
+    monkeypatch.setattr(ks, "sm_count", lambda: 1)
     m, k = 512, 8192
     layer = ks.DeviceLayer(shape=(m, k), bits=4, group_size=128, n_groups=k // 128, values=None, bitmaps=None,
                            offsets=None, pinv=None, wsT=None, ws_acc=None, counters=None, tr=m // 16, tc=k // 64,
@@ -157,7 +157,7 @@ def test_launch_plan_takes_wide_ctas_only_when_they_need_fewer_waves(monkeypatch
     monkeypatch.setenv("UNIONSPARSE_IEBME_WARPS", "8")
     assert ks.plan(layer, 8).warps == 8
     monkeypatch.delenv("UNIONSPARSE_IEBME_WARPS")
-    monkeypatch.setattr(ks, "_sm_count", lambda: 132)
+    monkeypatch.setattr(ks, "sm_count", lambda: 132)
     assert ks.plan(layer, 8).warps == 8
     assert not ks.single_chunk(layer, 8)  # 128 tiles of K never fit one chunk (at most 124)
 
@@ -273,7 +273,7 @@ def test_gpu_wide_ctas_when_they_need_fewer_waves(monkeypatch):
     _, mat = random_layer(rng, m, k, 4, perm="none")
     ws = (rng.random((m, k // gs)) + 0.5).astype(np.float16)
     layer = ks.prepare_layer(mat, ws, gs)
-    monkeypatch.setattr(ks, "_sm_count", lambda: 1)
+    monkeypatch.setattr(ks, "sm_count", lambda: 1)
     p8 = ks.plan(layer, 8)
     assert p8.warps == ks.WIDE_WARPS and p8.chunk > ks.chunk_for(layer, 8, warps=8)
     assert ks.waves(layer, 8, p8.chunk, p8.warps) < ks.waves(layer, 8, ks.chunk_for(layer, 8, warps=8), 8)

@@ -439,7 +439,8 @@ def test_default_spmspv_launch_takes_stream_k_only_for_large_badly_filled_layers
 
 
 def test_launch_rules_size_grids_by_the_device_sm_count():
-    from unionsparse.kernels.tiled_cbc_device import H200_SMS, cupy_or_none, sm_count
+    from unionsparse.kernels import H200_SMS, sm_count
+    from unionsparse.kernels.tiled_cbc_device import cupy_or_none
 
     cp = cupy_or_none()
     expected = H200_SMS if cp is None else cp.cuda.Device().attributes["MultiProcessorCount"]
