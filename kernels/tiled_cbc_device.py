@@ -40,10 +40,11 @@ def _cupy():
 
 
 @cache
-def load_module(name: str, expressions: tuple[str, ...]):
-    """Compile ``kernels/<name>.cu`` with NVRTC for the current device (cached per process)."""
+def load_module(name: str, expressions: tuple[str, ...], source: str = ""):
+    """Compile ``kernels/<name>.cu`` (or the file ``source``, another revision of it, for same-process A/B
+    timings) with NVRTC for the current device (cached per process)."""
     cp = _cupy()
-    src = (_HERE / f"{name}.cu").read_text()
+    src = Path(source or _HERE / f"{name}.cu").read_text()
     return cp.RawModule(code=src, options=("-std=c++17",), name_expressions=list(expressions))
 
 

@@ -253,7 +253,8 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv(
 // kernel); warp w takes the segment's GTiles w, w + NW, ... Each warp owns a ring of D slots, one GTile per
 // slot:
 //   [0, 512)      the 16 column bitmaps (32 B each, by column index; inactive columns are not copied)
-//   [512, 768)    the compacted active-column list: {x_k (f32 bits), start (values), column, 16-B chunks}
+//   [512, 768)    the compacted active-column list: {x_k (f32 bits), start in values, column | 16-B chunks
+//                 << 8, start in bytes} (start: of the column's run in the GTile)
 //   [768, 1280)   BITS < 16 only: the lane's 8 group scales (16 B per lane, one group per GTile)
 //   [VOFF, ...)   the GTile's values at their in-GTile offsets (only active columns' runs are copied)
 // Issue (GTile j + D - 1, metadata loaded one GTile earlier into registers): lanes 0..15 test their
@@ -348,8 +349,9 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 const u32 toff = __shfl_sync(0xFFFFFFFFu, m_toff, TILE_K);
                 if (act) {
                     const int p = __popc(b & ((1u << lane) - 1u));
-                    *reinterpret_cast<uint4*>(slot + H::LIST + 16 * p) =
-                        make_uint4(__float_as_uint(xf), m_ci >> 16, (u32)lane, (nnz * BITS + 127u) >> 7);
+                    const u32 start = m_ci >> 16;
+                    *reinterpret_cast<uint4*>(slot + H::LIST + 16 * p) = make_uint4(
+                        __float_as_uint(xf), start, (u32)lane | ((nnz * BITS + 127u) >> 7) << 8, start * BITS / 8);
                 }
                 if ((b >> (lane >> 1)) & 1u)
                     cp_async16(slot + 16 * lane, bitmap + (size_t)gt * (TILE_K * 4) + 2 * lane);
@@ -359,13 +361,15 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 const int n = __popc(b);
                 constexpr int CPP = 32 / H::MAXCH;
                 const int sub = lane / H::MAXCH, jj = lane % H::MAXCH;
-                const unsigned char* src = values + (size_t)toff * BITS / 8;
+                // lane jj of sub-group sub copies 16-byte chunk jj of the sub-group's columns: the addresses of
+                // chunk jj of the GTile are formed once, a column adds its run's byte offset (one 8-byte LDS of
+                // {column | chunks << 8, byte offset}; jj < chunks <=> (jj + 1) << 8 <= that word)
+                const unsigned char* src = values + (size_t)toff * BITS / 8 + 16 * jj;
+                const u32 dst = smem_addr(slot + H::VOFF) + 16 * jj, need = (u32)(jj + 1) << 8;
                 for (int i = sub; i < n; i += CPP) {
-                    const uint4 e = lds128(slot + H::LIST + 16 * i);
-                    if (jj < (int)e.w) {
-                        const u32 o = e.y * BITS / 8 + 16 * jj;
-                        cp_async16(slot + H::VOFF + o, src + o);
-                    }
+                    const uint2 e = *reinterpret_cast<const uint2*>(slot + H::LIST + 16 * i + 8);  // 8-aligned
+                    if (need <= e.x)
+                        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + e.y), "l"(src + e.y));
                 }
             }
             cp_commit();
@@ -409,7 +413,7 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
             for (int i = 0; i < n; ++i) {
                 const uint4 e = lds128(slot + H::LIST + 16 * i);
                 const float xk = __uint_as_float(e.x);
-                const int c = (int)e.z;
+                const int c = (int)(e.z & 0xFFu);
                 const u32 pc = __shfl_sync(0xFFFFFFFFu, P, 2 * c + src_h);
                 const u32 w32 = *reinterpret_cast<const u32*>(slot + 32 * c + 4 * (lane >> 2));
                 const int rank = (int)((pc >> bsh) & 0xFFu) + __popc(w32 & below);

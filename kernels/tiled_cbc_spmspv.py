@@ -9,6 +9,8 @@ the same-machine baseline of the benchmark.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import sm_count
@@ -31,8 +33,13 @@ _SMEM_SET: dict[str, int] = {}
 SMEM_PER_SM = 227 * 1024
 
 
+def _source() -> str:
+    """Studies only: UNIONSPARSE_TCBC_SOURCE=path compiles another revision of the .cu (same launch ABI)."""
+    return os.environ.get("UNIONSPARSE_TCBC_SOURCE", "")
+
+
 def _module():
-    return load_module("tiled_cbc_spmspv", _EXPR)
+    return load_module("tiled_cbc_spmspv", _EXPR, _source())
 
 
 def _slot_bytes(bits: int) -> int:
@@ -177,9 +184,10 @@ def spmspv(
             nparts = grid[0]
         name = f"tcbc_spmspv2<{bits}, {warps}, {stages}" + (">" if mode == 0 else f", {mode}>")
         f = _module().get_function(name)
-        if _SMEM_SET.get(name, -1) < smem:  # once per size: no driver call while a graph is captured
+        key = f"{_source()}:{name}"
+        if _SMEM_SET.get(key, -1) < smem:  # once per size: no driver call while a graph is captured
             f.max_dynamic_shared_size_bytes = smem
-            _SMEM_SET[name] = smem
+            _SMEM_SET[key] = smem
         f(grid, (warps * 32,),
           (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u8, x, t, scales, np.int32(group), np.int32(gc),
            np.int32(M), np.int32(K), np.int32(dev.Mp), np.int32(chunk), np.int32(slot), np.int32(streamk),

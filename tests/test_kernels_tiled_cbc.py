@@ -374,6 +374,9 @@ def test_spmspv_mode_study_checks_arguments_and_summarizes_without_a_gpu():
     r = subprocess.run([sys.executable, str(script), "--statics", "0.5,1.2"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "expected sparsities in [0, 1)" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, str(script), "--baseline", "/nonexistent/old.cu"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "is not a file" in r.stderr and "Traceback" not in r.stderr
     spec = importlib.util.spec_from_file_location("study_spmspv_modes", script)
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
