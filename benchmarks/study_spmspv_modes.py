@@ -1,7 +1,7 @@
 """Same-run comparison of spMspV v2 launch settings and value decodes over the SpInfer corpus (H200).
 
     python benchmarks/study_spmspv_modes.py [--statics 0.5,0.3] [--quick] [--out DIR] [--name study.json]
-        [--baseline old_tiled_cbc_spmspv.cu]
+        [--baseline old_tiled_cbc_spmspv.cu ...]
 
 Every setting is timed on every shape in the same process beside cuBLAS fp16 GEMV (``bench_spmspv`` of
 ``unionsparse.kernels.tiled_cbc_bench``: CUDA graphs, weights rotated beyond L2, median), after a reference
@@ -60,11 +60,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="4 shapes")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="tiled_cbc_h200_spmspv_modes.json")
-    ap.add_argument("--baseline", default="", help="another revision of kernels/tiled_cbc_spmspv.cu: its split-K "
-                    "and default launches are timed too, labelled /base (UNIONSPARSE_TCBC_SOURCE)")
+    ap.add_argument("--baseline", action="append", default=[], help="another revision of kernels/"
+                    "tiled_cbc_spmspv.cu (repeatable): its split-K and default launches are timed too, labelled "
+                    "/<file stem> (UNIONSPARSE_TCBC_SOURCE)")
     args = ap.parse_args(argv)
-    if args.baseline and not Path(args.baseline).is_file():
-        ap.error(f"--baseline {args.baseline!r} is not a file")
+    for b in args.baseline:
+        if not Path(b).is_file():
+            ap.error(f"--baseline {b!r} is not a file")
     import cupy as cp
     import torch
     from unionsparse.kernels.tiled_cbc_bench import SPINFER, bench_spmspv, machine_info
@@ -75,10 +77,10 @@ def main(argv=None) -> int:
         print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
 
     cands = [dict(warps=w, stages=s, scale=x, mode=m, streamk=k) for w, s, x, m, k in SETTINGS]
-    if args.baseline:
-        base = str(Path(args.baseline).resolve())
-        cands += [dict(warps=4, stages=2, scale=1.0, mode=0, streamk=k, env={"UNIONSPARSE_TCBC_SOURCE": base},
-                       tag="/base") for k in (False, None)]
+    for b in args.baseline:
+        env = {"UNIONSPARSE_TCBC_SOURCE": str(Path(b).resolve())}
+        cands += [dict(warps=4, stages=2, scale=1.0, mode=0, streamk=k, env=env, tag=f"/{Path(b).stem}")
+                  for k in (False, None)]
     res = dict(command="python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
                machine=machine_info(cp, torch), settings=[list(s) for s in SETTINGS], runs={})
     shapes = SPINFER[:4] if args.quick else SPINFER

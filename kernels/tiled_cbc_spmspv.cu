@@ -43,6 +43,40 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+// v2's copies on sm_90: cp.async.bulk (the TMA engine) completing on one mbarrier per ring slot; before sm_90,
+// or with -DTCBC_BULK=0, 16-byte cp.async by every lane in commit groups.
+#ifndef TCBC_BULK
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TCBC_BULK 1
+#else
+#define TCBC_BULK 0
+#endif
+#endif
+#ifndef TCBC_WHOLE_BITMAP
+#define TCBC_WHOLE_BITMAP 0
+#endif
+#if TCBC_BULK
+__device__ __forceinline__ void mbar_init(u32 bar) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar)); }
+__device__ __forceinline__ void mbar_expect_arrive(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}"
+                 ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// two bulk copies on one mbarrier, in one asm statement: issued from divergent lanes, the copy's operands go
+// through uniform registers one lane at a time, and one statement makes that one loop for both copies
+__device__ __forceinline__ void bulk_copy2(u32 dst0, const void* src0, u32 bytes0, u32 dst1, const void* src1,
+                                           u32 bytes1, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%6];\n"
+                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%3], [%4], %5, [%6];"
+                 ::"r"(dst0), "l"(src0), "r"(bytes0), "r"(dst1), "l"(src1), "r"(bytes1), "r"(bar) : "memory");
+}
+#endif
 __device__ __forceinline__ float ld_cg(const float* p) {
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -253,14 +287,18 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv(
 // kernel); warp w takes the segment's GTiles w, w + NW, ... Each warp owns a ring of D slots, one GTile per
 // slot:
 //   [0, 512)      the 16 column bitmaps (32 B each, by column index; inactive columns are not copied)
-//   [512, 768)    the compacted active-column list: {x_k (f32 bits), start in values, column | 16-B chunks
-//                 << 8, start in bytes} (start: of the column's run in the GTile)
+//   [512, 768)    the compacted active-column list, one 16-B entry per active column c: {x_k (f32 bits),
+//                 32 c (its bitmap's offset in the slot), 32 c | 16-B chunks << 16, start in bytes (of its
+//                 run in the GTile)}; fields pre-scaled so that the decode spends no instruction on them
 //   [768, 1280)   BITS < 16 only: the lane's 8 group scales (16 B per lane, one group per GTile)
 //   [VOFF, ...)   the GTile's values at their in-GTile offsets (only active columns' runs are copied)
 // Issue (GTile j + D - 1, metadata loaded one GTile earlier into registers): lanes 0..15 test their
-// column (|x_k| > tau, nnz > 0), a ballot + popcount compacts the active ones into the list, lane l
+// column (|x_k| > tau, nnz > 0), a ballot + popcount compacts the active ones into the list. sm_90: the lane
+// of the first column of each run of consecutive active columns issues two bulk copies (the run's bitmaps,
+// its values: consecutive columns' value runs are adjacent), after lane 0 has set the slot's mbarrier to
+// expect their bytes (a warp sum); about 4 runs per GTile at 30% dynamic sparsity. Before sm_90: lane l
 // copies bitmap chunk l (16 B) if its column is active, then 32 lanes copy the active runs, 32 / (2 BITS)
-// columns per pass (fp16: a full 256-row column is exactly 32 x 16 B). One commit per GTile.
+// columns per pass (fp16: a full 256-row column is exactly 32 x 16 B), one commit group per GTile.
 // Decode (GTile j, after one wait + __syncwarp): lane l loads bitmap chunk l, popcounts its 4 words and
 // packs the column's prefix popcounts of u32 words 4h..4h+3 into one register (bytes); per active column
 // a lane then needs one shuffle (prefix of its bitmap word) + one LDS.32 (its word) + one popcount for
@@ -290,6 +328,16 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
     __shared__ int last_s;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#if TCBC_BULK
+    __shared__ __align__(8) u64 mbar[NW][D];  // one per ring slot; slot s's phase parity is bit s of `ph`
+    const u32 bar0 = smem_addr(&mbar[warp][0]);
+    u32 ph = 0u;
+    if (lane == 0) {
+        for (int s = 0; s < D; ++s) mbar_init(bar0 + 8 * s);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+#endif
     // The block's GTiles in the row-major order of the GTile grid: split-K, one row's chunk blockIdx.x of
     // `chunk` GTiles (grid splits x rows); stream-K (`streamk` != 0, a 1-D grid of B blocks), the equal share
     // [b T / B, (b + 1) T / B) of all T GTiles, which may start and end inside rows. Each row the range meets
@@ -349,23 +397,50 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 const u32 toff = __shfl_sync(0xFFFFFFFFu, m_toff, TILE_K);
                 if (act) {
                     const int p = __popc(b & ((1u << lane) - 1u));
-                    const u32 start = m_ci >> 16;
-                    *reinterpret_cast<uint4*>(slot + H::LIST + 16 * p) = make_uint4(
-                        __float_as_uint(xf), start, (u32)lane | ((nnz * BITS + 127u) >> 7) << 8, start * BITS / 8);
+                    const u32 start = m_ci >> 16, c32 = 32u * (u32)lane;
+                    *reinterpret_cast<uint4*>(slot + H::LIST + 16 * p) =
+                        make_uint4(__float_as_uint(xf), c32, c32 | ((nnz * BITS + 127u) >> 7) << 16, start * BITS / 8);
                 }
-                if ((b >> (lane >> 1)) & 1u)
-                    cp_async16(slot + 16 * lane, bitmap + (size_t)gt * (TILE_K * 4) + 2 * lane);
                 if (BITS != 16) *reinterpret_cast<uint4*>(slot + H::SCL + 16 * lane) = m_sc;
                 if (lane == 0) nact[warp][j % D] = __popc(b);
+#if TCBC_BULK
+                // lane c heads a run if column c is active and c - 1 is not; the run is its L consecutive active
+                // columns, whose values end where the last one's 16-byte chunks end
+                const u32 sb = (m_ci >> 16) * BITS / 8, endb = sb + 16u * ((nnz * BITS + 127u) >> 7);
+                const int L = __ffs(~(b >> lane)) - 1;
+                const u32 rend = __shfl_sync(0xFFFFFFFFu, endb, (lane + L - 1) & 31);
+                const bool head = act && !(((b << 1) >> lane) & 1u);
+                const u32 vb = head ? rend - sb : 0u, bb = head ? 32u * (u32)L : 0u;
+                const u32 bar = bar0 + 8 * (j % D);
+#if TCBC_WHOLE_BITMAP  // study variant: lane 0 copies all 16 bitmaps (512 B) in one bulk copy, heads the values
+                const u32 tot = __reduce_add_sync(0xFFFFFFFFu, vb) + (b ? 512u : 0u);
+                if (lane == 0) {
+                    mbar_expect_arrive(bar, tot);
+                    if (b) bulk_copy(smem_addr(slot), bitmap + (size_t)gt * (TILE_K * 4), 512u, bar);
+                }
+                __syncwarp();
+                if (head) bulk_copy(smem_addr(slot + H::VOFF) + sb, values + (size_t)toff * BITS / 8 + sb, vb, bar);
+#else
+                const u32 tot = __reduce_add_sync(0xFFFFFFFFu, vb + bb);
+                if (lane == 0) mbar_expect_arrive(bar, tot);
+                __syncwarp();
+                if (head)
+                    bulk_copy2(smem_addr(slot) + 32u * lane, bitmap + (size_t)gt * (TILE_K * 4) + 4 * lane, bb,
+                               smem_addr(slot + H::VOFF) + sb, values + (size_t)toff * BITS / 8 + sb, vb, bar);
+#endif
+            }
+#else
+                if ((b >> (lane >> 1)) & 1u)
+                    cp_async16(slot + 16 * lane, bitmap + (size_t)gt * (TILE_K * 4) + 2 * lane);
                 __syncwarp();
                 const int n = __popc(b);
                 constexpr int CPP = 32 / H::MAXCH;
                 const int sub = lane / H::MAXCH, jj = lane % H::MAXCH;
                 // lane jj of sub-group sub copies 16-byte chunk jj of the sub-group's columns: the addresses of
                 // chunk jj of the GTile are formed once, a column adds its run's byte offset (one 8-byte LDS of
-                // {column | chunks << 8, byte offset}; jj < chunks <=> (jj + 1) << 8 <= that word)
+                // {32 c | chunks << 16, byte offset}; jj < chunks <=> (jj + 1) << 16 <= that word)
                 const unsigned char* src = values + (size_t)toff * BITS / 8 + 16 * jj;
-                const u32 dst = smem_addr(slot + H::VOFF) + 16 * jj, need = (u32)(jj + 1) << 8;
+                const u32 dst = smem_addr(slot + H::VOFF) + 16 * jj, need = (u32)(jj + 1) << 16;
                 for (int i = sub; i < n; i += CPP) {
                     const uint2 e = *reinterpret_cast<const uint2*>(slot + H::LIST + 16 * i + 8);  // 8-aligned
                     if (need <= e.x)
@@ -373,13 +448,16 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 }
             }
             cp_commit();
+#endif
         };
 
         float acc[8];
 #pragma unroll
         for (int r = 0; r < 8; ++r) acc[r] = 0.f;
-        const int src_h = lane >> 4, bsh = 8 * ((lane >> 2) & 3), sh = 8 * (lane & 3);
-        const u32 below = (1u << sh) - 1u;
+        // per lane: rows 8 lane .. 8 lane + 7 = byte lane & 3 of u32 word lane >> 2 of a column's bitmap, whose
+        // prefix popcount is byte (lane >> 2) & 3 of the P of lane 2 c + (lane >> 4)
+        const int src_h = lane >> 4, sh = 8 * (lane & 3);
+        const u32 below = (1u << sh) - 1u, bsel = 0x4440u | ((u32)(lane >> 2) & 3u);
 
         load_meta(0);
 #pragma unroll
@@ -390,7 +468,12 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
         for (int j = 0; j < mine; ++j) {
             issue(j + D - 1);
             load_meta(j + D);
+#if TCBC_BULK
+            mbar_wait(bar0 + 8 * (j % D), (ph >> (j % D)) & 1u);
+            ph ^= 1u << (j % D);
+#else
             cp_wait<D - 1>();
+#endif
             __syncwarp();
             const unsigned char* slot = ring + (j % D) * slot_bytes;
             const int n = nact[warp][j % D];
@@ -409,14 +492,18 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                     sc[2 * t + 1] = h2f((u16)(sw[t] >> 16));
                 }
             }
-#pragma unroll 2
-            for (int i = 0; i < n; ++i) {
-                const uint4 e = lds128(slot + H::LIST + 16 * i);
+            const unsigned char* bm = slot + 4 * (lane >> 2);
+            // unroll 1: unrolled twice, the compiler routed the predicated FMAs of the first copy through
+            // moves (64 instead of 59 SASS instructions per column)
+            const unsigned char* const list = slot + H::LIST;
+#pragma unroll 1
+            for (int o = 0; o < 16 * n; o += 16) {
+                const uint4 e = lds128(list + o);
                 const float xk = __uint_as_float(e.x);
-                const int c = (int)(e.z & 0xFFu);
-                const u32 pc = __shfl_sync(0xFFFFFFFFu, P, 2 * c + src_h);
-                const u32 w32 = *reinterpret_cast<const u32*>(slot + 32 * c + 4 * (lane >> 2));
-                const int rank = (int)((pc >> bsh) & 0xFFu) + __popc(w32 & below);
+                // e.z >> 4 = 2 c | chunks << 12: shfl.idx reads the source lane from bits 4:0 alone (PTX ISA)
+                const u32 pc = __shfl_sync(0xFFFFFFFFu, P, (int)((e.z >> 4) + (u32)src_h));
+                const u32 w32 = *reinterpret_cast<const u32*>(bm + e.y);
+                const int rank = (int)__byte_perm(pc, 0u, bsel) + __popc(w32 & below);
                 const u32 byte = (w32 >> sh) & 0xFFu;
                 if (MODE == 1) {
                     acc[0] += (float)(rank + (int)byte) * xk;
@@ -424,7 +511,7 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                     // wide decode: two conflict-free LDS.128 hold the lane's <= 8 values (16 halves from the
                     // aligned chunk of its first value), a 3-stage shifter aligns them, and each set bit
                     // consumes the lowest half of a shift register (only the registers still needed shift).
-                    const int s = (int)e.y + rank;
+                    const int s = (int)(e.w >> 1) + rank;
                     const uint4* vc = reinterpret_cast<const uint4*>(slot + H::VOFF) + (s >> 3);
                     const uint4 A = vc[0], B = vc[1];
                     const int o = s & 7;
@@ -450,7 +537,7 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                         }
                     }
                 } else if (BITS == 16) {
-                    const u16* v = reinterpret_cast<const u16*>(slot + H::VOFF) + e.y + rank;
+                    const u16* v = reinterpret_cast<const u16*>(slot + H::VOFF + e.w) + rank;
 #pragma unroll
                     for (int r = 0; r < 8; ++r) {
                         if (byte & (1u << r)) {
@@ -461,7 +548,7 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 } else {
                     constexpr int PER = 32 / BITS;
                     const u32* vw = reinterpret_cast<const u32*>(slot + H::VOFF);
-                    const int s = (int)e.y + rank;
+                    const int s = (int)(e.w * 8u / BITS) + rank;
                     const u32 lo = vw[s / PER], hi = vw[s / PER + 1];  // PER is a power of two: shifts
                     u32 win = __funnelshift_r(lo, hi, (s % PER) * BITS);
 #pragma unroll
@@ -476,7 +563,9 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
             }
             __syncwarp();  // all lanes are done with this slot before a later issue overwrites it
         }
+#if !TCBC_BULK
         cp_wait<0>();
+#endif
         __syncthreads();
 
         // reduce warps, then the row's parts (the host sizes smem for the NW * 256-float reduction)

@@ -305,6 +305,46 @@ def test_gpu_quantized_spmspv_every_chunk(bits, g):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("defines", ["", "#define TCBC_BULK 0", "#define TCBC_WHOLE_BITMAP 1"])
+def test_gpu_spmspv_copy_paths(defines, tmp_path, monkeypatch):
+    """v2's copies: bulk copies per run of active columns (sm_90), 16-byte cp.async (before sm_90, forced
+    here), and the study variant that copies all bitmaps: fp16 and int4, split-K and stream-K, runs of
+    active columns that start, end and span GTiles, all-inactive GTiles."""
+    from pathlib import Path
+
+    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
+    from unionsparse.kernels.tiled_cbc_spmspv import spmspv
+
+    src = tmp_path / "variant.cu"
+    kernel = Path(__file__).resolve().parents[1] / "kernels" / "tiled_cbc_spmspv.cu"
+    src.write_text(defines + "\n" + kernel.read_text())
+    monkeypatch.setenv("UNIONSPARSE_TCBC_SOURCE", str(src))
+    rng = np.random.default_rng(17)
+    for bits in (16, 4):
+        if bits == 16:
+            W = _fp16_layer(rng, 700, 1100, 0.5)
+            W[:, 32:48] = 0  # a GTile column with no nonzero: never active
+            dev, w64 = DeviceTiledCBC(tiled_cbc.encode(W)), W.astype(np.float64)
+        else:
+            q, sc = _int_layer(rng, 700, 1100, 0.5, 4, 64)
+            m = tiled_cbc.encode(q, bits=4)
+            dev, w64 = DeviceTiledCBC(m, sc, 64), dense_weights_f64(m, sc, 64)
+        for tau in (0.0, 0.5, 1.2):
+            x = rng.standard_normal(1100).astype(np.float16)
+            x[64:80] = 0  # a fully inactive GTile column
+            xe = np.where(np.abs(x.astype(np.float32)) > tau, x.astype(np.float64), 0)
+            tol = tolerance(w64, xe[None])[0]
+            for kw in (dict(chunk=1, streamk=False), dict(chunk=5, streamk=False), dict(streamk=True, blocks=7),
+                       dict(streamk=None), dict(stages=3, streamk=False), dict(warps=8, streamk=True)):
+                if bits != 16 and kw.get("warps") == 8:  # int4: 4 warps only
+                    continue
+                out = cp.full(700, cp.nan, cp.float32)
+                y = cp.asnumpy(spmspv(dev, cp.asarray(x), tau, out=out, **kw))
+                assert (np.abs(y - w64 @ xe) <= tol).all(), (defines, bits, tau, kw)
+
+
+@gpu
+@pytest.mark.gpu
 def test_encode_on_device_matches_cpu_encoder():
     from unionsparse.kernels.tiled_cbc_device import encode_on_device
 
@@ -340,9 +380,11 @@ def _nvrtc():
     return None
 
 
-@pytest.mark.parametrize("name", ["tiled_cbc_spmspv.cu", "tiled_cbc_spmm.cu"])
-def test_kernel_source_compiles_for_sm90(name):
-    """Front-end compile (PTX for compute_90, no GPU) of every explicitly instantiated kernel."""
+@pytest.mark.parametrize("name,arch", [("tiled_cbc_spmspv.cu", "compute_90"), ("tiled_cbc_spmspv.cu", "compute_80"),
+                                       ("tiled_cbc_spmm.cu", "compute_90")])
+def test_kernel_source_compiles(name, arch):
+    """Front-end compile (PTX, no GPU) of every explicitly instantiated kernel; spMspV also before sm_90,
+    where its copies take the cp.async path."""
     import ctypes
     from pathlib import Path
 
@@ -352,7 +394,7 @@ def test_kernel_source_compiles_for_sm90(name):
     src = (Path(__file__).resolve().parents[1] / "kernels" / name).read_bytes()
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name.encode(), 0, None, None) == 0
-    opts = [b"-arch=compute_90", b"-std=c++17"]
+    opts = [f"-arch={arch}".encode(), b"-std=c++17"]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
