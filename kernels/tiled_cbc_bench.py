@@ -9,8 +9,11 @@ warm-up replay; the median over replays, divided by the launches per graph, is r
 Weights: random fp16 with a uniformly random mask at the static sparsity, encoded on the GPU
 (``encode_on_device``, byte-identical to ``tiled_cbc.encode``, checked in the tests); x ~ N(0, 1) with
 tau = its own 30% quantile of |x| (``tau_from_samples``), so exactly 30% of the inputs are inactive.
+spMspV also runs on int4 values (``--spmspv-bits``, default 16,4): random nonzero codes with fp16 scales per
+128 inputs (W4A16), beside the same cuBLAS fp16 GEMV.
 
-    python benchmarks/bench_tiled_cbc.py [--quick] [--no-spmm] [--no-spmspv] [--out benchmarks/results]
+    python benchmarks/bench_tiled_cbc.py [--quick] [--no-spmm] [--no-spmspv] [--spmspv-bits 16,4]
+        [--out benchmarks/results]
 
 ``bench_rows`` is the entry point for ``unionsparse bench --format tiled-cbc`` (kernels/bench.py).
 """
@@ -178,25 +181,45 @@ def random_weights(cp, M, K, sparsity, seed):
     return W
 
 
+def random_codes(cp, M, K, sparsity, bits, group, seed):
+    """Nonzero signed ``bits``-bit codes (int8) with a uniformly random mask at ``sparsity``, and fp16 group
+    scales [M, ceil(K / group)]."""
+    rs = cp.random.RandomState(seed)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = rs.randint(lo, hi, size=(M, K)).astype(cp.int8)  # lo .. hi - 1, then 0 .. hi - 1 -> 1 .. hi
+    q += (q >= 0).astype(cp.int8)
+    q[rs.random_sample((M, K), dtype=cp.float32) < sparsity] = 0
+    scales = (rs.random_sample((M, -(-K // group)), dtype=cp.float32) * 0.01 + 0.001).astype(cp.float16)
+    return q, scales
+
+
 def spmspv_candidates(bits: int = 16, full: bool = True) -> list[dict]:
     """Launch settings the benchmark tries per shape: v2 (warps, stages) x chunk scale x fp16 decode mode with
-    split-K, and stream-K at 4 and 8 warps (``full=False``: the default launch only)."""
+    split-K, and stream-K at 4 and 8 warps (``full=False``: the default launch only); for b-bit codes, the
+    configurations built for them, split-K at two chunk scales and stream-K."""
     from .tiled_cbc_spmspv import DEFAULT_MODE, V2_CONFIGS
 
     if not full:
         w, st = next((w, st) for b, w, st in V2_CONFIGS if b == bits)
         return [dict(warps=w, stages=st, scale=1.0, mode=DEFAULT_MODE, streamk=None)]
+    if bits != 16:
+        ws = [(w, st) for b, w, st in V2_CONFIGS if b == bits]
+        return [dict(warps=w, stages=st, scale=sc, mode=DEFAULT_MODE, streamk=k)
+                for w, st in ws for sc, k in ((1.0, False), (0.25, False), (1.0, True))]
     base = [(4, 2, 1.0), (4, 2, 0.25), (4, 3, 1.0), (8, 2, 1.0)]
     split = [dict(warps=w, stages=st, scale=sc, mode=m, streamk=False) for w, st, sc in base for m in (0, 2)]
     return split + [dict(warps=w, stages=2, scale=1.0, mode=0, streamk=True) for w in (4, 8)]
 
 
-def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=float("inf"), reps=5):
+def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=float("inf"), reps=5, bits=16,
+                 group=128):
+    """spMspV rows beside cuBLAS fp16 GEMV on the same shape: fp16 values (``bits`` 16) or random nonzero b-bit
+    codes with fp16 scales per ``group`` inputs (the kernel's W4A16 / W2A16 path)."""
     from ..compressor.thresholds import tau_from_samples
     from .tiled_cbc_device import DeviceTiledCBC, encode_on_device
     from .tiled_cbc_spmspv import bytes_read, spmspv, v2_default_chunk, v2_default_config
 
-    candidates = spmspv_candidates() if candidates is None else candidates
+    candidates = spmspv_candidates(bits) if candidates is None else candidates
     rows = []
     for si, (M, K) in enumerate(shapes):
         if time.time() > deadline:
@@ -220,14 +243,24 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
                     torch, lambda i, Wd=Wd, xt=xt: torch.matmul(Wd[i % len(Wd)], xt), max(10, nd), reps
                 )
                 del Wd, Wt
-            arrays = encode_on_device(W)
             xm = cp.where(cp.abs(x.astype(cp.float32)) > np.float32(tau), x.astype(cp.float32), 0)
-            ref = W.astype(cp.float32) @ xm
+            sc, gs = None, None
+            if bits == 16:
+                arrays = encode_on_device(W)
+                ref = W.astype(cp.float32) @ xm
+            else:
+                del W
+                q, sc = random_codes(cp, M, K, s, bits, group, 2000 + si)
+                arrays, gs = encode_on_device(q, bits=bits), group
+                W = q.astype(cp.float32) * cp.repeat(sc.astype(cp.float32), group, axis=1)[:, :K]
+                ref = W @ xm
+                del q
             del W
-            dev0 = DeviceTiledCBC(arrays=arrays)
+            dev0 = DeviceTiledCBC(arrays=arrays, w_scales=sc, group_size=gs)
             nbytes = dev0.nbytes()
             nc = copies_for(nbytes)
-            devs = [dev0] + [DeviceTiledCBC(arrays=_clone(cp, arrays)) for _ in range(nc - 1)]
+            devs = [dev0] + [DeviceTiledCBC(arrays=_clone(cp, arrays), w_scales=sc, group_size=gs)
+                             for _ in range(nc - 1)]
             out = cp.empty(M, dtype=cp.float16)
             L = max(10, nc)
             y = cp.full(M, cp.nan, dtype=cp.float32)
@@ -290,7 +323,7 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
             def run_nodecode(i, kw=nodecode_kw, devs=devs, x=x, tau=tau, out=out):
                 return spmspv(devs[i % len(devs)], x, tau, out=out, **kw)
 
-            t_nodec = time_graph_cupy(cp, run_nodecode, L, reps)
+            t_nodec = time_graph_cupy(cp, run_nodecode, L, reps) if bits == 16 else None  # mode 1: fp16 only
             t_def = time_graph_cupy(cp, run_default, L, reps)
             t_v1 = time_graph_cupy(cp, run_v1, L, reps)
             t_static = time_graph_cupy(cp, run_dp_off, L, reps)
@@ -299,6 +332,8 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
             row = dict(
                 M=M,
                 K=K,
+                bits=bits,
+                group=gs,
                 static=s,
                 dynamic=dp,
                 tau=tau,
@@ -313,8 +348,8 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
                 t_default_us=t_def * 1e6,
                 default_chunk=v2_default_chunk(dev0, dw, ds),
                 t_v1_us=t_v1 * 1e6,
-                t_nodecode_us=t_nodec * 1e6,
-                gbps_nodecode=br / t_nodec / 1e9,
+                t_nodecode_us=None if t_nodec is None else t_nodec * 1e6,
+                gbps_nodecode=None if t_nodec is None else br / t_nodec / 1e9,
                 t_spmspv_dp_off_us=t_static * 1e6,
                 speedup=t_cublas / best[0],
                 speedup_default=t_cublas / t_def,
@@ -333,12 +368,14 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
             )
             rows.append(row)
             log(
-                f"spmspv {M}x{K} s={s} dp={dp}: cublas {t_cublas * 1e6:.1f}us  ours {best[0] * 1e6:.1f}us "
+                f"spmspv {M}x{K} {'fp16' if bits == 16 else f'int{bits}'} s={s} dp={dp}: "
+                f"cublas {t_cublas * 1e6:.1f}us  ours {best[0] * 1e6:.1f}us "
                 f"(w{best[3]}/d{best[2]}/c{best[1]}/m{best[4]}/sk={best[5]['streamk']}; "
                 f"default {t_def * 1e6:.1f}, v1 {t_v1 * 1e6:.1f}) "
                 f"x{t_cublas / best[0]:.2f} (default x{t_cublas / t_def:.2f}) dp-off {t_static * 1e6:.1f}us "
-                f"{row['gbps_spmspv']:.0f} GB/s (no-decode {t_nodec * 1e6:.1f}us {row['gbps_nodecode']:.0f} GB/s) "
-                f"rel {rel:.1e}"
+                f"{row['gbps_spmspv']:.0f} GB/s"
+                + ("" if t_nodec is None else f" (no-decode {t_nodec * 1e6:.1f}us {row['gbps_nodecode']:.0f} GB/s)")
+                + f" rel {rel:.1e}"
             )
             del devs, dev0, arrays
             cp.get_default_memory_pool().free_all_blocks()
@@ -599,16 +636,20 @@ def write_md(res, path):
             )
         L += [
             "",
-            "| M | K | static | cuBLAS us | v2 best us | speedup | v2 default us | v1 us | DP off us | v2 GB/s | "
-            "cuBLAS GB/s | no-decode us | best w/d/chunk (sk: stream-K)/mode |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| M | K | values | static | cuBLAS us | v2 best us | speedup | v2 default us | v1 us | DP off us | "
+            "v2 GB/s | cuBLAS GB/s | no-decode us | best w/d/chunk (sk: stream-K)/mode |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in res["spmspv"]:
+            b = r.get("bits", 16)
+            nd = r.get("t_nodecode_us")
+            vals = "fp16" if b == 16 else f"int{b} (g{r.get('group')})"
             L.append(
-                f"| {r['M']} | {r['K']} | {r['static']:.0%} | {r['t_cublas_us']:.1f} | {r['t_spmspv_us']:.1f} | "
+                f"| {r['M']} | {r['K']} | {vals} | "
+                f"{r['static']:.0%} | {r['t_cublas_us']:.1f} | {r['t_spmspv_us']:.1f} | "
                 f"{r['speedup']:.2f} | {r['t_default_us']:.1f} | {r['t_v1_us']:.1f} | "
                 f"{r['t_spmspv_dp_off_us']:.1f} | {r['gbps_spmspv']:.0f} | {r['gbps_cublas']:.0f} | "
-                f"{r['t_nodecode_us']:.1f} | {r['best_warps']}/{r['best_stages']}/"
+                f"{'–' if nd is None else f'{nd:.1f}'} | {r['best_warps']}/{r['best_stages']}/"
                 f"{'sk' if r.get('best_streamk') else r['best_chunk']}/m{r['best_mode']} |"
             )
     if res.get("spmm"):
@@ -654,6 +695,24 @@ def write_md(res, path):
     path.write_text("\n".join(L) + "\n")
 
 
+def _log_spmspv_geomeans(res, log) -> None:
+    for k, g in res["geomean_spmspv"].items():
+        nd = "" if g["nodecode"] is None else f", no-decode {g['nodecode']:.2f}x"
+        log(f"GEOMEAN spMspV {k}: {g['best']:.2f}x (default {g['default']:.2f}x, v1 {g['v1']:.2f}x, "
+            f"dp-off {g['dp_off']:.2f}x{nd}, median {g['median_gbps']:.0f} GB/s, n={g['n_shapes']})")
+
+
+def _value_bits(text: str) -> list[int]:
+    """argparse type for --spmspv-bits: 16, 4 or 2, separated by commas."""
+    try:
+        bits = [int(v) for v in text.split(",")]
+    except ValueError:
+        bits = []
+    if not bits or any(b not in (16, 4, 2) for b in bits):
+        raise argparse.ArgumentTypeError(f"expected 16, 4 or 2 separated by commas, got {text!r}")
+    return bits
+
+
 def _token_counts(text: str) -> list[int]:
     """argparse type for --spmm-ns: positive integers separated by commas."""
     try:
@@ -677,6 +736,8 @@ def main(argv=None):
     ap.add_argument("--spmm-seconds", type=float, default=float("inf"), help="stop adding SpMM shapes after")
     ap.add_argument("--spmm-ns", default=None, type=_token_counts,
                     help="comma-separated token counts (default: all of SPMM_NS)")
+    ap.add_argument("--spmspv-bits", default=[16, 4], type=_value_bits,
+                    help="spMspV value types, comma-separated: 16 (fp16), 4, 2 (codes, group 128); default 16,4")
     args = ap.parse_args(argv)
     import cupy as cp
     import torch
@@ -694,30 +755,27 @@ def main(argv=None):
     res["copy_gbps"] = copy_bandwidth(cp)
     log(f"copy {res['copy_gbps']:.0f} GB/s")
     shapes = SPINFER[:4] if args.quick else SPINFER
-    res["spmspv"] = (
-        []
-        if args.no_spmspv
-        else bench_spmspv(cp, torch, shapes, (0.5, 0.3), 0.3, log, deadline=t0 + args.spmspv_seconds)
-    )
+    res["spmspv"] = []
+    for b in [] if args.no_spmspv else args.spmspv_bits:
+        res["spmspv"] += bench_spmspv(cp, torch, shapes, (0.5, 0.3), 0.3, log, deadline=t0 + args.spmspv_seconds,
+                                      bits=b)
     res["geomean_spmspv"] = {}
-    for s in (0.5, 0.3):
-        rr = [r for r in res["spmspv"] if r["static"] == s]
+    for b, s in [(b, s) for b in args.spmspv_bits for s in (0.5, 0.3)]:
+        rr = [r for r in res["spmspv"] if r["static"] == s and r["bits"] == b]
         if rr:
-            res["geomean_spmspv"][f"static {s:.0%} + dynamic 30%"] = dict(
+            values = "" if b == 16 else f", int{b} values (group 128)"
+            res["geomean_spmspv"][f"static {s:.0%} + dynamic 30%{values}"] = dict(
                 best=geomean([r["speedup"] for r in rr]),
                 default=geomean([r["speedup_default"] for r in rr]),
                 v1=geomean([r["speedup_v1"] for r in rr]),
                 dp_off=geomean([r["speedup_dp_off"] for r in rr]),
                 median_gbps=float(np.median([r["gbps_spmspv"] for r in rr])),
-                nodecode=geomean([r["t_cublas_us"] / r["t_nodecode_us"] for r in rr]),
+                nodecode=geomean([r["t_cublas_us"] / r["t_nodecode_us"] for r in rr]) if b == 16 else None,
                 n_shapes=len(rr),
             )
     (out / "tiled_cbc_h200.json").write_text(json.dumps(res, indent=1))
     write_md(res, out / "tiled_cbc_h200.md")  # again below with the SpMM figures
-    for k, g in res["geomean_spmspv"].items():
-        log(f"GEOMEAN spMspV {k}: {g['best']:.2f}x (default {g['default']:.2f}x, v1 {g['v1']:.2f}x, "
-            f"dp-off {g['dp_off']:.2f}x, no-decode {g['nodecode']:.2f}x, median {g['median_gbps']:.0f} GB/s, "
-            f"n={g['n_shapes']})")
+    _log_spmspv_geomeans(res, log)
     if not args.no_spmm:
         sh = SPMM_SHAPES[:2] if args.quick else SPMM_SHAPES
         from .tiled_cbc_spmm import DENSE_FROM_N, V3_MAX_N, WARP_UP_TO_N
@@ -744,10 +802,7 @@ def main(argv=None):
     res["wall_s"] = time.time() - t0
     (out / "tiled_cbc_h200.json").write_text(json.dumps(res, indent=1))
     write_md(res, out / "tiled_cbc_h200.md")
-    for k, g in res["geomean_spmspv"].items():
-        log(f"GEOMEAN spMspV {k}: {g['best']:.2f}x (default {g['default']:.2f}x, v1 {g['v1']:.2f}x, "
-            f"dp-off {g['dp_off']:.2f}x, no-decode {g['nodecode']:.2f}x, median {g['median_gbps']:.0f} GB/s, "
-            f"n={g['n_shapes']})")
+    _log_spmspv_geomeans(res, log)
     for n, g in res.get("geomean_spmm", {}).items():
         log(f"GEOMEAN SpMM N={n}: auto {g:.2f}x (warp {res['geomean_spmm_warp'].get(n, float('nan')):.2f}x, "
             f"fused {res['geomean_spmm_fused'][n]:.2f}x, dense-path "

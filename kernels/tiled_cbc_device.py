@@ -3,8 +3,8 @@
 CuPy is imported lazily, so this module (and the references) import on machines without a GPU.
 ``DeviceTiledCBC(m, w_scales, group_size)`` uploads the four stored arrays as they are (no re-encoding)
 plus, for b-bit codes, the group scales transposed to [ngroups, Mp] so that one 16-byte load gives a
-lane the scales of its 8 rows. ``encode_on_device`` builds the same arrays from a CuPy fp16 matrix on
-the GPU (used by the benchmark, whose largest shapes would take minutes to encode on the CPU).
+lane the scales of its 8 rows. ``encode_on_device`` builds the same arrays from a CuPy fp16 matrix (or
+int8 codes) on the GPU (used by the benchmark, whose largest shapes would take minutes to encode on the CPU).
 """
 
 from __future__ import annotations
@@ -133,15 +133,21 @@ class DeviceTiledCBC:
 
 
 def encode_on_device(W, bits=None):
-    """Tiled-CBC arrays (dict, CuPy) of a CuPy float16 matrix W [M, K]: same bytes as ``tiled_cbc.encode``."""
+    """Tiled-CBC arrays (dict, CuPy) of a CuPy matrix W [M, K], float16 values or (``bits`` 4 or 2) int8
+    codes of a signed b-bit quantizer: the same bytes as ``tiled_cbc.encode`` (benchmarks of large layers)."""
     cp = _cupy()
     if bits is not None:
-        raise NotImplementedError("encode_on_device handles float16 values only")
+        if int(bits) not in (4, 2) or W.dtype != cp.int8:
+            raise ValueError(f"integer codes need int8 W and bits 4 or 2, got {W.dtype} and {bits}")
+        bits = int(bits)
+    elif W.dtype != cp.float16:
+        raise ValueError(f"W must be float16 (or int8 codes with bits), got {W.dtype}")
+    align = 8 if bits is None else 128 // bits  # values per 16 bytes: each column run is padded to it
     M, K = W.shape
     gr, gc = -(-M // TILE[0]), -(-K // TILE[1])
     Mp, Kp = gr * TILE[0], gc * TILE[1]
     if (Mp, Kp) != (M, K):
-        Wp = cp.zeros((Mp, Kp), dtype=cp.float16)
+        Wp = cp.zeros((Mp, Kp), dtype=W.dtype)
         Wp[:M, :K] = W
     else:
         Wp = W
@@ -152,16 +158,23 @@ def encode_on_device(W, bits=None):
     for w in range(4):  # one word at a time keeps the temporaries at 8 bytes x a quarter of the matrix
         bitmap[:, w] = (nz[:, 64 * w : 64 * w + 64].astype(cp.uint64) << shifts).sum(axis=1, dtype=cp.uint64)
     counts = nz.sum(axis=1, dtype=cp.int64)
-    padded = (counts + 7) // 8 * 8
+    padded = (counts + align - 1) // align * align
     starts = cp.zeros(counts.size + 1, dtype=cp.int64)
     cp.cumsum(padded, out=starts[1:])
     tile_offset = starts[:: TILE[1]]
     in_tile = starts[:-1] - cp.repeat(tile_offset[:-1], TILE[1])
     colinfo = ((in_tile << 16) | counts).astype(cp.uint32)
-    values = cp.zeros(int(starts[-1]), dtype=cp.float16)
+    values = cp.zeros(int(starts[-1]), dtype=W.dtype)
     rank = cp.cumsum(nz, axis=1, dtype=cp.int32) - 1
     dest = starts[:-1, None] + rank
     values[dest[nz]] = cols[nz]
     del rank, dest, nz, cols
-    return dict(shape=(M, K), bits=None, bitmap=bitmap.ravel(), colinfo=colinfo,
+    if bits is not None:  # code v in byte v * bits // 8 at bit (v * bits) % 8 (formats.bitpack.pack_codes)
+        per = 8 // bits
+        u = (values.view(cp.uint8) & ((1 << bits) - 1)).reshape(-1, per)
+        packed = cp.zeros(u.shape[0], dtype=cp.uint8)
+        for i in range(per):
+            packed |= u[:, i] << (i * bits)
+        values = packed
+    return dict(shape=(M, K), bits=bits, bitmap=bitmap.ravel(), colinfo=colinfo,
                 tile_offset=tile_offset.astype(cp.uint32), values=values)

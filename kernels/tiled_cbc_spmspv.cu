@@ -548,8 +548,8 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 } else {
                     constexpr int PER = 32 / BITS;
                     const u32* vw = reinterpret_cast<const u32*>(slot + H::VOFF);
-                    const int s = (int)(e.w * 8u / BITS) + rank;
-                    const u32 lo = vw[s / PER], hi = vw[s / PER + 1];  // PER is a power of two: shifts
+                    const u32 s = e.w * 8u / BITS + (u32)rank;  // unsigned: / and % by PER are shifts and masks
+                    const u32 lo = vw[s / PER], hi = vw[s / PER + 1];
                     u32 win = __funnelshift_r(lo, hi, (s % PER) * BITS);
 #pragma unroll
                     for (int r = 0; r < 8; ++r) {

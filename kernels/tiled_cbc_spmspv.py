@@ -234,8 +234,8 @@ def spmspv(
 
 
 def bytes_read(dev: DeviceTiledCBC, x_host: np.ndarray, tau: float | None) -> int:
-    """Bytes the kernel must read for this input: ColInfo, TileOffset and X always; bitmap and values of
-    the active columns only (the achieved-bandwidth denominator)."""
+    """Bytes the kernel must read for this input: ColInfo, TileOffset, X (and the scales of b-bit codes)
+    always; bitmap and values of the active columns only (the achieved-bandwidth denominator)."""
     M, K = dev.shape
     gr, gc = dev.grid
     t = -1.0 if tau is None else float(tau)
@@ -246,4 +246,6 @@ def bytes_read(dev: DeviceTiledCBC, x_host: np.ndarray, tau: float | None) -> in
     vbits = 16 if dev.bits is None else int(dev.bits)
     padded = -(-nnz * vbits // 128) * 16
     live = act[None, :] & (nnz > 0)
-    return int((padded * live).sum() + 32 * live.sum() + dev.colinfo.nbytes + dev.tile_offset.nbytes + 2 * K)
+    scales = 0 if dev.scales_t is None else dev.scales_t.nbytes  # b-bit codes: every group scale, once
+    return int((padded * live).sum() + 32 * live.sum() + dev.colinfo.nbytes + dev.tile_offset.nbytes + 2 * K
+               + scales)

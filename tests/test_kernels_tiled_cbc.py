@@ -345,15 +345,19 @@ def test_gpu_spmspv_copy_paths(defines, tmp_path, monkeypatch):
 
 @gpu
 @pytest.mark.gpu
-def test_encode_on_device_matches_cpu_encoder():
+@pytest.mark.parametrize("bits", [None, 4, 2])
+def test_encode_on_device_matches_cpu_encoder(bits):
     from unionsparse.kernels.tiled_cbc_device import encode_on_device
 
     rng = np.random.default_rng(11)
-    W = _fp16_layer(rng, 520, 72, 0.6)
-    m = tiled_cbc.encode(W)
-    d = encode_on_device(cp.asarray(W))
+    W = _fp16_layer(rng, 520, 72, 0.6) if bits is None else _int_layer(rng, 520, 72, 0.6, bits, 16)[0]
+    m = tiled_cbc.encode(W, bits=bits)
+    d = encode_on_device(cp.asarray(W), bits=bits)
+    assert d["bits"] == bits
     for name in ("bitmap", "colinfo", "tile_offset", "values"):
         np.testing.assert_array_equal(cp.asnumpy(d[name]), getattr(m, name), err_msg=name)
+    with pytest.raises(ValueError, match="int8 W and bits 4 or 2"):
+        encode_on_device(cp.asarray(W).astype(cp.float16), bits=4)
 
 
 def _nvrtc():
@@ -402,6 +406,30 @@ def test_kernel_source_compiles(name, arch):
     lib.nvrtcGetProgramLog(prog, log)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     assert rc == 0, log.value.decode(errors="replace")
+
+
+def test_benchmark_checks_arguments_and_reports_int_codes_without_a_gpu(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from unionsparse.kernels.tiled_cbc_bench import write_md
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_tiled_cbc.py"
+    for bad, msg in (("--spmspv-bits=16,8", "expected 16, 4 or 2"), ("--spmm-ns=0", "positive integers")):
+        r = subprocess.run([sys.executable, str(script), bad], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+    row = dict(M=4096, K=4096, static=0.5, t_cublas_us=20.0, t_spmspv_us=10.0, speedup=2.0, t_default_us=11.0,
+               t_v1_us=30.0, t_spmspv_dp_off_us=14.0, gbps_spmspv=900.0, gbps_cublas=3300.0, best_warps=4,
+               best_stages=3, best_chunk=8, best_streamk=False, best_mode=0)
+    res = dict(machine=dict(gpu="G", nvidia_smi="s", cupy="c", torch="t", cuda_runtime=1), command="cmd",
+               copy_gbps=4000.0, geomean_spmspv={}, spmspv=[dict(row, bits=16, t_nodecode_us=7.5),
+                                                            dict(row, bits=4, group=128, t_nodecode_us=None)])
+    write_md(res, tmp_path / "r.md")
+    lines = (tmp_path / "r.md").read_text().splitlines()
+    fp16, int4 = [ln for ln in lines if ln.startswith("| 4096 |")]
+    assert "| fp16 |" in fp16 and fp16.split(" | ")[-2] == "7.5"
+    assert "| int4 (g128) |" in int4 and int4.split(" | ")[-2] == "–"
 
 
 def test_spmspv_mode_study_checks_arguments_and_summarizes_without_a_gpu():
