@@ -52,9 +52,6 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 #define TCBC_BULK 0
 #endif
 #endif
-#ifndef TCBC_WHOLE_BITMAP
-#define TCBC_WHOLE_BITMAP 0
-#endif
 #if TCBC_BULK
 __device__ __forceinline__ void mbar_init(u32 bar) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar)); }
 __device__ __forceinline__ void mbar_expect_arrive(u32 bar, u32 bytes) {
@@ -63,10 +60,6 @@ __device__ __forceinline__ void mbar_expect_arrive(u32 bar, u32 bytes) {
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     asm volatile("{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}"
                  ::"r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 // two bulk copies on one mbarrier, in one asm statement: issued from divergent lanes, the copy's operands go
 // through uniform registers one lane at a time, and one statement makes that one loop for both copies
@@ -412,22 +405,12 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 const bool head = act && !(((b << 1) >> lane) & 1u);
                 const u32 vb = head ? rend - sb : 0u, bb = head ? 32u * (u32)L : 0u;
                 const u32 bar = bar0 + 8 * (j % D);
-#if TCBC_WHOLE_BITMAP  // study variant: lane 0 copies all 16 bitmaps (512 B) in one bulk copy, heads the values
-                const u32 tot = __reduce_add_sync(0xFFFFFFFFu, vb) + (b ? 512u : 0u);
-                if (lane == 0) {
-                    mbar_expect_arrive(bar, tot);
-                    if (b) bulk_copy(smem_addr(slot), bitmap + (size_t)gt * (TILE_K * 4), 512u, bar);
-                }
-                __syncwarp();
-                if (head) bulk_copy(smem_addr(slot + H::VOFF) + sb, values + (size_t)toff * BITS / 8 + sb, vb, bar);
-#else
                 const u32 tot = __reduce_add_sync(0xFFFFFFFFu, vb + bb);
                 if (lane == 0) mbar_expect_arrive(bar, tot);
                 __syncwarp();
                 if (head)
                     bulk_copy2(smem_addr(slot) + 32u * lane, bitmap + (size_t)gt * (TILE_K * 4) + 4 * lane, bb,
                                smem_addr(slot + H::VOFF) + sb, values + (size_t)toff * BITS / 8 + sb, vb, bar);
-#endif
             }
 #else
                 if ((b >> (lane >> 1)) & 1u)

@@ -305,11 +305,11 @@ def test_gpu_quantized_spmspv_every_chunk(bits, g):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("defines", ["", "#define TCBC_BULK 0", "#define TCBC_WHOLE_BITMAP 1"])
+@pytest.mark.parametrize("defines", ["", "#define TCBC_BULK 0"])
 def test_gpu_spmspv_copy_paths(defines, tmp_path, monkeypatch):
-    """v2's copies: bulk copies per run of active columns (sm_90), 16-byte cp.async (before sm_90, forced
-    here), and the study variant that copies all bitmaps: fp16 and int4, split-K and stream-K, runs of
-    active columns that start, end and span GTiles, all-inactive GTiles."""
+    """v2's copies: bulk copies per run of active columns (sm_90) and 16-byte cp.async (before sm_90, forced
+    here): fp16 and int4, split-K and stream-K, runs of active columns that start, end and span GTiles,
+    all-inactive GTiles."""
     from pathlib import Path
 
     from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
