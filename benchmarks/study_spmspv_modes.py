@@ -1,12 +1,13 @@
 """Same-run comparison of spMspV v2 launch settings and value decodes over the SpInfer corpus (H200).
 
     python benchmarks/study_spmspv_modes.py [--statics 0.5,0.3] [--quick] [--out DIR] [--name study.json]
-        [--baseline old_tiled_cbc_spmspv.cu ...]
+        [--baseline old_tiled_cbc_spmspv.cu ...] [--bits 16|4|2]
 
 Every setting is timed on every shape in the same process beside cuBLAS fp16 GEMV (``bench_spmspv`` of
 ``unionsparse.kernels.tiled_cbc_bench``: CUDA graphs, weights rotated beyond L2, median), after a reference
 check of its output; the summary is the geomean speedup over cuBLAS per setting and its geomean ratio
-to split-K with the default warps and stages (``w4/d2/x1/m0``). Settings are ``warps/stages/scale/mode``
+to split-K with the default warps and stages (``w4/d2/x1/m0``; ``w4/d3/x1/m0`` for b-bit codes, ``--bits``:
+random nonzero codes with fp16 scales per 128 inputs). Settings are ``warps/stages/scale/mode``
 plus ``/sk`` (stream-K launch) or ``/auto`` (the shipped rule, ``use_streamk``); see
 ``kernels/tiled_cbc_spmspv.cu`` for the modes; scale < 1 makes several waves of smaller blocks. Edit
 SETTINGS (or the kernel's instantiations) to compare other variants; docs/kernels.md lists what was tried.
@@ -27,6 +28,8 @@ SETTINGS = (  # warps, stages, scale, mode, stream-K (None: the default rule, us
     (8, 2, 1.0, 0, False), (8, 2, 1.0, 0, True), (4, 2, 1.0, 2, False),
 )
 BASE = "w4/d2/x1/m0"
+SETTINGS_CODES = ((4, 3, 1.0, 0, False), (4, 3, 1.0, 0, True), (4, 3, 1.0, 0, None))  # the int4/int2 build
+BASE_CODES = "w4/d3/x1/m0"
 
 
 def _statics(text: str) -> list[float]:
@@ -39,16 +42,16 @@ def _statics(text: str) -> list[float]:
     return v
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Per setting: geomean speedup vs cuBLAS and geomean time ratio to BASE, over the shapes timing both."""
+def summarize(rows: list[dict], base: str = BASE) -> dict:
+    """Per setting: geomean speedup vs cuBLAS and geomean time ratio to ``base``, over the shapes timing both."""
     out = {}
     keys = sorted({k for r in rows for k in r["tried_by_setting_us"]})
     for k in keys:
-        rr = [r for r in rows if k in r["tried_by_setting_us"] and BASE in r["tried_by_setting_us"]]
+        rr = [r for r in rows if k in r["tried_by_setting_us"] and base in r["tried_by_setting_us"]]
         if not rr:
             continue
         sp = [r["t_cublas_us"] / r["tried_by_setting_us"][k] for r in rr]
-        ratio = [r["tried_by_setting_us"][BASE] / r["tried_by_setting_us"][k] for r in rr]
+        ratio = [r["tried_by_setting_us"][base] / r["tried_by_setting_us"][k] for r in rr]
         out[k] = dict(speedup=float(np.exp(np.mean(np.log(sp)))), vs_default=float(np.exp(np.mean(np.log(ratio)))),
                       min_vs_default=float(min(ratio)), max_vs_default=float(max(ratio)), n=len(rr))
     return out
@@ -63,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", action="append", default=[], help="another revision of kernels/"
                     "tiled_cbc_spmspv.cu (repeatable): its split-K and default launches are timed too, labelled "
                     "/<file stem> (UNIONSPARSE_TCBC_SOURCE)")
+    ap.add_argument("--bits", type=int, choices=(16, 4, 2), default=16,
+                    help="values: 16 (fp16) or b-bit codes with fp16 scales per 128 inputs")
     args = ap.parse_args(argv)
     for b in args.baseline:
         if not Path(b).is_file():
@@ -76,21 +81,22 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
 
-    cands = [dict(warps=w, stages=s, scale=x, mode=m, streamk=k) for w, s, x, m, k in SETTINGS]
+    settings, base = (SETTINGS, BASE) if args.bits == 16 else (SETTINGS_CODES, BASE_CODES)
+    cands = [dict(warps=w, stages=s, scale=x, mode=m, streamk=k) for w, s, x, m, k in settings]
     for b in args.baseline:
         env = {"UNIONSPARSE_TCBC_SOURCE": str(Path(b).resolve())}
-        cands += [dict(warps=4, stages=2, scale=1.0, mode=0, streamk=k, env=env, tag=f"/{Path(b).stem}")
+        cands += [dict(warps=4, stages=settings[0][1], scale=1.0, mode=0, streamk=k, env=env, tag=f"/{Path(b).stem}")
                   for k in (False, None)]
     res = dict(command="python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
-               machine=machine_info(cp, torch), settings=[list(s) for s in SETTINGS], runs={})
+               machine=machine_info(cp, torch), bits=args.bits, settings=[list(s) for s in settings], runs={})
     shapes = SPINFER[:4] if args.quick else SPINFER
     for s in args.statics:
-        rows = bench_spmspv(cp, torch, shapes, (s,), 0.3, log, candidates=cands)
-        summ = summarize(rows)
+        rows = bench_spmspv(cp, torch, shapes, (s,), 0.3, log, candidates=cands, bits=args.bits)
+        summ = summarize(rows, base)
         res["runs"][f"{s:g}"] = dict(rows=rows, summary=summ)
         for k, v in sorted(summ.items(), key=lambda kv: -kv[1]["speedup"]):
             log(f"SUMMARY static {s:.0%} + dynamic 30% {k}: {v['speedup']:.3f}x cuBLAS, "
-                f"{v['vs_default']:.3f} vs {BASE} ({v['min_vs_default']:.2f}-{v['max_vs_default']:.2f}, n={v['n']})")
+                f"{v['vs_default']:.3f} vs {base} ({v['min_vs_default']:.2f}-{v['max_vs_default']:.2f}, n={v['n']})")
     res["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -531,14 +531,18 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 } else {
                     constexpr int PER = 32 / BITS;
                     const u32* vw = reinterpret_cast<const u32*>(slot + H::VOFF);
-                    const u32 s = e.w * 8u / BITS + (u32)rank;  // unsigned: / and % by PER are shifts and masks
-                    const u32 lo = vw[s / PER], hi = vw[s / PER + 1];
-                    u32 win = __funnelshift_r(lo, hi, (s % PER) * BITS);
+                    // a 32-bit window of codes ending at the lane's last one (end - 1; packing is LSB first, so it
+                    // sits in the top bits): rows are taken last first, each code off the top by one arithmetic
+                    // shift (one instruction per row fewer than from the bottom). Unsigned: / and % by PER are
+                    // shifts; word end / PER - 1 may be -1, the scales' last word (bits below the lane's codes).
+                    const u32 end = e.w * 8u / BITS + (u32)rank + (u32)__popc(byte);
+                    const u32* wp = vw + end / PER;
+                    u32 win = __funnelshift_r(wp[-1], wp[0], (end % PER) * BITS);
 #pragma unroll
-                    for (int r = 0; r < 8; ++r) {
+                    for (int r = 7; r >= 0; --r) {
                         if (byte & (1u << r)) {
-                            const int qv = ((int)(win << (32 - BITS))) >> (32 - BITS);
-                            win >>= BITS;
+                            const int qv = (int)win >> (32 - BITS);
+                            win <<= BITS;
                             acc[r] = fmaf((float)qv * sc[r], xk, acc[r]);
                         }
                     }
