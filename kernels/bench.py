@@ -282,11 +282,11 @@ def geomean(xs) -> float:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Geomean speedup vs cuBLAS per N; mean bandwidth fraction on shapes with fp16 weights > 100 MB."""
+    """Geomean speedup vs cuBLAS per N; mean IE-BME bandwidth fraction on shapes with fp16 weights > 100 MB."""
     out = {}
     for n in sorted({r["N"] for r in rows}):
         rn = [r for r in rows if r["N"] == n]
-        big = [r["iebme_bw_frac"] for r in rn if r["fp16_weight_MB"] > 100]
+        big = [r["iebme_bw_frac"] for r in rn if r["fp16_weight_MB"] > 100 and "iebme_bw_frac" in r]
         out[n] = {"geomean_speedup_vs_cublas": geomean(r.get("speedup_vs_cublas") for r in rn),
                   "geomean_speedup_vs_int8": geomean(r.get("speedup_vs_int8") for r in rn),
                   "mean_bw_frac_over_100MB": float(np.mean(big)) if big else None,
@@ -305,6 +305,10 @@ def bench_command(artifact: str | None, shapes: str, ns: list[int], sparsity: fl
         raise UserError("bench needs CuPy and a CUDA device (none found here)")
     if artifact:
         rows = bench_artifact(artifact, ns)
+        if not rows:
+            from ..compressor.errors import UserError
+
+            raise UserError(f"{artifact}: no layer with a GPU kernel (IE-BME W4/W2 or Tiled-CBC) to time")
     else:
         sel = {"spinfer": spinfer_shapes, "unionsparse": unionsparse_shapes}.get(shapes)
         if sel is None:
@@ -325,17 +329,25 @@ def bench_command(artifact: str | None, shapes: str, ns: list[int], sparsity: fl
 
 
 def bench_artifact(path: str, ns: list[int]) -> list[dict]:
-    """Time every IE-BME layer of an artifact (its real arrays) beside cuBLAS on its shape."""
+    """Time every IE-BME W4/W2 and Tiled-CBC layer of an artifact (its real arrays) beside cuBLAS on its
+    shape (Tiled-CBC: ``tiled_cbc_bench.bench_layer``)."""
     import torch
 
     from ..compressor.artifact import Artifact
     from ..formats.iebme import IEBMEMatrix
+    from ..formats.tiled_cbc import TiledCBCMatrix
     from .iebme_spmm import prepare_layer
+    from .tiled_cbc_bench import bench_layer
+    from .tiled_cbc_device import TILE
 
     art = Artifact(path)
     rows = []
     for name in art.layer_names:
         rec = art.read_layer(name)
+        if isinstance(rec.encoding, TiledCBCMatrix) and tuple(rec.encoding.geometry.tile) == TILE:
+            dp = rec.attrs.get("dp_sparsity") if rec.attrs.get("dp_threshold") is not None else None
+            rows += bench_layer(name, rec.encoding, rec.scales, rec.attrs.get("group_size"), dp, ns)
+            continue
         if not isinstance(rec.encoding, IEBMEMatrix) or rec.encoding.bits not in (2, 4):
             continue
         m, k = rec.encoding.shape
@@ -346,7 +358,7 @@ def bench_artifact(path: str, ns: list[int]) -> list[dict]:
         for n in ns:
             t, b = time_iebme(layers, n)
             tc, _ = time_cublas(m, k, n, wf)
-            rows.append({"shape": name, "M": m, "K": k, "N": n, "bits": rec.encoding.bits,
+            rows.append({"shape": name, "M": m, "K": k, "N": n, "format": "ie-bme", "bits": rec.encoding.bits,
                          "iebme_us": t * 1e6, "iebme_bytes": b, "iebme_GBps": b / t / 1e9,
                          "iebme_bw_frac": b / t / PEAK_BW,
                          "cublas_us": tc * 1e6, "speedup_vs_cublas": tc / t,

@@ -570,6 +570,67 @@ def machine_info(cp, torch):
     )
 
 
+def bench_layer(name: str, m, scales, group_size, dp_sparsity, ns, reps: int = 5) -> list[dict]:
+    """Rows for ``unionsparse bench ARTIFACT`` on one stored Tiled-CBC layer (its own arrays and scales):
+    N = 1 runs spMspV on random N(0, 1) inputs with tau at their ``dp_sparsity`` quantile of |x| (the layer's
+    calibrated dynamic sparsity; the stored tau is in the units of the real activations; None: no dynamic
+    pruning), N > 1 the SpMM (default method; fp16 values only), each beside cuBLAS fp16 (GEMV / GEMM) on the
+    same shape."""
+    import cupy as cp
+    import torch
+
+    rows = _bench_layer(cp, torch, name, m, scales, group_size, dp_sparsity, ns, reps)
+    cp.get_default_memory_pool().free_all_blocks()  # the layer's copies are gone with _bench_layer's frame
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_layer(cp, torch, name, m, scales, group_size, dp_sparsity, ns, reps) -> list[dict]:
+    from ..compressor.thresholds import tau_from_samples
+    from .tiled_cbc_device import DeviceTiledCBC
+    from .tiled_cbc_spmm import spmm
+    from .tiled_cbc_spmspv import bytes_read, spmspv
+
+    M, K = m.geometry.shape
+    dev0 = DeviceTiledCBC(m, scales, group_size)
+    devs = [dev0] + [DeviceTiledCBC(m, scales, group_size) for _ in range(copies_for(dev0.nbytes()) - 1)]
+    Wd = [torch.randn(M, K, device="cuda", dtype=torch.float16) for _ in range(copies_for(2 * M * K))]
+    rs = np.random.default_rng(0)
+    rows = []
+    for n in ns:
+        if n > 1 and m.geometry.bits is not None:  # the tensor-core SpMM takes fp16 values only
+            continue
+        X = rs.standard_normal((n, K)).astype(np.float16)
+        Xt, xc, out = torch.as_tensor(X, device="cuda"), cp.asarray(X), cp.empty((n, M), dtype=cp.float16)
+        if n == 1:
+            tau = None if dp_sparsity is None else tau_from_samples(np.abs(X[0]), float(dp_sparsity))
+
+            def ours(i, x=xc[0], tau=tau, out=out[0]):
+                return spmspv(devs[i % len(devs)], x, tau, out=out)
+
+            def dense(i, x=Xt[0]):
+                return torch.matmul(Wd[i % len(Wd)], x)
+
+            extra = dict(kernel="spmspv", dp_sparsity=dp_sparsity)
+        else:
+
+            def ours(i, x=xc, out=out):
+                return spmm(devs[i % len(devs)], x, out=out)
+
+            def dense(i, x=Xt):
+                return torch.nn.functional.linear(x, Wd[i % len(Wd)])
+
+            extra = dict(kernel="spmm")
+        t = time_graph_cupy(cp, ours, len(devs), reps)
+        tc = time_graph_torch(torch, dense, max(10, len(Wd)), reps)
+        if n == 1:
+            extra["tiled_cbc_GBps"] = bytes_read(dev0, X[0], tau) / t / 1e9
+        rows.append(dict(shape=name, M=M, K=K, N=n, format="tiled-cbc", bits=m.geometry.bits or 16, **extra,
+                         tiled_cbc_us=t * 1e6, cublas_us=tc * 1e6, speedup_vs_cublas=tc / t,
+                         fp16_weight_MB=2 * M * K / 1e6))
+    return rows
+
+
 def bench_rows(shapes, ns, sparsity: float = 0.5, dp: float = 0.3, log=print) -> list[dict]:
     """Rows for ``unionsparse bench --format tiled-cbc``: shapes [(label, M, K)]; N = 1 runs spMspV at
     (static ``sparsity`` + dynamic ``dp``), N > 1 runs the SpMM (static only), each beside cuBLAS."""

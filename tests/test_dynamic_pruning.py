@@ -246,3 +246,31 @@ def test_dp_calib_bad_file_content_names_the_flag(model_dir, tmp_path, run_cli):
                   "--prune", "magnitude", "--dp-sparsity", "0.3", "--dp-calib", bad, *CALIB, "--quiet")
     assert res.code == 2 and res.err.startswith("unionsparse: error: --dp-calib "), res.err
     assert not out.exists() and not (tmp_path / "x.zarr.partial").exists()
+
+
+def _cupy_or_none():
+    from unionsparse.kernels import available
+
+    return available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cupy_or_none(), reason="needs CuPy and a CUDA device")
+def test_bench_times_a_tiled_cbc_artifacts_own_layers(magnitude_dp, run_cli):
+    """`bench ARTIFACT` on Tiled-CBC: every layer, spMspV at N = 1 with the layer's calibrated dynamic
+    sparsity and the SpMM above, beside cuBLAS."""
+    from unionsparse.compressor.artifact import Artifact
+
+    r = run_cli("bench", magnitude_dp, "--n", "1,16", "--json")
+    assert r.code == 0, r.err
+    data = json.loads(r.out)
+    names = set(Artifact(str(magnitude_dp)).layer_names)
+    assert {row["shape"] for row in data["rows"]} == names
+    assert sorted({(row["N"], row["kernel"]) for row in data["rows"]}) == [(1, "spmspv"), (16, "spmm")]
+    for row in data["rows"]:
+        assert row["format"] == "tiled-cbc" and row["bits"] == 16
+        assert row["tiled_cbc_us"] > 0 and row["cublas_us"] > 0 and row["speedup_vs_cublas"] > 0
+        if row["N"] == 1:
+            assert row["dp_sparsity"] == pytest.approx(0.3) and row["tiled_cbc_GBps"] > 0
+    assert {int(n) for n in data["summary"]} == {1, 16}
+    assert all(s["cases"] == len(names) for s in data["summary"].values())

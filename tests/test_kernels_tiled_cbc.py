@@ -432,6 +432,18 @@ def test_benchmark_checks_arguments_and_reports_int_codes_without_a_gpu(tmp_path
     assert "| int4 (g128) |" in int4 and int4.split(" | ")[-2] == "–"
 
 
+def test_bench_summary_mixes_ie_bme_and_tiled_cbc_layers():
+    from unionsparse.kernels.bench import summarize
+
+    rows = [dict(N=1, speedup_vs_cublas=2.0, fp16_weight_MB=200.0, iebme_bw_frac=0.6, speedup_vs_int8=1.5),
+            dict(N=1, speedup_vs_cublas=0.5, fp16_weight_MB=300.0, kernel="spmspv"),
+            dict(N=16, speedup_vs_cublas=0.8, fp16_weight_MB=300.0, kernel="spmm")]
+    s = summarize(rows)
+    assert s[1]["geomean_speedup_vs_cublas"] == pytest.approx(1.0) and s[1]["cases"] == 2
+    assert s[1]["mean_bw_frac_over_100MB"] == pytest.approx(0.6)  # IE-BME rows only
+    assert s[16]["mean_bw_frac_over_100MB"] is None and s[16]["geomean_speedup_vs_cublas"] == pytest.approx(0.8)
+
+
 def test_spmspv_mode_study_checks_arguments_and_summarizes_without_a_gpu():
     """The decode-mode study rejects a bad sparsity with one line and exit code 2 before touching CuPy, and
     its summary is the geomean over shapes of speedup and of the time ratio to the default setting."""
@@ -447,6 +459,8 @@ def test_spmspv_mode_study_checks_arguments_and_summarizes_without_a_gpu():
     r = subprocess.run([sys.executable, str(script), "--baseline", "/nonexistent/old.cu"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "is not a file" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, str(script), "--bits", "8"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "invalid choice" in r.stderr and "Traceback" not in r.stderr
     spec = importlib.util.spec_from_file_location("study_spmspv_modes", script)
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
