@@ -621,7 +621,7 @@ def _bench_layer(cp, torch, name, m, scales, group_size, dp_sparsity, ns, reps) 
                 return torch.nn.functional.linear(x, Wd[i % len(Wd)])
 
             extra = dict(kernel="spmm")
-        t = time_graph_cupy(cp, ours, len(devs), reps)
+        t = time_graph_cupy(cp, ours, max(10, len(devs)), reps)
         tc = time_graph_torch(torch, dense, max(10, len(Wd)), reps)
         if n == 1:
             extra["tiled_cbc_GBps"] = bytes_read(dev0, X[0], tau) / t / 1e9
