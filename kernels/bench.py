@@ -223,6 +223,22 @@ def time_int8(m: int, k: int, n: int, weights) -> tuple[float | None, int, int]:
     return t, m * k + npad * k + 4 * npad * m, npad
 
 
+def baseline_fields(m: int, k: int, n: int, t: float, wf, wi) -> dict:
+    """cuBLAS fp16 and dense int8 on the same shape beside an IE-BME time ``t`` (seconds): row fields."""
+    tc, bc = time_cublas(m, k, n, wf)
+    ti, bi, npad = time_int8(m, k, n, wi)
+    return {"cublas_us": tc * 1e6, "cublas_GBps": bc / tc / 1e9, "speedup_vs_cublas": tc / t,
+            "int8_us": None if ti is None else ti * 1e6, "int8_N_padded": npad,
+            "int8_GBps": None if ti is None else bi / ti / 1e9, "speedup_vs_int8": None if ti is None else ti / t}
+
+
+def int8_weights(m: int, k: int) -> list:
+    """Random int8 [m, k] weight copies for ``time_int8`` (together beyond L2)."""
+    import torch
+
+    return [torch.randint(-8, 8, (m, k), device="cuda", dtype=torch.int8) for _ in range(n_copies(m * k))]
+
+
 def n_copies(nbytes: int) -> int:
     return int(max(2, min(32, math.ceil(ROTATE_BYTES / max(nbytes, 1)))))
 
@@ -251,8 +267,7 @@ def run_bench(shapes, ns, sparsity: float = 0.5, bits: int = 4, group_size: int 
         wf = wi = None
         if baselines:
             wf = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(n_copies(2 * m * k))]
-            wi = [torch.randint(-8, 8, (m, k), device="cuda", dtype=torch.int8)
-                  for _ in range(n_copies(m * k))]
+            wi = int8_weights(m, k)
         for n in ns:
             t, b = time_iebme(layers, n)
             row = {"shape": label, "M": m, "K": k, "N": n, "bits": bits, "sparsity": sparsity, "perm": perm,
@@ -260,12 +275,7 @@ def run_bench(shapes, ns, sparsity: float = 0.5, bits: int = 4, group_size: int 
                    "iebme_bw_frac": b / t / PEAK_BW, "roofline_us": b / PEAK_BW * 1e6,
                    "fp16_weight_MB": 2 * m * k / 1e6}
             if baselines:
-                tc, bc = time_cublas(m, k, n, wf)
-                ti, bi, npad = time_int8(m, k, n, wi)
-                row.update({"cublas_us": tc * 1e6, "cublas_GBps": bc / tc / 1e9, "speedup_vs_cublas": tc / t,
-                            "int8_us": None if ti is None else ti * 1e6, "int8_N_padded": npad,
-                            "int8_GBps": None if ti is None else bi / ti / 1e9,
-                            "speedup_vs_int8": None if ti is None else ti / t})
+                row.update(baseline_fields(m, k, n, t, wf, wi))
             rows.append(row)
             if log:
                 log(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
@@ -329,8 +339,9 @@ def bench_command(artifact: str | None, shapes: str, ns: list[int], sparsity: fl
 
 
 def bench_artifact(path: str, ns: list[int]) -> list[dict]:
-    """Time every IE-BME W4/W2 and Tiled-CBC layer of an artifact (its real arrays) beside cuBLAS on its
-    shape (Tiled-CBC: ``tiled_cbc_bench.bench_layer``)."""
+    """Time every IE-BME W4/W2 and Tiled-CBC layer of an artifact (its real arrays) beside cuBLAS fp16 on its
+    shape, and IE-BME beside dense int8 too (Tiled-CBC: ``tiled_cbc_bench.bench_layer``)."""
+    import cupy as cp
     import torch
 
     from ..compressor.artifact import Artifact
@@ -355,12 +366,14 @@ def bench_artifact(path: str, ns: list[int]) -> list[dict]:
         nb = rec.encoding.values.nbytes
         layers = [prepare_layer(rec.encoding, rec.scales, gs) for _ in range(n_copies(nb))]
         wf = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(n_copies(2 * m * k))]
+        wi = int8_weights(m, k)
         for n in ns:
             t, b = time_iebme(layers, n)
-            tc, _ = time_cublas(m, k, n, wf)
             rows.append({"shape": name, "M": m, "K": k, "N": n, "format": "ie-bme", "bits": rec.encoding.bits,
                          "iebme_us": t * 1e6, "iebme_bytes": b, "iebme_GBps": b / t / 1e9,
-                         "iebme_bw_frac": b / t / PEAK_BW,
-                         "cublas_us": tc * 1e6, "speedup_vs_cublas": tc / t,
-                         "fp16_weight_MB": 2 * m * k / 1e6})
+                         "iebme_bw_frac": b / t / PEAK_BW, "fp16_weight_MB": 2 * m * k / 1e6,
+                         **baseline_fields(m, k, n, t, wf, wi)})
+        del layers, wf, wi
+        cp.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
     return rows

@@ -328,3 +328,21 @@ def test_gpu_study_scripts_check_their_arguments_without_a_gpu():
     assert tune.parse_variants("WARPS=16,XBYTES=32768;") == [{"WARPS": "16", "XBYTES": "32768"}, {}]
     with pytest.raises(Exception, match="KEY=VALUE"):
         tune.parse_variants("WARPS")
+
+
+@gpu
+@pytest.mark.gpu
+def test_bench_times_an_ie_bme_artifacts_own_layers_beside_fp16_and_int8(reference_artifact, run_cli):
+    import json
+
+    from unionsparse.compressor.artifact import Artifact
+
+    r = run_cli("bench", reference_artifact, "--n", "1,8", "--json")
+    assert r.code == 0, r.err
+    data = json.loads(r.out)
+    names = set(Artifact(str(reference_artifact)).layer_names)
+    assert {row["shape"] for row in data["rows"]} == names and {row["N"] for row in data["rows"]} == {1, 8}
+    for row in data["rows"]:
+        assert row["format"] == "ie-bme" and row["iebme_us"] > 0 and row["speedup_vs_cublas"] > 0
+        assert row["int8_us"] is None or row["speedup_vs_int8"] > 0
+    assert {int(n) for n in data["summary"]} == {1, 8}
