@@ -18,23 +18,24 @@ def check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
 
 
-def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+def pack_codes(codes: np.ndarray, bits: int, xp=np) -> np.ndarray:
     """Pack int8 codes into bytes: code v sits in byte v*b//8 at bit offset (v*b) % 8.
 
-    The number of codes must fill whole bytes (callers pad to 16-byte alignment anyway).
+    The number of codes must fill whole bytes (callers pad to 16-byte alignment anyway). ``xp``: the array
+    module of ``codes`` (numpy, or cupy for the GPU encoder of the benchmarks).
     """
     check_bits(bits)
-    codes = np.ascontiguousarray(codes, dtype=np.int8).ravel()
+    codes = xp.ascontiguousarray(codes, dtype=xp.int8).ravel()
     if bits == 8:
-        return codes.view(np.uint8).copy()
+        return codes.view(xp.uint8).copy()
     per_byte = 8 // bits
     if codes.size % per_byte:
         raise ValueError(f"{codes.size} codes of {bits} bits do not fill whole bytes")
     mask = (1 << bits) - 1
-    u = (codes.view(np.uint8) & mask).reshape(-1, per_byte)
-    out = np.zeros(u.shape[0], dtype=np.uint8)
+    u = (codes.view(xp.uint8) & mask).reshape(-1, per_byte)
+    out = xp.zeros(u.shape[0], dtype=xp.uint8)
     for i in range(per_byte):
-        out |= u[:, i] << np.uint8(bits * i)
+        out |= u[:, i] << xp.uint8(bits * i)
     return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..formats.bitpack import pack_codes
 from ..formats.tiled_cbc import TiledCBCMatrix
 
 TILE = (256, 16)
@@ -169,12 +170,7 @@ def encode_on_device(W, bits=None):
     dest = starts[:-1, None] + rank
     values[dest[nz]] = cols[nz]
     del rank, dest, nz, cols
-    if bits is not None:  # code v in byte v * bits // 8 at bit (v * bits) % 8 (formats.bitpack.pack_codes)
-        per = 8 // bits
-        u = (values.view(cp.uint8) & ((1 << bits) - 1)).reshape(-1, per)
-        packed = cp.zeros(u.shape[0], dtype=cp.uint8)
-        for i in range(per):
-            packed |= u[:, i] << (i * bits)
-        values = packed
+    if bits is not None:
+        values = pack_codes(values, bits, xp=cp)
     return dict(shape=(M, K), bits=bits, bitmap=bitmap.ravel(), colinfo=colinfo,
                 tile_offset=tile_offset.astype(cp.uint32), values=values)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from unionsparse.compressor import evaluate
+from unionsparse.kernels import available
 
 transformers = pytest.importorskip("transformers")
 from conftest import tiny_model  # noqa: E402
@@ -248,14 +249,8 @@ def test_dp_calib_bad_file_content_names_the_flag(model_dir, tmp_path, run_cli):
     assert not out.exists() and not (tmp_path / "x.zarr.partial").exists()
 
 
-def _cupy_or_none():
-    from unionsparse.kernels import available
-
-    return available()
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cupy_or_none(), reason="needs CuPy and a CUDA device")
+@pytest.mark.skipif(not available(), reason="needs CuPy and a CUDA device")
 def test_bench_times_a_tiled_cbc_artifacts_own_layers(magnitude_dp, run_cli):
     """`bench ARTIFACT` on Tiled-CBC: every layer, spMspV at N = 1 with the layer's calibrated dynamic
     sparsity and the SpMM above, beside cuBLAS."""
