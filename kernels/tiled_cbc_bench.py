@@ -201,14 +201,14 @@ def spmspv_candidates(bits: int = 16, full: bool = True) -> list[dict]:
 
     if not full:
         w, st = next((w, st) for b, w, st in V2_CONFIGS if b == bits)
-        return [dict(warps=w, stages=st, scale=1.0, mode=DEFAULT_MODE, streamk=None)]
+        return [dict(warps=w, stages=st, scale=1.0, mode=DEFAULT_MODE if bits == 16 else 0, streamk=None)]
     if bits != 16:
         ws = [(w, st) for b, w, st in V2_CONFIGS if b == bits]
-        return [dict(warps=w, stages=st, scale=sc, mode=DEFAULT_MODE, streamk=k)
+        return [dict(warps=w, stages=st, scale=sc, mode=0, streamk=k)
                 for w, st in ws for sc, k in ((1.0, False), (0.25, False), (1.0, True))]
     base = [(4, 2, 1.0), (4, 2, 0.25), (4, 3, 1.0), (8, 2, 1.0)]
-    split = [dict(warps=w, stages=st, scale=sc, mode=m, streamk=False) for w, st, sc in base for m in (0, 2)]
-    return split + [dict(warps=w, stages=2, scale=1.0, mode=0, streamk=True) for w in (4, 8)]
+    split = [dict(warps=w, stages=st, scale=sc, mode=m, streamk=False) for w, st, sc in base for m in (3, 0)]
+    return split + [dict(warps=w, stages=2, scale=1.0, mode=m, streamk=True) for w in (4, 8) for m in (3, 0)]
 
 
 def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=float("inf"), reps=5, bits=16,

@@ -308,7 +308,8 @@ __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cas
 
 // MODE 0: per set bit one predicated 2-byte LDS (8 per lane and column). MODE 2 (fp16): two 16-byte LDS per
 // lane and column + register shifts (fewer shared-memory wavefronts, more ALU). MODE 1 (measurement only):
-// everything but the value loads and FMAs, to separate the decode's cost from the data movement's.
+// everything but the value loads and FMAs, to separate the decode's cost from the data movement's. MODE 3
+// (fp16): as MODE 0 but two columns per pass, a half-warp per column and 16 rows per lane.
 template <int BITS, int NW, int D, int MODE = 0>
 __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
     const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
@@ -434,9 +435,11 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
 #endif
         };
 
-        float acc[8];
+        float acc[8], acc16[16];  // acc16: MODE 3's 16 rows per lane
 #pragma unroll
         for (int r = 0; r < 8; ++r) acc[r] = 0.f;
+#pragma unroll
+        for (int r = 0; r < 16; ++r) acc16[r] = 0.f;
         // per lane: rows 8 lane .. 8 lane + 7 = byte lane & 3 of u32 word lane >> 2 of a column's bitmap, whose
         // prefix popcount is byte (lane >> 2) & 3 of the P of lane 2 c + (lane >> 4)
         const int src_h = lane >> 4, sh = 8 * (lane & 3);
@@ -479,6 +482,36 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
             // unroll 1: unrolled twice, the compiler routed the predicated FMAs of the first copy through
             // moves (64 instead of 59 SASS instructions per column)
             const unsigned char* const list = slot + H::LIST;
+            if (BITS == 16 && MODE == 3) {
+                // two columns per pass: half-warp hh takes list entry 2 i + hh, lane p = lane & 15 of it rows
+                // 16 p .. 16 p + 15 = half p & 1 of u32 word p >> 1 (prefix: byte (p >> 1) & 3 of the P of lane
+                // 2 c + (p >> 3)). The per-column work (entry, shuffle, word, rank) is paid once per 16 rows
+                // instead of 8; a half without a column in the last pass shuffles along with its bits cleared.
+                const int hh = lane >> 4, p = lane & 15;
+                const u32 bsel3 = 0x4440u | ((u32)(p >> 1) & 3u), sh16 = 16u * (u32)(p & 1);
+                const u32 below16 = (p & 1) ? 0xFFFFu : 0u;
+                const unsigned char* bm3 = slot + 4 * (p >> 1);
+#pragma unroll 1
+                for (int o = 0; o < 16 * n; o += 32) {
+                    const bool ok = o + 16 * hh < 16 * n;
+                    const uint4 e = lds128(list + (ok ? o + 16 * hh : 0));
+                    const float xk = __uint_as_float(e.x);
+                    const u32 pc = __shfl_sync(0xFFFFFFFFu, P, (int)((e.z >> 4) + (u32)(p >> 3)));
+                    const u32 w32 = *reinterpret_cast<const u32*>(bm3 + e.y);
+                    const int rank = (int)__byte_perm(pc, 0u, bsel3) + __popc(w32 & below16);
+                    const u32 bits = ok ? (w32 >> sh16) & 0xFFFFu : 0u;
+                    const u16* v = reinterpret_cast<const u16*>(slot + H::VOFF + e.w) + rank;
+#pragma unroll
+                    for (int r = 0; r < 16; ++r) {
+                        if (bits & (1u << r)) {
+                            acc16[r] = fmaf(h2f(*v), xk, acc16[r]);
+                            ++v;
+                        }
+                    }
+                }
+                __syncwarp();
+                continue;  // next GTile
+            }
 #pragma unroll 1
             for (int o = 0; o < 16 * n; o += 16) {
                 const uint4 e = lds128(list + o);
@@ -553,6 +586,16 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
 #if !TCBC_BULK
         cp_wait<0>();
 #endif
+        if (MODE == 3) {  // the halves' sums of rows 16 p .. 16 p + 15, then lane l takes rows 8 l .. 8 l + 7
+#pragma unroll
+            for (int r = 0; r < 16; ++r) acc16[r] += __shfl_xor_sync(0xFFFFFFFFu, acc16[r], 16);
+#pragma unroll
+            for (int r = 0; r < 8; ++r) {
+                const float lo = __shfl_sync(0xFFFFFFFFu, acc16[r], lane >> 1);
+                const float hi = __shfl_sync(0xFFFFFFFFu, acc16[8 + r], lane >> 1);
+                acc[r] = (lane & 1) ? hi : lo;
+            }
+        }
         __syncthreads();
 
         // reduce warps, then the row's parts (the host sizes smem for the NW * 256-float reduction)
@@ -588,5 +631,8 @@ TCBC2(16, 4, 3, 2)
 TCBC2(16, 8, 2, 0)
 TCBC2(16, 8, 2, 1)
 TCBC2(16, 8, 2, 2)
+TCBC2(16, 4, 2, 3)
+TCBC2(16, 4, 3, 3)
+TCBC2(16, 8, 2, 3)
 TCBC2(4, 4, 3, 0)
 TCBC2(2, 4, 3, 0)

@@ -25,10 +25,12 @@ V2_CONFIGS = ((16, 4, 2), (16, 4, 3), (16, 8, 2), (4, 4, 3), (2, 4, 3))
 _EXPR = (
     tuple(f"tcbc_spmspv<{b}, {w}, {s}>" for b in BITS for w in WARPS for s in STAGES)
     + tuple(f"tcbc_spmspv2<{b}, {w}, {s}>" for b, w, s in V2_CONFIGS)
-    + tuple(f"tcbc_spmspv2<{b}, {w}, {s}, {m}>" for b, w, s in V2_CONFIGS if b == 16 for m in (1, 2))
+    + tuple(f"tcbc_spmspv2<{b}, {w}, {s}, {m}>" for b, w, s in V2_CONFIGS if b == 16 for m in (1, 2, 3))
 )
-# fp16 value decode of v2: 0 = one predicated 2-byte LDS per set bit, 2 = two 16-byte LDS + register shifts
-DEFAULT_MODE = 0
+# fp16 value decode of v2: 0 = a lane's 8 rows of each active column, one predicated 2-byte LDS per set bit;
+# 3 = two columns per pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200);
+# 2 = two 16-byte LDS + register shifts (slower)
+DEFAULT_MODE = 3
 _SMEM_SET: dict[str, int] = {}
 SMEM_PER_SM = 227 * 1024
 
@@ -139,7 +141,7 @@ def spmspv(
 ):
     """Launch the kernel on the current stream; returns ``out`` (CuPy [M], fp16 or fp32).
 
-    ``mode`` (fp16 v2 only): the value decode, 0 or 2 (see the .cu file); ``mode=1`` is a measurement aid that
+    ``mode`` (fp16 v2 only): the value decode, 0, 2 or 3 (see the .cu file); ``mode=1`` is a measurement aid that
     moves the same bytes but skips the value loads and FMAs (meaningless output), used by the benchmark to
     separate the decode's cost from the data movement's. ``streamk`` (v2): True launches one resident wave of
     blocks, each with an equal share of the layer's GTiles in row-major order (``chunk`` is then ignored;
@@ -168,9 +170,9 @@ def spmspv(
             raise ValueError(f"v2 (bits, warps, stages) must be one of {V2_CONFIGS}")
         slot = v2_slot_bytes(dev)
         smem = v2_smem(dev, warps, stages)
-        mode = DEFAULT_MODE if mode is None or bits != 16 else int(mode)
-        if mode not in (0, 1, 2):
-            raise ValueError(f"mode must be 0, 1 or 2, got {mode}")
+        mode = (DEFAULT_MODE if mode is None else int(mode)) if bits == 16 else 0
+        if mode not in (0, 1, 2, 3):
+            raise ValueError(f"mode must be 0, 1, 2 or 3, got {mode}")
         if streamk is None:
             streamk = chunk is None and use_streamk(dev, warps, stages)
         if streamk:

@@ -167,9 +167,10 @@ def test_gpu_all_chunks_stages_and_spmm_tiles_agree():
     xe = np.where(np.abs(x.astype(np.float32)) > 0.4, x.astype(np.float64), 0)
     tol = tolerance(W.astype(np.float64), xe[None])[0]
     runs = [dict(version=1, stages=st) for st in (4, 8)]
-    runs += [dict(version=2, warps=w, stages=st, mode=md) for b, w, st in V2_CONFIGS if b == 16 for md in (0, 2)]
+    runs += [dict(version=2, warps=w, stages=st, mode=md) for b, w, st in V2_CONFIGS if b == 16 for md in (0, 2, 3)]
     runs += [dict(version=2, warps=w, stages=st, mode=md, streamk=True, blocks=nb)
-             for w, st, md in ((4, 2, 0), (8, 2, 0), (4, 3, 2)) for nb in (1, 2, 7, 48, 195, None)]
+             for w, st, md in ((4, 2, 0), (8, 2, 0), (4, 3, 2), (4, 2, 3), (8, 2, 3))
+             for nb in (1, 2, 7, 48, 195, None)]
     for kw in runs:
         for chunk in (1, 2, 3, 4, 8, 16, 32, 65, None) if not kw.get("streamk") else (None,):
             for _ in range(2):  # second launch: the split-K tickets were reset by the first
