@@ -22,14 +22,15 @@ STAGES = (4, 8)
 BITS = (16, 4, 2)
 # v2 instantiations (bits, warps, stages), as in the .cu file; the first of each bits is its default
 V2_CONFIGS = ((16, 4, 2), (16, 4, 3), (16, 8, 2), (4, 4, 3), (2, 4, 3))
+MODES = {16: (0, 1, 2, 3), 4: (0,), 2: (0,)}  # v2 value decodes built per value type (see DEFAULT_MODE)
 _EXPR = (
     tuple(f"tcbc_spmspv<{b}, {w}, {s}>" for b in BITS for w in WARPS for s in STAGES)
     + tuple(f"tcbc_spmspv2<{b}, {w}, {s}>" for b, w, s in V2_CONFIGS)
-    + tuple(f"tcbc_spmspv2<{b}, {w}, {s}, {m}>" for b, w, s in V2_CONFIGS if b == 16 for m in (1, 2, 3))
+    + tuple(f"tcbc_spmspv2<{b}, {w}, {s}, {m}>" for b, w, s in V2_CONFIGS for m in MODES[b] if m)
 )
-# fp16 value decode of v2: 0 = a lane's 8 rows of each active column, one predicated 2-byte LDS per set bit;
-# 3 = two columns per pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200);
-# 2 = two 16-byte LDS + register shifts (slower)
+# value decode of v2: 0 = a lane's 8 rows of each active column, one predicated 2-byte LDS (fp16) or code per
+# set bit (b-bit codes: the only one); fp16 only: 3 = two columns per pass, a half-warp per column and 16 rows
+# per lane (1.05-1.07x mode 0 on the H200), 2 = two 16-byte LDS + register shifts (slower), 1 = no value decode
 DEFAULT_MODE = 3
 _SMEM_SET: dict[str, int] = {}
 SMEM_PER_SM = 227 * 1024
@@ -141,12 +142,14 @@ def spmspv(
 ):
     """Launch the kernel on the current stream; returns ``out`` (CuPy [M], fp16 or fp32).
 
-    ``mode`` (fp16 v2 only): the value decode, 0, 2 or 3 (see the .cu file); ``mode=1`` is a measurement aid that
-    moves the same bytes but skips the value loads and FMAs (meaningless output), used by the benchmark to
-    separate the decode's cost from the data movement's. ``streamk`` (v2): True launches one resident wave of
-    blocks, each with an equal share of the layer's GTiles in row-major order (``chunk`` is then ignored;
-    ``scale`` < 1 makes 1/scale waves; ``blocks`` sets the block count); False launches split-K chunks of one
-    GTile row per block; None (default) picks stream-K by :func:`use_streamk` unless ``chunk`` is given."""
+    ``mode`` (v2): the value decode, one of ``MODES[bits]`` (see the .cu file; None: the default); ``mode=1``
+    (fp16) is a measurement aid that moves the same bytes but skips the value loads and FMAs (meaningless
+    output), used by the benchmark to separate the decode's cost from the data movement's.
+
+    ``streamk`` (v2): True launches one resident wave of blocks, each with an equal share of the layer's GTiles in
+    row-major order (``chunk`` is then ignored; ``scale`` < 1 makes 1/scale waves; ``blocks`` sets the block count);
+    False launches split-K chunks of one GTile row per block; None (default) picks stream-K by :func:`use_streamk`
+    unless ``chunk`` is given."""
     cp = _cupy()
     M, K = dev.shape
     if x.shape != (K,) or x.dtype != cp.float16:
@@ -170,9 +173,10 @@ def spmspv(
             raise ValueError(f"v2 (bits, warps, stages) must be one of {V2_CONFIGS}")
         slot = v2_slot_bytes(dev)
         smem = v2_smem(dev, warps, stages)
-        mode = (DEFAULT_MODE if mode is None else int(mode)) if bits == 16 else 0
-        if mode not in (0, 1, 2, 3):
-            raise ValueError(f"mode must be 0, 1, 2 or 3, got {mode}")
+        if mode is None:
+            mode = DEFAULT_MODE if bits == 16 else 0
+        if mode not in MODES[bits]:
+            raise ValueError(f"mode must be one of {MODES[bits]} for {bits}-bit values, got {mode}")
         if streamk is None:
             streamk = chunk is None and use_streamk(dev, warps, stages)
         if streamk:

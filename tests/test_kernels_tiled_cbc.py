@@ -336,7 +336,8 @@ def test_gpu_spmspv_copy_paths(defines, tmp_path, monkeypatch):
             xe = np.where(np.abs(x.astype(np.float32)) > tau, x.astype(np.float64), 0)
             tol = tolerance(w64, xe[None])[0]
             for kw in (dict(chunk=1, streamk=False), dict(chunk=5, streamk=False), dict(streamk=True, blocks=7),
-                       dict(streamk=None), dict(stages=3, streamk=False), dict(warps=8, streamk=True)):
+                       dict(streamk=None), dict(stages=3, streamk=False), dict(warps=8, streamk=True),
+                       dict(chunk=5, streamk=False, mode=0)):
                 if bits != 16 and kw.get("warps") == 8:  # int4: 4 warps only
                     continue
                 out = cp.full(700, cp.nan, cp.float32)
@@ -407,6 +408,23 @@ def test_kernel_source_compiles(name, arch):
     lib.nvrtcGetProgramLog(prog, log)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     assert rc == 0, log.value.decode(errors="replace")
+
+
+def test_spmspv_launch_names_match_the_kernels_instantiations():
+    """Every v2 kernel the launcher can name (configs x decode modes, defaults included) is instantiated in the
+    .cu file, and nothing instantiated is unreachable: a mismatch is a 'named symbol not found' on the GPU."""
+    import re
+    from pathlib import Path
+
+    from unionsparse.kernels import tiled_cbc_spmspv as k
+
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "tiled_cbc_spmspv.cu").read_text()
+    built = {tuple(int(v) for v in m) for m in re.findall(r"^TCBC2\((\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
+    named = {(b, w, s, m) for b, w, s in k.V2_CONFIGS for m in k.MODES[b]}
+    assert built == named
+    assert k.DEFAULT_MODE in k.MODES[16] and all(0 in k.MODES[b] for b in k.BITS)
+    exprs = {e for e in k._EXPR if e.startswith("tcbc_spmspv2<")}
+    assert exprs == {f"tcbc_spmspv2<{b}, {w}, {s}" + (">" if m == 0 else f", {m}>") for b, w, s, m in named}
 
 
 def test_benchmark_checks_arguments_and_reports_int_codes_without_a_gpu(tmp_path):
