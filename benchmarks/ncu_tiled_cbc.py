@@ -13,6 +13,9 @@ all modes are launched once as warm-ups, then once each to be profiled:
     ncu --clock-control none --kernel-name regex:tcbc_spmspv2 --launch-skip 2 --launch-count 2 ... \\
         python3 benchmarks/ncu_tiled_cbc.py spmspv [M K [MODE ...]]
 
+``spmspv4`` / ``spmspv2`` instead of ``spmspv``: the same on random nonzero int4 / int2 codes with fp16 scales per
+128 inputs (default modes 0 and 1, as for fp16).
+
 SpMM: each config one warm-up launch (compile, skipped), then one profiled launch.
 """
 
@@ -26,13 +29,19 @@ from unionsparse.kernels.tiled_cbc_bench import random_weights
 from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device
 
 args = sys.argv[1:]
-if args[:1] == ["spmspv"]:
+if args[:1] in (["spmspv"], ["spmspv4"], ["spmspv2"]):
     from unionsparse.compressor.thresholds import tau_from_samples
+    from unionsparse.kernels.tiled_cbc_bench import random_codes
     from unionsparse.kernels.tiled_cbc_spmspv import spmspv
 
     m, k = (int(v) for v in (args[1:3] if len(args) > 2 else (28672, 8192)))
-    modes = [int(a) for a in args[3:]] or [0, 1]
-    dev = DeviceTiledCBC(arrays=encode_on_device(random_weights(cp, m, k, 0.5, 0)))
+    if args[0] == "spmspv":
+        modes = [int(a) for a in args[3:]] or [0, 1]
+        dev = DeviceTiledCBC(arrays=encode_on_device(random_weights(cp, m, k, 0.5, 0)))
+    else:
+        bits, modes = int(args[0][-1]), [int(a) for a in args[3:]] or [0, 1]
+        q, sc = random_codes(cp, m, k, 0.5, bits, 128, 0)
+        dev = DeviceTiledCBC(arrays=encode_on_device(q, bits=bits), w_scales=sc, group_size=128)
     xh = np.random.default_rng(0).standard_normal(k).astype(np.float16)
     tau = tau_from_samples(np.abs(xh), 0.3)
     x, out = cp.asarray(xh), cp.empty(m, dtype=cp.float16)

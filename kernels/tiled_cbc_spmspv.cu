@@ -306,8 +306,8 @@ struct Hdr {
 
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
-// MODE 0: per set bit one predicated 2-byte LDS (8 per lane and column). MODE 2 (fp16): two 16-byte LDS per
-// lane and column + register shifts (fewer shared-memory wavefronts, more ALU). MODE 1 (measurement only):
+// MODE 0: per set bit one predicated 2-byte LDS or code (8 per lane and column). MODE 2 (fp16): two 16-byte LDS
+// per lane and column + register shifts (fewer shared-memory wavefronts, more ALU). MODE 1 (measurement only):
 // everything but the value loads and FMAs, to separate the decode's cost from the data movement's. MODE 3
 // (fp16): as MODE 0 but two columns per pass, a half-warp per column and 16 rows per lane.
 template <int BITS, int NW, int D, int MODE = 0>
@@ -636,3 +636,5 @@ TCBC2(16, 4, 3, 3)
 TCBC2(16, 8, 2, 3)
 TCBC2(4, 4, 3, 0)
 TCBC2(2, 4, 3, 0)
+TCBC2(4, 4, 3, 1)
+TCBC2(2, 4, 3, 1)

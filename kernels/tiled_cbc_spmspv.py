@@ -22,15 +22,16 @@ STAGES = (4, 8)
 BITS = (16, 4, 2)
 # v2 instantiations (bits, warps, stages), as in the .cu file; the first of each bits is its default
 V2_CONFIGS = ((16, 4, 2), (16, 4, 3), (16, 8, 2), (4, 4, 3), (2, 4, 3))
-MODES = {16: (0, 1, 2, 3), 4: (0,), 2: (0,)}  # v2 value decodes built per value type (see DEFAULT_MODE)
+MODES = {16: (0, 1, 2, 3), 4: (0, 1), 2: (0, 1)}  # v2 value decodes built per value type (see DEFAULT_MODE)
 _EXPR = (
     tuple(f"tcbc_spmspv<{b}, {w}, {s}>" for b in BITS for w in WARPS for s in STAGES)
     + tuple(f"tcbc_spmspv2<{b}, {w}, {s}>" for b, w, s in V2_CONFIGS)
     + tuple(f"tcbc_spmspv2<{b}, {w}, {s}, {m}>" for b, w, s in V2_CONFIGS for m in MODES[b] if m)
 )
 # value decode of v2: 0 = a lane's 8 rows of each active column, one predicated 2-byte LDS (fp16) or code per
-# set bit (b-bit codes: the only one); fp16 only: 3 = two columns per pass, a half-warp per column and 16 rows
-# per lane (1.05-1.07x mode 0 on the H200), 2 = two 16-byte LDS + register shifts (slower), 1 = no value decode
+# set bit (b-bit codes: their decode); 1 = no value decode (measurement only); fp16 only: 3 = two columns per
+# pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200), 2 = two 16-byte LDS +
+# register shifts (slower)
 DEFAULT_MODE = 3
 _SMEM_SET: dict[str, int] = {}
 SMEM_PER_SM = 227 * 1024
@@ -143,7 +144,7 @@ def spmspv(
     """Launch the kernel on the current stream; returns ``out`` (CuPy [M], fp16 or fp32).
 
     ``mode`` (v2): the value decode, one of ``MODES[bits]`` (see the .cu file; None: the default); ``mode=1``
-    (fp16) is a measurement aid that moves the same bytes but skips the value loads and FMAs (meaningless
+    is a measurement aid that moves the same bytes but skips the value loads and FMAs (meaningless
     output), used by the benchmark to separate the decode's cost from the data movement's.
 
     ``streamk`` (v2): True launches one resident wave of blocks, each with an equal share of the layer's GTiles in

@@ -442,10 +442,15 @@ def test_benchmark_checks_arguments_and_reports_int_codes_without_a_gpu(tmp_path
                t_v1_us=30.0, t_spmspv_dp_off_us=14.0, gbps_spmspv=900.0, gbps_cublas=3300.0, best_warps=4,
                best_stages=3, best_chunk=8, best_streamk=False, best_mode=0)
     res = dict(machine=dict(gpu="G", nvidia_smi="s", cupy="c", torch="t", cuda_runtime=1), command="cmd",
-               copy_gbps=4000.0, geomean_spmspv={}, spmspv=[dict(row, bits=16, t_nodecode_us=7.5),
-                                                            dict(row, bits=4, group=128, t_nodecode_us=None)])
+               copy_gbps=4000.0, spmspv=[dict(row, bits=16, t_nodecode_us=7.5),
+                                         dict(row, bits=4, group=128, t_nodecode_us=None)])
+    g = dict(best=1.3, default=1.2, v1=0.7, dp_off=1.1, median_gbps=2000.0, n_shapes=31)
+    res["geomean_spmspv"] = {"static 50% + dynamic 30%": dict(g, nodecode=1.6),
+                             "static 50% + dynamic 30%, int4 values": dict(g, nodecode=None)}
     write_md(res, tmp_path / "r.md")
     lines = (tmp_path / "r.md").read_text().splitlines()
+    b16, b4 = [ln for ln in lines if ln.startswith("- static 50%")]
+    assert "**1.30x**" in b16 and "1.60x without the value decode" in b16 and "without the value" not in b4
     fp16, int4 = [ln for ln in lines if ln.startswith("| 4096 |")]
     assert "| fp16 |" in fp16 and fp16.split(" | ")[-2] == "7.5"
     assert "| int4 (g128) |" in int4 and int4.split(" | ")[-2] == "–"
