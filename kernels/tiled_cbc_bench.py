@@ -197,11 +197,11 @@ def spmspv_candidates(bits: int = 16, full: bool = True) -> list[dict]:
     """Launch settings the benchmark tries per shape: v2 (warps, stages) x chunk scale x fp16 decode mode with
     split-K, and stream-K at 4 and 8 warps (``full=False``: the default launch only); for b-bit codes, the
     configurations built for them, split-K at two chunk scales and stream-K."""
-    from .tiled_cbc_spmspv import DEFAULT_MODE, V2_CONFIGS
+    from .tiled_cbc_spmspv import DEFAULT_MODES, V2_CONFIGS
 
     if not full:
         w, st = next((w, st) for b, w, st in V2_CONFIGS if b == bits)
-        return [dict(warps=w, stages=st, scale=1.0, mode=DEFAULT_MODE if bits == 16 else 0, streamk=None)]
+        return [dict(warps=w, stages=st, scale=1.0, mode=DEFAULT_MODES[bits], streamk=None)]
     if bits != 16:
         ws = [(w, st) for b, w, st in V2_CONFIGS if b == bits]
         return [dict(warps=w, stages=st, scale=sc, mode=0, streamk=k)

@@ -22,7 +22,7 @@ STAGES = (4, 8)
 BITS = (16, 4, 2)
 # v2 instantiations (bits, warps, stages), as in the .cu file; the first of each bits is its default
 V2_CONFIGS = ((16, 4, 2), (16, 4, 3), (16, 8, 2), (4, 4, 3), (2, 4, 3))
-MODES = {16: (0, 1, 2, 3), 4: (0, 1), 2: (0, 1)}  # v2 value decodes built per value type (see DEFAULT_MODE)
+MODES = {16: (0, 1, 2, 3), 4: (0, 1), 2: (0, 1)}  # v2 value decodes built per value type (see DEFAULT_MODES)
 _EXPR = (
     tuple(f"tcbc_spmspv<{b}, {w}, {s}>" for b in BITS for w in WARPS for s in STAGES)
     + tuple(f"tcbc_spmspv2<{b}, {w}, {s}>" for b, w, s in V2_CONFIGS)
@@ -32,7 +32,7 @@ _EXPR = (
 # set bit (b-bit codes: their decode); 1 = no value decode (measurement only); fp16 only: 3 = two columns per
 # pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200), 2 = two 16-byte LDS +
 # register shifts (slower)
-DEFAULT_MODE = 3
+DEFAULT_MODES = {16: 3, 4: 0, 2: 0}  # the launcher's decode per value type
 _SMEM_SET: dict[str, int] = {}
 SMEM_PER_SM = 227 * 1024
 
@@ -175,7 +175,7 @@ def spmspv(
         slot = v2_slot_bytes(dev)
         smem = v2_smem(dev, warps, stages)
         if mode is None:
-            mode = DEFAULT_MODE if bits == 16 else 0
+            mode = DEFAULT_MODES[bits]
         if mode not in MODES[bits]:
             raise ValueError(f"mode must be one of {MODES[bits]} for {bits}-bit values, got {mode}")
         if streamk is None:

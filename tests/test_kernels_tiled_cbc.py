@@ -422,7 +422,7 @@ def test_spmspv_launch_names_match_the_kernels_instantiations():
     built = {tuple(int(v) for v in m) for m in re.findall(r"^TCBC2\((\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
     named = {(b, w, s, m) for b, w, s in k.V2_CONFIGS for m in k.MODES[b]}
     assert built == named
-    assert k.DEFAULT_MODE in k.MODES[16] and all(0 in k.MODES[b] for b in k.BITS)
+    assert all(k.DEFAULT_MODES[b] in k.MODES[b] and 0 in k.MODES[b] for b in k.BITS)
     exprs = {e for e in k._EXPR if e.startswith("tcbc_spmspv2<")}
     assert exprs == {f"tcbc_spmspv2<{b}, {w}, {s}" + (">" if m == 0 else f", {m}>") for b, w, s, m in named}
 
