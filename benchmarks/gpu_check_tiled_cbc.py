@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
     from unionsparse.kernels.tiled_cbc_spmm import V2_CONFIGS as MM_CFG
     from unionsparse.kernels.tiled_cbc_spmm import spmm
-    from unionsparse.kernels.tiled_cbc_spmspv import V2_CONFIGS, spmspv
+    from unionsparse.kernels.tiled_cbc_spmspv import MODES, V2_CONFIGS, spmspv
 
     seed = int(time.time()) if a.seed is None else a.seed
     rng = np.random.default_rng(seed)
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         w64 = dense_weights_f64(m, s, g)
         b = 16 if bits is None else bits
         runs = [dict(version=1)] + [dict(version=2, warps=w, stages=st, mode=md) for bb, w, st in V2_CONFIGS
-                                    if bb == b for md in ((0, 2, 3) if b == 16 else (0,))]
+                                    if bb == b for md in MODES[b] if md != 1]
         runs += [dict(version=2, warps=w, stages=st, streamk=True, blocks=nb) for bb, w, st in V2_CONFIGS if bb == b
                  for nb in (1, 3, None)]
         for tau in (None, 0.0, 0.4, 1.5):

@@ -94,6 +94,21 @@ __device__ __forceinline__ float code_at(const unsigned char* v, int i) {
     return (float)((c ^ half) - half);
 }
 
+// b-bit codes to float on the FMA pipe, not the quarter-rate integer-to-float unit (sm_90: I2FP runs at 16 per
+// clock per SM, FADD at 128). `win` holds codes in offset binary (each code's top bit flipped: q + 2^(b-1)),
+// the next code in its top b bits; shifted down and added to the bits of 2^23 it makes the float
+// 2^23 + q + 2^(b-1) exactly, and one FADD leaves q. Shift and add are one LEA.HI with an immediate (a
+// funnel shift would need the exponent in a register, which the compiler re-materializes per row).
+template <int BITS>
+__device__ __forceinline__ float top_code_to_float(u32 win) {
+    return __uint_as_float((win >> (32 - BITS)) + 0x4B000000u) - (8388608.f + (float)(1 << (BITS - 1)));
+}
+// every code's top bit, for the offset-binary window above
+template <int BITS>
+__device__ __forceinline__ constexpr u32 code_flip() {
+    return BITS == 4 ? 0x88888888u : 0xAAAAAAAAu;
+}
+
 // Step 4 of v1 and v2: the NW warps' accumulators (lane l: rows 8l..8l+7 of GTile row tr) are summed
 // through `red` (shared, NW * TILE_M floats, free to reuse: the caller has synchronized the block). When the
 // block is the row's only part it writes the output directly; otherwise it writes its fp32 partial row as
@@ -468,16 +483,9 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
             const u32 a0 = __popc(q.x), a1 = __popc(q.y), a2 = __popc(q.z), a3 = __popc(q.w);
             const u32 tp = __shfl_xor_sync(0xFFFFFFFFu, a0 + a1 + a2 + a3, 1);
             const u32 P = ((lane & 1) ? tp : 0u) * 0x01010101u + (a0 << 8) + ((a0 + a1) << 16) + ((a0 + a1 + a2) << 24);
-            float sc[8];
-            if (BITS != 16) {
-                const uint4 s4 = lds128(slot + H::SCL + 16 * lane);
-                const u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
+            float accq[8];  // b-bit codes: sums of q x over this GTile (one scale group), scaled at its end
 #pragma unroll
-                for (int t = 0; t < 4; ++t) {
-                    sc[2 * t] = h2f((u16)(sw[t] & 0xFFFFu));
-                    sc[2 * t + 1] = h2f((u16)(sw[t] >> 16));
-                }
-            }
+            for (int r = 0; r < 8; ++r) accq[r] = 0.f;
             const unsigned char* bm = slot + 4 * (lane >> 2);
             // unroll 1: unrolled twice, the compiler routed the predicated FMAs of the first copy through
             // moves (64 instead of 59 SASS instructions per column)
@@ -568,17 +576,27 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                     // sits in the top bits): rows are taken last first, each code off the top by one arithmetic
                     // shift (one instruction per row fewer than from the bottom). Unsigned: / and % by PER are
                     // shifts; word end / PER - 1 may be -1, the scales' last word (bits below the lane's codes).
+                    // The codes are converted on the FMA pipe (top_code_to_float) and q x is summed per GTile
+                    // (one scale group), scaled once after its last column.
                     const u32 end = e.w * 8u / BITS + (u32)rank + (u32)__popc(byte);
                     const u32* wp = vw + end / PER;
-                    u32 win = __funnelshift_r(wp[-1], wp[0], (end % PER) * BITS);
+                    u32 win = __funnelshift_r(wp[-1], wp[0], (end % PER) * BITS) ^ code_flip<BITS>();
 #pragma unroll
                     for (int r = 7; r >= 0; --r) {
                         if (byte & (1u << r)) {
-                            const int qv = (int)win >> (32 - BITS);
+                            accq[r] = fmaf(top_code_to_float<BITS>(win), xk, accq[r]);
                             win <<= BITS;
-                            acc[r] = fmaf((float)qv * sc[r], xk, acc[r]);
                         }
                     }
+                }
+            }
+            if (BITS != 16 && MODE == 0) {  // the lane's 8 rows' group scales
+                const uint4 s4 = lds128(slot + H::SCL + 16 * lane);
+                const u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    acc[2 * t] = fmaf(accq[2 * t], h2f((u16)(sw[t] & 0xFFFFu)), acc[2 * t]);
+                    acc[2 * t + 1] = fmaf(accq[2 * t + 1], h2f((u16)(sw[t] >> 16)), acc[2 * t + 1]);
                 }
             }
             __syncwarp();  // all lanes are done with this slot before a later issue overwrites it

@@ -297,11 +297,12 @@ def test_gpu_quantized_spmspv_every_chunk(bits, g):
     x = rng.standard_normal(1200).astype(np.float16)
     xe = np.where(np.abs(x.astype(np.float32)) > 0.3, x.astype(np.float64), 0)
     tol = tolerance(w64, xe[None])[0]
-    for version in (1, 2):
-        for chunk in (1, 3, 8, 75, None):
+    runs = [dict(version=1), dict(version=2)] + [dict(version=2, streamk=True, blocks=nb) for nb in (5, None)]
+    for kw in runs:
+        for chunk in (1, 3, 8, 75, None) if not kw.get("streamk") else (None,):
             out = cp.full(1000, cp.nan, cp.float32)
-            y = cp.asnumpy(spmspv(dev, cp.asarray(x), 0.3, out=out, chunk=chunk, version=version))
-            assert (np.abs(y - w64 @ xe) <= tol).all(), (version, chunk)
+            y = cp.asnumpy(spmspv(dev, cp.asarray(x), 0.3, out=out, chunk=chunk, **kw))
+            assert (np.abs(y - w64 @ xe) <= tol).all(), (kw, chunk)
 
 
 @gpu
