@@ -573,11 +573,11 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                     constexpr int PER = 32 / BITS;
                     const u32* vw = reinterpret_cast<const u32*>(slot + H::VOFF);
                     // a 32-bit window of codes ending at the lane's last one (end - 1; packing is LSB first, so it
-                    // sits in the top bits): rows are taken last first, each code off the top by one arithmetic
-                    // shift (one instruction per row fewer than from the bottom). Unsigned: / and % by PER are
-                    // shifts; word end / PER - 1 may be -1, the scales' last word (bits below the lane's codes).
-                    // The codes are converted on the FMA pipe (top_code_to_float) and q x is summed per GTile
-                    // (one scale group), scaled once after its last column.
+                    // sits in the top bits): rows are taken last first, each code read off the top (fewer
+                    // instructions per row than from the bottom) and converted on the FMA pipe
+                    // (top_code_to_float); q x is summed per GTile (one scale group) and scaled once after its
+                    // last column. Unsigned: / and % by PER are shifts; word end / PER - 1 may be -1, the
+                    // scales' last word (bits below the lane's codes).
                     const u32 end = e.w * 8u / BITS + (u32)rank + (u32)__popc(byte);
                     const u32* wp = vw + end / PER;
                     u32 win = __funnelshift_r(wp[-1], wp[0], (end % PER) * BITS) ^ code_flip<BITS>();
