@@ -7,7 +7,8 @@ launches are captured into CUDA graphs like any other::
 
     launch_cluster(fn, grid, block, shared_mem, args, cluster=(1, 2, 1), stream=None)
 
-``args`` are CuPy arrays (passed as device pointers) and NumPy scalars (passed by value).
+``args`` are CuPy arrays (passed as device pointers), NumPy scalars and ctypes objects (a tensor map: passed
+by value). ``launch_ex`` is the same driver launch without attributes, for kernels that take such a struct.
 """
 
 from __future__ import annotations
@@ -64,8 +65,11 @@ def kernel_params(args) -> tuple[ctypes.Array, list]:
             vals.append(ctypes.c_int32(int(a)))
         elif isinstance(a, np.float32):
             vals.append(ctypes.c_float(float(a)))
+        elif isinstance(a, ctypes.Array | ctypes.Structure):  # a struct passed by value (its bytes)
+            vals.append(a)
         else:
-            raise TypeError(f"unsupported kernel argument {type(a).__name__}: pass CuPy arrays or np.int32/float32")
+            raise TypeError(f"unsupported kernel argument {type(a).__name__}: pass CuPy arrays, np.int32/float32 or "
+                            "ctypes structs")
     ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     return ptrs, vals
 
@@ -95,3 +99,17 @@ def launch_cluster(fn, grid: tuple[int, int], block: tuple[int], shared_mem: int
     status = _lib().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fptr), ptrs, None)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernelEx (cluster {cluster}, grid {grid}) failed with CUDA driver error {status}")
+
+
+def launch_ex(fn, grid: tuple[int, int, int], block: int, shared_mem: int, args, stream=None) -> None:
+    """Launch CuPy kernel ``fn`` through ``cuLaunchKernelEx`` with no attributes (``args`` as above)."""
+    import cupy as cp
+
+    s = stream if stream is not None else cp.cuda.get_current_stream()
+    cfg = LaunchConfig(gridDimX=grid[0], gridDimY=grid[1], gridDimZ=grid[2], blockDimX=block, blockDimY=1,
+                       blockDimZ=1, sharedMemBytes=shared_mem, hStream=ctypes.c_void_p(s.ptr), attrs=None,
+                       numAttrs=0)
+    ptrs, _keep = kernel_params(args)
+    status = _lib().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(getattr(fn, "kernel", fn).ptr), ptrs, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx (grid {grid}) failed with CUDA driver error {status}")

@@ -394,10 +394,9 @@ def spmm_candidates(n: int) -> list[tuple[int, int, int]]:
 def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5):
     from .tiled_cbc_device import DeviceTiledCBC, encode_on_device
     from .tiled_cbc_spmm import (
-        DENSE_FROM_N,
         V3_CONFIGS,
         V3_MAX_N,
-        WARP_UP_TO_N,
+        auto_method,
         decode_dense,
         default_bn,
         default_config,
@@ -405,6 +404,7 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
         spmm,
         spmm_dense,
         v3_config,
+        wgmma_available,
     )
 
     rows = []
@@ -481,7 +481,19 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
             t_dense = time_graph_cupy(cp, dense_path, L, reps)
             dense_timing = "one graph: decode + cublasGemmEx"
             t_warp = warp[v3_config(n)] if warp else float("nan")
-            t_auto = t_warp if n <= WARP_UP_TO_N else t_dense if n >= DENSE_FROM_N else best[0]
+            t_wgmma, rel_wgmma = float("nan"), float("nan")
+            if wgmma_available():  # v4, its default launch
+
+                def sparse4(i, devs=devs, X=X, out=out):
+                    return spmm(devs[i % len(devs)], X, out=out, method="wgmma")
+
+                t_wgmma = time_graph_cupy(cp, sparse4, L, reps)
+                out.fill(cp.nan)
+                spmm(dev0, X, out=out, method="wgmma")
+                ref = torch.nn.functional.linear(Xt.float(), Wt.float())
+                rel_wgmma = float((torch.from_dlpack(out).float() - ref).norm() / ref.norm())
+                del ref
+            t_auto = dict(warp=t_warp, wgmma=t_wgmma, dense=t_dense, fused=best[0])[auto_method(n, wgmma_available())]
             yd = spmm(dev0, X, method="dense")
             spmm(dev0, X, out=out, config=best[1], method="fused")
             got = torch.from_dlpack(out).float()
@@ -515,6 +527,10 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                     per_warp_config_us={str(c): t * 1e6 for c, t in warp.items()},
                     speedup_warp=t_cublas / t_warp,
                     rel_err_warp=rel_warp,
+                    t_wgmma_us=t_wgmma * 1e6,
+                    speedup_wgmma=t_cublas / t_wgmma,
+                    rel_err_wgmma=rel_wgmma,
+                    auto_method=auto_method(n, wgmma_available()),
                     t_auto_us=t_auto * 1e6,
                     speedup=t_cublas / t_auto,
                     speedup_v1=t_cublas / t_v1,
@@ -525,7 +541,8 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
             )
             log(
                 f"spmm {M}x{K} N={n}: cublas {t_cublas * 1e6:.1f}us warp {t_warp * 1e6:.1f}us "
-                f"x{t_cublas / t_warp:.2f} rel {rel_warp:.1e} fused {best[0] * 1e6:.1f}us "
+                f"x{t_cublas / t_warp:.2f} rel {rel_warp:.1e} wgmma {t_wgmma * 1e6:.1f}us x{t_cublas / t_wgmma:.2f} "
+                f"rel {rel_wgmma:.1e} fused {best[0] * 1e6:.1f}us "
                 f"({best[1]}) x{t_cublas / best[0]:.2f} (v1 x{t_cublas / t_v1:.2f}) dense-path {t_dense * 1e6:.1f}us "
                 f"x{t_cublas / t_dense:.2f} rel {rel:.1e}/{rel_dense:.1e}"
             )
@@ -720,22 +737,24 @@ def write_md(res, path):
             f"## SpMM (prefill, static {res['spmm'][0]['static']:.0%}) vs cuBLAS fp16 GEMM (F.linear)",
             "",
             f"`speedup` is the default method (`auto`: the warp-streamed kernel v3 up to N = "
-            f"{res.get('warp_up_to_n', 0)}, the fused v2 kernel below N = {res.get('dense_from_n', 128)}, "
-            "decode-once + cuBLAS from there on). v3 is timed with its default config for N (other configs "
-            "in the JSON).",
+            f"{res.get('warp_up_to_n', 0)}, on compute capability 9.0 the wgmma kernel v4 up to N = "
+            f"{res.get('wgmma_up_to_n', 0)}, the fused v2 kernel below N = {res.get('dense_from_n', 128)} elsewhere, "
+            "decode-once + cuBLAS from there on; the `auto` column names the method). v3 and v4 are timed with "
+            "their default config for N (other v3 configs in the JSON).",
             "",
-            "| M | K | N | cuBLAS us | warp v3 us | warp speedup | fused v2 us | fused speedup | dense-path us | "
-            "dense-path speedup | speedup (auto) | v1 us | v1 speedup | cuBLAS TFLOP/s | fused TFLOP/s "
-            "(dense-equiv.) | fused config |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| M | K | N | cuBLAS us | warp v3 us | warp speedup | wgmma v4 us | wgmma speedup | fused v2 us | "
+            "fused speedup | dense-path us | dense-path speedup | auto | speedup (auto) | v1 us | v1 speedup | "
+            "cuBLAS TFLOP/s | fused TFLOP/s (dense-equiv.) | fused config |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in res["spmm"]:
             L.append(
                 f"| {r['M']} | {r['K']} | {r['N']} | {r['t_cublas_us']:.1f} | {r.get('t_warp_us', float('nan')):.1f} | "
-                f"{r.get('speedup_warp', float('nan')):.2f} | {r['t_spmm_us']:.1f} | "
+                f"{r.get('speedup_warp', float('nan')):.2f} | {r.get('t_wgmma_us', float('nan')):.1f} | "
+                f"{r.get('speedup_wgmma', float('nan')):.2f} | {r['t_spmm_us']:.1f} | "
                 f"{r['speedup_fused']:.2f} | {r['t_dense_path_us']:.1f} | {r['speedup_dense_path']:.2f} | "
-                f"{r['speedup']:.2f} | {r['t_v1_us']:.1f} | {r['speedup_v1']:.2f} | {r['tflops_cublas']:.0f} | "
-                f"{r['tflops_fused_dense_equiv']:.0f} | {tuple(r['best_config'])} |"
+                f"{r.get('auto_method', '')} | {r['speedup']:.2f} | {r['t_v1_us']:.1f} | {r['speedup_v1']:.2f} | "
+                f"{r['tflops_cublas']:.0f} | {r['tflops_fused_dense_equiv']:.0f} | {tuple(r['best_config'])} |"
             )
         L += [
             "",
@@ -744,6 +763,9 @@ def write_md(res, path):
             "",
             "Warp-streamed kernel (v3) alone: "
             + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_warp", {}).items()),
+            "",
+            "wgmma kernel (v4) alone: "
+            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_wgmma", {}).items()),
             "",
             "Fused kernel alone: "
             + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_fused", {}).items()),
@@ -841,10 +863,11 @@ def main(argv=None):
     _log_spmspv_geomeans(res, log)
     if not args.no_spmm:
         sh = SPMM_SHAPES[:2] if args.quick else SPMM_SHAPES
-        from .tiled_cbc_spmm import DENSE_FROM_N, V3_MAX_N, WARP_UP_TO_N
+        from .tiled_cbc_spmm import DENSE_FROM_N, V3_MAX_N, WARP_UP_TO_N, WGMMA_UP_TO_N
 
         res["dense_from_n"] = DENSE_FROM_N
         res["warp_up_to_n"] = WARP_UP_TO_N
+        res["wgmma_up_to_n"] = WGMMA_UP_TO_N
         ns = args.spmm_ns or SPMM_NS
         res["spmm"] = bench_spmm(cp, torch, sh, ns, 0.5, log, deadline=t0 + args.spmm_seconds)
         res["geomean_spmm"] = {
@@ -852,6 +875,9 @@ def main(argv=None):
         }
         res["geomean_spmm_warp"] = {
             str(n): geomean([r["speedup_warp"] for r in res["spmm"] if r["N"] == n]) for n in ns if n <= V3_MAX_N
+        }
+        res["geomean_spmm_wgmma"] = {
+            str(n): geomean([r["speedup_wgmma"] for r in res["spmm"] if r["N"] == n]) for n in ns
         }
         res["geomean_spmm_fused"] = {
             str(n): geomean([r["speedup_fused"] for r in res["spmm"] if r["N"] == n]) for n in ns
@@ -868,6 +894,7 @@ def main(argv=None):
     _log_spmspv_geomeans(res, log)
     for n, g in res.get("geomean_spmm", {}).items():
         log(f"GEOMEAN SpMM N={n}: auto {g:.2f}x (warp {res['geomean_spmm_warp'].get(n, float('nan')):.2f}x, "
+            f"wgmma {res['geomean_spmm_wgmma'][n]:.2f}x, "
             f"fused {res['geomean_spmm_fused'][n]:.2f}x, dense-path "
             f"{res['geomean_spmm_dense_path'][n]:.2f}x, v1 {res['geomean_spmm_v1'][n]:.2f}x)")
 

@@ -41,12 +41,12 @@ def _cupy():
 
 
 @cache
-def load_module(name: str, expressions: tuple[str, ...], source: str = ""):
+def load_module(name: str, expressions: tuple[str, ...], source: str = "", options: tuple[str, ...] = ()):
     """Compile ``kernels/<name>.cu`` (or the file ``source``, another revision of it, for same-process A/B
-    timings) with NVRTC for the current device (cached per process)."""
+    timings) with NVRTC for the current device (cached per process); ``options`` are added to NVRTC's."""
     cp = _cupy()
     src = Path(source or _HERE / f"{name}.cu").read_text()
-    return cp.RawModule(code=src, options=("-std=c++17",), name_expressions=list(expressions))
+    return cp.RawModule(code=src, options=("-std=c++17", *options), name_expressions=list(expressions))
 
 
 class DeviceTiledCBC:
@@ -101,7 +101,13 @@ class DeviceTiledCBC:
         return self._partial[splits]
 
     def max_window_bytes(self, gk: int) -> int:
-        """Largest byte size of the values of gk consecutive GTiles of one GTile row (16-aligned)."""
+        """Largest byte size of the values of gk consecutive GTiles of one GTile row (16-aligned; cached)."""
+        cache = self.__dict__.setdefault("_window_bytes", {})
+        if gk not in cache:
+            cache[gk] = self._max_window_bytes(gk)
+        return cache[gk]
+
+    def _max_window_bytes(self, gk: int) -> int:
         gr, gc = self.grid
         t = self._tile_offset_host
         best = 0

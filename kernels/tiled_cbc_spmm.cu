@@ -719,3 +719,637 @@ TCBC_SPMM3(4, 4, 3)
 TCBC_SPMM3(4, 4, 4)
 TCBC_SPMM3(8, 4, 2)
 TCBC_SPMM3(8, 4, 3)
+
+// ---------------------------------------------------------------------------------------------------
+// v4 (sm_90a, `method="wgmma"`): decode into shared memory, multiply with Hopper's asynchronous warpgroup
+// MMA (wgmma), so the tensor cores run one step while the CUDA cores decode the next.
+//
+// Block = 256 threads = 2 warpgroups = one GTile row (256 rows of W) x BN tokens x a K range (split-K with
+// the v2 ticket). One step = GK GTiles (BK = 16 GK columns). Per step, in shared memory:
+//   A: the step's 256 x 64 dense fp16 W tile, written by the decode in wgmma's 128-byte-swizzled K-major
+//      layout: row m is 128 bytes at m * 128, its 16-byte k-chunk j stored at chunk j ^ (m % 8) (1024-byte
+//      aligned atoms of 8 rows); two buffers (decode t+1 while wgmma reads t). The first version used the
+//      no-swizzle layout (8 x 16-byte core matrices) and ran at 0.2x cuBLAS at N >= 512: the tensor cores'
+//      shared-memory reads conflict there (docs/kernels.md).
+//   X: the step's BN x 64 tokens in the same layout (cp.async, zero-filled past N and K), NST slots.
+//   raw values, bitmaps and ColInfo of the step (cp.async, as v2), NST slots; so the copies of step t+2,
+//   the decode of step t+1 and the wgmma of step t are in flight together.
+// Descriptors: swizzle mode 128 B, stride byte offset 1024 (between 8-row groups), the k16 slice s of the
+// 64-wide atom at start address + 32 s. Warpgroup g owns rows 128 g .. 128 g + 127 (two m64 slabs), i.e.
+// 8 wgmma.m64nBNk16 per step, accumulators in registers (BN floats per thread).
+// Decode (decode_dense2's rule): per (column, 32-row word half) one 8-byte entry {the half's bits, index of
+// its first value in the raw buffer}; thread t = row t, so a warp reads one broadcast entry per column, one
+// masked popcount gives the rank, one predicated 2-byte load the value; 8 columns make one 16-byte store
+// (a quarter-warp's stores cover one 128-byte core matrix: no bank conflicts).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#ifndef TCBC_V4_SKIP  // studies only: 1 skips the decode of steps after the first, 2 the wgmma, 3 both
+#define TCBC_V4_SKIP 0
+#endif
+__device__ __forceinline__ u64 wg_desc(u32 saddr) {  // K-major, 128-byte swizzle, 8-row groups 1024 B apart
+    return (u64)((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// generic-proxy shared-memory writes (stores, cp.async) made visible to the async proxy wgmma reads with
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {  // keep the compiler from moving the accumulators
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// the accumulator operands d[i .. i + 7] of a wgmma asm statement
+#define TCBC_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                   "+f"(d[i + 6]), "+f"(d[i + 7])
+__device__ __forceinline__ void wgmma_f16(float (&d)[8], u64 da, u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7} "
+        ", %8, %9, p, 1, 1, 0, 0; }"
+        : TCBC_D8(0)
+        : "l"(da), "l"(db));
+}
+__device__ __forceinline__ void wgmma_f16(float (&d)[16], u64 da, u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15} "
+        ", %16, %17, p, 1, 1, 0, 0; }"
+        : TCBC_D8(0), TCBC_D8(8)
+        : "l"(da), "l"(db));
+}
+__device__ __forceinline__ void wgmma_f16(float (&d)[32], u64 da, u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31} "
+        ", %32, %33, p, 1, 1, 0, 0; }"
+        : TCBC_D8(0), TCBC_D8(8), TCBC_D8(16), TCBC_D8(24)
+        : "l"(da), "l"(db));
+}
+__device__ __forceinline__ void wgmma_f16(float (&d)[64], u64 da, u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+        "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63} "
+        ", %64, %65, p, 1, 1, 0, 0; }"
+        : TCBC_D8(0), TCBC_D8(8), TCBC_D8(16), TCBC_D8(24), TCBC_D8(32), TCBC_D8(40), TCBC_D8(48), TCBC_D8(56)
+        : "l"(da), "l"(db));
+}
+__device__ __forceinline__ void wgmma_f16(float (&d)[96], u64 da, u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+        "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "
+        "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "
+        "%92, %93, %94, %95} "
+        ", %96, %97, p, 1, 1, 0, 0; }"
+        : TCBC_D8(0), TCBC_D8(8), TCBC_D8(16), TCBC_D8(24), TCBC_D8(32), TCBC_D8(40), TCBC_D8(48), TCBC_D8(56),
+          TCBC_D8(64), TCBC_D8(72), TCBC_D8(80), TCBC_D8(88)
+        : "l"(da), "l"(db));
+}
+
+// Visits a warpgroup's accumulators as f(row, token, value): rbase = the thread's first row, nb = its first
+// token (n0 + 2 tq); register 4 j + r of slab i is row rbase + 64 i + 8 (r >= 2), token nb + 8 j + (r & 1).
+template <int SL, int BN, typename F>
+__device__ __forceinline__ void wg_each_acc(const float (&acc)[SL][BN / 2], int rbase, int nb, F f) {
+#pragma unroll
+    for (int i = 0; i < SL; ++i)
+#pragma unroll
+        for (int r = 0; r < BN / 2; ++r) f(rbase + i * 64 + ((r >> 1) & 1) * 8, nb + (r >> 2) * 8 + (r & 1), acc[i][r]);
+}
+
+template <int BN, int TPR, int NST>
+__global__ void __launch_bounds__(256 * TPR, 1) tcbc_spmm4(
+    const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
+    const u16* __restrict__ values, const u16* __restrict__ X, u16* __restrict__ Y, int grid_c, int M, int K,
+    int N, int Mp, int raw_bytes, int sps, float* __restrict__ partial, u32* __restrict__ tickets) {
+    constexpr int GK = 4;                    // GTiles per step: 64 columns, one 128-byte swizzle row
+    constexpr int NTH = 256 * TPR;           // TPR threads per row of the GTile row
+    constexpr int SL = 2 / TPR;              // m64 slabs per warpgroup
+    constexpr int BK = TILE_K * GK;
+    constexpr int KC = BK / 8;               // 16-byte k-chunks per row
+    constexpr int A_BYTES = TILE_M * BK * 2;
+    constexpr int X_BYTES = BN * BK * 2;
+    constexpr int NCOL = GK * TILE_K;        // columns per step
+    constexpr int BMB = NCOL * 32;           // bitmap bytes per step
+    constexpr int CIB = NCOL * 4;            // ColInfo bytes per step
+    static_assert((TPR == 1 || TPR == 2) && NST >= 3, "1 or 2 threads per row; 3+ slots");
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    __shared__ int last_s;
+    // swizzle atoms need 1024-byte alignment (the host adds 1024 bytes of slack)
+    unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned char* As = smem;                                             // 2 * A_BYTES
+    unsigned char* Xs = As + 2 * A_BYTES;                                 // NST * X_BYTES
+    unsigned char* raw = Xs + NST * X_BYTES;                              // NST * raw_bytes
+    unsigned char* bms = raw + NST * raw_bytes;                           // NST * BMB
+    unsigned char* cis = bms + NST * BMB;                                 // NST * CIB
+    uint2* ent = reinterpret_cast<uint2*>(cis + NST * CIB);               // NCOL * 8
+    u32* toffs = reinterpret_cast<u32*>(ent + NCOL * 8);                  // sps * GK + 1
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int tr = blockIdx.y, n0 = blockIdx.x * BN;
+    const int gt_row = tr * grid_c;
+    const int nsteps = (grid_c + GK - 1) / GK;
+    const int sb = blockIdx.z * sps;
+    const int ns = max(0, min(nsteps, sb + sps) - sb);
+    const int cbase = sb * GK;  // first GTile column of the block
+
+    for (int i = tid; i <= ns * GK; i += NTH) toffs[i] = tile_offset[gt_row + min(cbase + i, grid_c)];
+    __syncthreads();
+
+    auto issue = [&](int t) {  // cp.async of step t's values, bitmaps, ColInfo and X tile into slot t % NST
+        if (t < ns) {
+            const int st = t % NST;
+            const int c0 = cbase + t * GK, cn = min(GK, grid_c - c0);
+            const u32 v0 = toffs[t * GK], v1 = toffs[t * GK + cn];
+            const int chunks = (int)((v1 - v0) >> 3);
+            unsigned char* dst = raw + st * raw_bytes;
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(values + v0);
+            for (int i = tid; i < chunks; i += NTH) cp_async16_zfill(dst + i * 16, src + i * 16, true);
+            const unsigned char* bsrc = reinterpret_cast<const unsigned char*>(bitmap + (size_t)(gt_row + c0) * TILE_K * 4);
+            const unsigned char* csrc = reinterpret_cast<const unsigned char*>(colinfo + (size_t)(gt_row + c0) * TILE_K);
+            for (int i = tid; i < cn * (BMB / GK / 16); i += NTH) cp_async16_zfill(bms + st * BMB + i * 16, bsrc + i * 16, true);
+            if (tid < cn * (CIB / GK / 16)) cp_async16_zfill(cis + st * CIB + tid * 16, csrc + tid * 16, true);
+            unsigned char* xd = Xs + st * X_BYTES;
+            for (int i = tid; i < BN * KC; i += NTH) {  // 8 lanes per token row: one 128-byte line each side
+                const int n = i >> 3, j = i & 7;
+                const int k = c0 * TILE_K + j * 8;
+                const bool ok = n0 + n < N && k < K;
+                const u16* g = ok ? X + (size_t)(n0 + n) * K + k : X;
+                cp_async16_zfill(xd + n * 128 + ((j ^ (n & 7)) << 4), g, ok);
+            }
+        }
+        cp_commit();
+    };
+
+    auto build_entries = [&](int t) {  // thread = (column, bitmap word): two {bits, first value} entries
+        if (tid < NCOL * 4) {
+            const int st = t % NST, col = tid >> 2, w = tid & 3, gcl = col / TILE_K;
+            uint2 e0 = make_uint2(0u, 0u), e1 = e0;
+            if (cbase + t * GK + gcl < grid_c) {
+                const u64* cw = reinterpret_cast<const u64*>(bms + st * BMB) + col * 4;
+                const u32* ci_s = reinterpret_cast<const u32*>(cis + st * CIB);
+                u32 s = toffs[t * GK + gcl] - toffs[t * GK] + (ci_s[col] >> 16);
+#pragma unroll
+                for (int q = 0; q < 3; ++q) s += q < w ? __popcll(cw[q]) : 0;
+                const u64 wd = cw[w];
+                e0 = make_uint2((u32)wd, s);
+                e1 = make_uint2((u32)(wd >> 32), s + __popc((u32)wd));
+            }
+            ent[col * 8 + 2 * w] = e0;
+            ent[col * 8 + 2 * w + 1] = e1;
+        }
+    };
+
+    const int row = tid & 255, j0 = (tid >> 8) * (KC / TPR);  // this thread's row and first k-chunk
+    const int hw = row >> 5;            // the word half of the row (rows 32 hw .. 32 hw + 31)
+    const u32 lt = (1u << lane) - 1u;
+    auto decode = [&](int t) {          // k-chunks j0 .. j0 + KC / TPR - 1 of the row
+        const u16* rv = reinterpret_cast<const u16*>(raw + (t % NST) * raw_bytes);
+        unsigned char* a = As + (t & 1) * A_BYTES + row * 128;
+#pragma unroll
+        for (int j = j0; j < j0 + KC / TPR; ++j) {
+            u32 h[4];
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+                const uint2 e = ent[(j * 8 + c) * 8 + hw];
+                u32 v = 0u;
+                if ((e.x >> lane) & 1u) v = rv[e.y + __popc(e.x & lt)];
+                if (c & 1) h[c >> 1] |= v << 16;
+                else h[c >> 1] = v;
+            }
+            *reinterpret_cast<uint4*>(a + ((j ^ (row & 7)) << 4)) = make_uint4(h[0], h[1], h[2], h[3]);
+        }
+    };
+
+    float acc[SL][BN / 2];
+#pragma unroll
+    for (int i = 0; i < SL; ++i)
+#pragma unroll
+        for (int r = 0; r < BN / 2; ++r) acc[i][r] = 0.f;
+    const int wg = tid >> 7;            // warpgroup wg: rows 64 SL wg .. 64 SL wg + 64 SL - 1
+    const u32 a_sm = smem_addr(As) + wg * SL * 64 * 128, x_sm = smem_addr(Xs);
+
+#pragma unroll
+    for (int t = 0; t < NST - 1; ++t) issue(t);
+    cp_wait<NST - 2>();
+    __syncthreads();
+    if (ns > 0) {
+        build_entries(0);
+        __syncthreads();
+        decode(0);
+    }
+    fence_async_smem();
+    __syncthreads();
+    for (int t = 0; t < ns; ++t) {
+        {   // the tensor cores take step t ...
+            const u32 a0 = a_sm + (t & 1) * A_BYTES, x0 = x_sm + (t % NST) * X_BYTES;
+#pragma unroll
+            for (int i = 0; i < SL; ++i) fence_acc(acc[i]);
+            wg_fence();
+#pragma unroll
+            for (int s = 0; s < GK * !(TCBC_V4_SKIP & 2); ++s) {
+                const u64 db = wg_desc(x0 + s * 32);
+#pragma unroll
+                for (int i = 0; i < SL; ++i) wgmma_f16(acc[i], wg_desc(a0 + i * 64 * 128 + s * 32), db);
+            }
+            wg_commit();
+        }
+        issue(t + NST - 1);   // ... while the copies of step t + NST - 1 start
+        cp_wait<NST - 2>();   // step t + 1 has landed
+        __syncthreads();
+        if (t + 1 < ns && !(TCBC_V4_SKIP & 1)) {  // ... and the CUDA cores decode step t + 1
+            build_entries(t + 1);
+            __syncthreads();
+            decode(t + 1);
+        }
+        fence_async_smem();
+        wg_wait0();
+#pragma unroll
+        for (int i = 0; i < SL; ++i) fence_acc(acc[i]);
+        __syncthreads();
+    }
+    cp_wait<0>();
+
+    // D fragment of m64nBN: warp q of the warpgroup holds rows 16 q + g and 16 q + g + 8
+    const int g = lane >> 2, tq = lane & 3, wq = (tid >> 5) & 3;
+    const int rbase = tr * TILE_M + wg * SL * 64 + wq * 16 + g;
+    if (gridDim.z == 1) {
+        wg_each_acc<SL, BN>(acc, rbase, n0 + 2 * tq, [&](int mm, int nn, float v) {
+            if (mm < M && nn < N) Y[(size_t)nn * M + mm] = f2h(v);
+        });
+        return;
+    }
+    float* part = partial + (size_t)blockIdx.z * N * Mp;
+    wg_each_acc<SL, BN>(acc, rbase, n0 + 2 * tq, [&](int mm, int nn, float v) {
+        if (nn < N) part[(size_t)nn * Mp + mm] = v;
+    });
+    split_k_finish<NTH>(partial, tickets + tr * gridDim.x + blockIdx.x, gridDim.z, n0, BN, tr, N, M, Mp, Y, last_s);
+}
+
+#define TCBC_SPMM4(BN, TPR, NST)                                                                         \
+    template __global__ void tcbc_spmm4<BN, TPR, NST>(const u64*, const u32*, const u32*, const u16*,    \
+                                                      const u16*, u16*, int, int, int, int, int, int,    \
+                                                      int, float*, u32*);
+TCBC_SPMM4(16, 2, 6)
+TCBC_SPMM4(16, 2, 3)
+TCBC_SPMM4(32, 2, 6)
+TCBC_SPMM4(32, 2, 3)
+TCBC_SPMM4(64, 2, 5)
+TCBC_SPMM4(64, 2, 3)
+TCBC_SPMM4(128, 1, 4)
+TCBC_SPMM4(128, 1, 3)
+TCBC_SPMM4(192, 1, 3)
+
+// ---------------------------------------------------------------------------------------------------
+// v5 (sm_90a, `method="wgmma5"`, studies only: slower than v4 and the dense path at every N, docs/kernels.md):
+// warp-specialised, and the W operand never goes through shared memory: the consumers decode it straight into
+// wgmma's A registers (the register-A form of wgmma.mma_async), so the tensor cores multiply one step while the
+// same warps decode the next.
+//
+// Block = 384 threads = 3 warpgroups over 128 rows of W (half a GTile row, h = blockIdx.y & 1) x BN tokens x a
+// K range (split-K with the v2 ticket). One step = GK = 4 GTiles (64 columns, one 128-byte swizzle row of X).
+//   Warpgroup 0, the producer (56 registers by setmaxnreg): one thread per step waits on empty[slot], posts the
+//   step's byte count on land[slot] (mbarrier.expect_tx) and issues four copies that complete on it: bulk
+//   copies of the step's values (its GTiles' one contiguous run), bitmaps and ColInfo, and a TMA 2-D tensor
+//   copy of the BN x 64 X tile (128-byte-swizzled, K-major: wgmma's B; zero-filled past N and K; tensor map
+//   from kernels/tma.py). NST - 2 steps later, after land[slot], the 128 producer threads write per (GTile,
+//   column, 32-row bitmap word half of the block's 128 rows) the 8-byte entry {the half's bits, index of its
+//   first value in the slot} and arrive on full[slot]. A cp.async producer (LDGSTS from 128 threads) was the
+//   bottleneck at ~1-2 us per step; the copy engine removed it.
+//   Warpgroups 1, 2, the consumers (224 registers): warpgroup c owns rows 64c..64c+63 of the 128 (an m64
+//   slab; accumulators BN / 2 floats per thread). Per step (after land and full): decode the 4 GTiles' A
+//   fragments (4 registers each), wgmma.fence, 4 wgmma m64nBNk16 with B = the X tile's k16 slices, commit;
+//   the next step is decoded while they run, then wait<0> and one arrive per warp on empty[slot]. ptxas
+//   serialises wgmmas (C7513) when the A registers or descriptors may change between them: fence_regs pins
+//   them before the fence, and no mbarrier arrive sits between in-flight wgmmas.
+// Fragment rows are permuted (as v3): fragment row g of warp w is GTile row rb + 2g, row g + 8 is rb + 2g + 1
+// (rb = 128h + 64c + 16w), so a lane's two rows are adjacent bits of one entry: per column one masked popcount
+// gives the first row's rank, the second row's value is the next one if the first is set. Lane (g, t) needs
+// columns 2t, 2t+1, 2t+8, 2t+9 of the GTile: 4 entry loads (the 16 columns of one (GTile, half) are 16
+// consecutive entries: the 4 lane groups hit 4 distinct bank pairs), up to 8 predicated 2-byte value loads,
+// 4 prmt. The epilogue stores both rows of a token as one 32-bit word (8 lanes cover 32 contiguous bytes).
+#ifndef TCBC_V5_SKIP  // studies only: 2 drops the decode, 4 the wgmma (wrong results)
+#define TCBC_V5_SKIP 0
+#endif
+__device__ __forceinline__ void wgmma_rs(float (&d)[8], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0; }"
+        : TCBC_D8(0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[16], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }"
+        : TCBC_D8(0), TCBC_D8(8)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+        : TCBC_D8(0), TCBC_D8(8), TCBC_D8(16), TCBC_D8(24)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+        : TCBC_D8(0), TCBC_D8(8), TCBC_D8(16), TCBC_D8(24), TCBC_D8(32), TCBC_D8(40), TCBC_D8(48), TCBC_D8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{ .reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0; }"
+        : TCBC_D8(0), TCBC_D8(8), TCBC_D8(16), TCBC_D8(24), TCBC_D8(32), TCBC_D8(40), TCBC_D8(48), TCBC_D8(56),
+          TCBC_D8(64), TCBC_D8(72), TCBC_D8(80), TCBC_D8(88), TCBC_D8(96), TCBC_D8(104), TCBC_D8(112), TCBC_D8(120)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+__device__ __forceinline__ void fence_regs(u32 (&r)[4], u64& desc) {  // ptxas serialises wgmma otherwise (C7513)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[i])::"memory");
+    asm volatile("" : "+l"(desc)::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R)); }
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R)); }
+__device__ __forceinline__ void named_bar(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{ .reg .pred p; WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra WAIT; }" ::"r"(
+            smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {  // 16-byte aligned
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+struct __align__(64) TmaMap {  // a CUtensorMap, encoded on the host (kernels/tma.py)
+    u64 w[16];
+};
+__device__ __forceinline__ void tma_2d(void* dst, const TmaMap* map, int c0, int c1, u64* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
+            "r"(smem_addr(dst)),
+        "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// Lane (g, t)'s A fragment of one GTile from the entries E (16 columns of its (GTile, half)) and the slot's values V.
+__device__ __forceinline__ void v5_decode(const uint2* E, const u16* V, int tq, int b, u32 lt, u32 (&a)[4]) {
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {
+        u32 lo[2], hi[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const uint2 en = E[2 * tq + 8 * cc + e];
+            const u32 bits = en.x >> b;
+            const u32 rk = en.y + __popc(en.x & lt);
+            u32 v0 = 0u, v1 = 0u;
+            if (bits & 1u) v0 = V[rk];
+            if (bits & 2u) v1 = V[rk + (bits & 1u)];
+            lo[e] = v0;
+            hi[e] = v1;
+        }
+        a[2 * cc] = pack2(lo[0], lo[1]);
+        a[2 * cc + 1] = pack2(hi[0], hi[1]);
+    }
+}
+
+template <int BN, int NST>
+__global__ void __launch_bounds__(384, 1) tcbc_spmm5(
+    const __grid_constant__ TmaMap xmap, const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
+    const u16* __restrict__ values, const u16* __restrict__ X, u16* __restrict__ Y, int grid_c, int M, int K,
+    int N, int Mp, int raw_bytes, int sps, float* __restrict__ partial, u32* __restrict__ tickets) {
+    constexpr int GK = 4, NCOL = GK * TILE_K;   // 64 columns per step
+    constexpr int X_BYTES = BN * 128;           // BN tokens x 64 halves
+    constexpr int BM_BYTES = NCOL * 32, CI_BYTES = NCOL * 4, NENT = NCOL * 4;
+    static_assert(NST >= 3, "3+ ring slots: two in use by the consumers, at least one in flight");
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    __shared__ __align__(8) u64 land[NST], full[NST], empty[NST];
+    __shared__ int last_s;
+    unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // swizzle atoms
+    unsigned char* Xs = smem;                                              // NST * X_BYTES
+    unsigned char* raw = Xs + NST * X_BYTES;                               // NST * raw_bytes
+    unsigned char* bms = raw + NST * raw_bytes;                            // NST * BM_BYTES
+    unsigned char* cis = bms + NST * BM_BYTES;                             // NST * CI_BYTES
+    uint2* ent = reinterpret_cast<uint2*>(cis + NST * CI_BYTES);           // NST * NENT: [GTile][qq][half][col]
+    u32* toffs = reinterpret_cast<u32*>(ent + NST * NENT);                 // sps * GK + 1
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int tr = blockIdx.y >> 1, h = blockIdx.y & 1, n0 = blockIdx.x * BN;
+    const int gt_row = tr * grid_c;
+    const int nsteps = (grid_c + GK - 1) / GK;
+    const int sb = blockIdx.z * sps;
+    const int ns = max(0, min(nsteps, sb + sps) - sb);
+    const int cbase = sb * GK;  // first GTile column of the block
+
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < NST; ++i) {
+            mbar_init(&land[i], 1);
+            mbar_init(&full[i], 128);
+            mbar_init(&empty[i], 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the copy engine
+    }
+    __syncthreads();
+
+    if (tid < 128) {  // ---- producer ----
+        setmaxnreg_dec<56>();
+        for (int i = tid; i <= ns * GK; i += 128) toffs[i] = tile_offset[gt_row + min(cbase + i, grid_c)];
+        named_bar(1, 128);
+        constexpr int LAG = NST - 2;  // steps in flight: the consumers hold two slots (one decoded, one multiplied)
+        for (int t = 0; t < ns + LAG; ++t) {
+            if (t < ns && tid == 0) {  // one thread issues the step's four copies, all completing on land[slot]
+                const int st = t % NST;
+                if (t >= NST) mbar_wait(&empty[st], ((t / NST) - 1) & 1);
+                const int c0 = cbase + t * GK, cn = min(GK, grid_c - c0);
+                const u32 v0 = toffs[t * GK], vbytes = (toffs[t * GK + cn] - v0) * 2;
+                mbar_expect_tx(&land[st], vbytes + cn * (TILE_K * 32 + TILE_K * 4) + X_BYTES);
+                if (vbytes) bulk_g2s(raw + st * raw_bytes, values + v0, vbytes, &land[st]);
+                bulk_g2s(bms + st * BM_BYTES, bitmap + (size_t)(gt_row + c0) * TILE_K * 4, cn * TILE_K * 32, &land[st]);
+                bulk_g2s(cis + st * CI_BYTES, colinfo + (size_t)(gt_row + c0) * TILE_K, cn * TILE_K * 4, &land[st]);
+                tma_2d(Xs + st * X_BYTES, &xmap, c0 * TILE_K, n0, &land[st]);  // zero-filled past K and N
+            }
+            if (t >= LAG) {
+                const int s = t - LAG, st = s % NST;
+                mbar_wait(&land[st], (s / NST) & 1);  // step s has landed
+                const int j = tid >> 5, col = (tid >> 1) & 15, qq = tid & 1;
+                uint2 elo = make_uint2(0u, 0u), ehi = elo;
+                if (cbase + s * GK + j < grid_c) {
+                    const u64* cw = reinterpret_cast<const u64*>(bms + st * BM_BYTES) + (j * TILE_K + col) * 4;
+                    const u32 ci = reinterpret_cast<const u32*>(cis + st * CI_BYTES)[j * TILE_K + col];
+                    const int q = 2 * h + qq;
+                    u32 base = toffs[s * GK + j] - toffs[s * GK] + (ci >> 16);
+#pragma unroll
+                    for (int w = 0; w < 3; ++w) base += w < q ? __popcll(cw[w]) : 0;
+                    const u64 wd = cw[q];
+                    elo = make_uint2((u32)wd, base);
+                    ehi = make_uint2((u32)(wd >> 32), base + __popc((u32)wd));
+                }
+                uint2* E = ent + st * NENT + (j * 4 + qq * 2) * TILE_K + col;
+                E[0] = elo;
+                E[TILE_K] = ehi;
+                mbar_arrive(&full[st]);
+            }
+        }
+        return;
+    }
+    // ---- consumers ----
+    setmaxnreg_inc<224>();
+    const int ct = tid - 128, c = ct >> 7, w = (ct >> 5) & 3, g = lane >> 2, tq = lane & 3;
+    const int b = 16 * (w & 1) + 2 * g;  // bit of fragment row g in its 32-row word half
+    const u32 lt = (1u << b) - 1u;
+    float acc[BN / 2];
+#pragma unroll
+    for (int r = 0; r < BN / 2; ++r) acc[r] = 0.f;
+    const u32 x_sm = smem_addr(Xs);
+    u32 a[2][GK][4];  // the A fragments of two steps: one in the tensor cores, one being decoded
+    auto decode_step = [&](int s, u32 (&A)[GK][4]) {
+        const int st = s % NST;
+        mbar_wait(&land[st], (s / NST) & 1);  // the X tile and values (written by the copy engine) ...
+        mbar_wait(&full[st], (s / NST) & 1);  // ... and the entries (by the producer's threads)
+        const uint2* E = ent + st * NENT + (c * 2 + (w >> 1)) * TILE_K;
+        const u16* V = reinterpret_cast<const u16*>(raw + st * raw_bytes);
+#pragma unroll
+        for (int j = 0; j < GK; ++j) {
+            if (TCBC_V5_SKIP & 2) {
+                A[j][0] = A[j][1] = A[j][2] = A[j][3] = (u32)E[j].x;
+            } else {
+                v5_decode(E + j * 4 * TILE_K, V, tq, b, lt, A[j]);
+            }
+        }
+    };
+    auto mma_step = [&](int s, u32 (&A)[GK][4]) {
+        u64 db[GK];
+#pragma unroll
+        for (int j = 0; j < GK; ++j) {
+            db[j] = wg_desc(x_sm + (s % NST) * X_BYTES + 32 * j);
+            fence_regs(A[j], db[j]);  // A and the descriptors are computed before the fence, not after it
+        }
+        fence_acc(acc);
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < GK * !(TCBC_V5_SKIP & 4); ++j) wgmma_rs(acc, A[j], db[j]);
+        wg_commit();
+    };
+    auto retire = [&](int s) {  // step s's wgmmas are done: its A registers and its slot are free
+        wg_wait<0>();
+        fence_acc(acc);
+        if (lane == 0) mbar_arrive(&empty[s % NST]);
+    };
+    if (ns > 0) decode_step(0, a[0]);
+    for (int s = 0; s < ns; s += 2) {  // two steps per pass: the fragment buffers alternate at compile time
+        mma_step(s, a[0]);
+        if (s + 1 < ns) decode_step(s + 1, a[1]);  // while the tensor cores take step s
+        retire(s);
+        if (s + 1 >= ns) break;
+        mma_step(s + 1, a[1]);
+        if (s + 2 < ns) decode_step(s + 2, a[0]);
+        retire(s + 1);
+    }
+
+    const int rb = tr * TILE_M + 128 * h + 64 * c + 16 * w + 2 * g;  // rows of fragment rows g, g + 8: rb, rb + 1
+    if (gridDim.z == 1) {
+        const bool pair = (M & 1) == 0 && rb + 1 < M;
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int nn = n0 + 8 * i + 2 * tq + e;
+                if (nn >= N) continue;
+                const u16 lo = f2h(acc[4 * i + e]), hi = f2h(acc[4 * i + 2 + e]);
+                u16* y = Y + (size_t)nn * M + rb;
+                if (pair) {
+                    *reinterpret_cast<u32*>(y) = (u32)lo | ((u32)hi << 16);
+                } else {
+                    if (rb < M) y[0] = lo;
+                    if (rb + 1 < M) y[1] = hi;
+                }
+            }
+        return;
+    }
+    float* part = partial + (size_t)blockIdx.z * N * Mp;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int nn = n0 + 8 * i + 2 * tq + e;
+            if (nn >= N) continue;
+            *reinterpret_cast<float2*>(part + (size_t)nn * Mp + rb) = make_float2(acc[4 * i + e], acc[4 * i + 2 + e]);
+        }
+    // the last of the splits of this output tile adds the partials in split order (consumers only: named barrier)
+    __threadfence();
+    named_bar(2, 256);
+    if (ct == 0) last_s = atomicAdd(tickets + blockIdx.y * gridDim.x + blockIdx.x, 1u) == gridDim.z - 1;
+    named_bar(2, 256);
+    if (!last_s) return;
+    __threadfence();
+    const int row0 = tr * TILE_M + 128 * h;
+    for (int idx = ct; idx < BN * 128; idx += 256) {
+        const int n = n0 + idx / 128, row = row0 + idx % 128;
+        if (n >= N || row >= M) continue;
+        float v = 0.f;
+        for (int z = 0; z < (int)gridDim.z; ++z) v += ld_cg(partial + ((size_t)z * N + n) * Mp + row);
+        Y[(size_t)n * M + row] = f2h(v);
+    }
+    if (ct == 0) tickets[blockIdx.y * gridDim.x + blockIdx.x] = 0u;
+}
+
+#define TCBC_SPMM5(BN, NST)                                                                              \
+    template __global__ void tcbc_spmm5<BN, NST>(const __grid_constant__ TmaMap, const u64*, const u32*,     \
+                                                 const u32*, const u16*, const u16*, u16*, int, int, int, int, \
+                                                 int, int, int, float*, u32*);
+TCBC_SPMM5(16, 10)
+TCBC_SPMM5(16, 4)
+TCBC_SPMM5(32, 8)
+TCBC_SPMM5(32, 4)
+TCBC_SPMM5(64, 6)
+TCBC_SPMM5(64, 4)
+TCBC_SPMM5(128, 4)
+TCBC_SPMM5(128, 3)
+TCBC_SPMM5(256, 4)
+TCBC_SPMM5(256, 3)
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -6,18 +6,27 @@ of quantized layers: use the reference, or dequantize); it raises ``NotImplement
 Methods: ``"warp"`` (v3, the default up to ``WARP_UP_TO_N`` tokens): every warp streams a quarter of a GTile
 row through its own cp.async ring and builds the mma fragments in registers, no block barrier in the loop;
 ``"fused"`` (v2): split-K with a deterministic one-launch ticket, NST-stage cp.async ring, decode of step
-t+1 overlapped with the mma of step t; ``"dense"``: decode once, then cuBLAS (the default from
-``DENSE_FROM_N`` tokens). ``version=1``: the first kernel (no split-K, serial decode -> mma), kept as the
-benchmark's same-machine baseline.
+t+1 overlapped with the mma of step t; ``"wgmma"`` (v4, compute capability 9.0 only, the default there above
+``WARP_UP_TO_N`` up to ``WGMMA_UP_TO_N`` tokens): the decode writes a 128-byte-swizzled W tile to shared
+memory and Hopper's asynchronous warpgroup MMA multiplies it while the next step is decoded;
+``"dense"``: decode once, then cuBLAS (the default from ``DENSE_FROM_N`` tokens, above ``WGMMA_UP_TO_N`` on
+sm_90). ``"wgmma5"`` (v5, sm_90a, never chosen by ``"auto"``: slower than the paths above at every N, kept for
+studies, docs/kernels.md): warp-specialised, X and W by the copy engine (TMA, bulk copies), W decoded straight
+into wgmma's A registers. ``version=1``: the first kernel (no split-K, serial decode -> mma), kept as the benchmark's
+same-machine baseline.
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 
 from . import sm_count
+from .cluster_launch import launch_ex
 from .cublas_gemm import OP_N, OP_T, gemm_f16
 from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
+from .tma import fp16_2d
 
 GK = 2
 CONFIGS = {128: 1, 64: 2}  # v1: BN -> min blocks per SM (launch bounds)
@@ -37,10 +46,49 @@ _EXPR = (
 DD_G = 4  # GTiles side by side per decode_dense block (DD_G in the .cu)
 DENSE_FROM_N = 32  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
 WARP_UP_TO_N = 8  # method="auto": the warp-streamed kernel (v3) up to this many tokens (docs/kernels.md)
+WGMMA_UP_TO_N = 32  # method="auto" on sm_90: the wgmma kernel (v4) above WARP_UP_TO_N up to here (docs/kernels.md)
 _DENSE_WS: dict[tuple[int, int], object] = {}
 
 
+# v4 (wgmma, sm_90a only): (BN, TPR, NST) as instantiated in the .cu file, in order of preference per BN: tokens
+# per block, threads per row of the 256-row GTile row (1: 256 threads, 2: 512), ring stages (more prefetch
+# further where shared memory allows). A step is always 4 GTiles (64 columns, one 128-byte swizzle row).
+# 512-thread blocks up to BN = 64 (1.1x the 256-thread ones at N <= 32), 256 threads from BN = 128 (512 spill there)
+V4_CONFIGS = ((16, 2, 6), (16, 2, 3), (32, 2, 6), (32, 2, 3), (64, 2, 5), (64, 2, 3), (128, 1, 4), (128, 1, 3),
+              (192, 1, 3))
+V4_GK = 4
+_EXPR_V4 = tuple(f"tcbc_spmm4<{bn}, {tpr}, {nst}>" for bn, tpr, nst in V4_CONFIGS)
+
+# v5 (warp-specialised, W decoded into wgmma's A registers, sm_90a): (BN, NST) as instantiated in the .cu file, in
+# order of preference per BN (deeper ring first); 384 threads, 128 rows of W per block, 4 GTiles per step.
+V5_CONFIGS = ((16, 10), (16, 4), (32, 8), (32, 4), (64, 6), (64, 4), (128, 4), (128, 3), (256, 4), (256, 3))
+V5_BM = 128
+_EXPR_V5 = tuple(f"tcbc_spmm5<{bn}, {nst}>" for bn, nst in V5_CONFIGS)
+
+
+def wgmma_available() -> bool:
+    """True on a compute-capability 9.0 GPU (H100 / H200), where the module is built for sm_90a and holds v4."""
+    cp = _cupy()
+    return _is_sm90(cp.cuda.Device().id)
+
+
+@cache
+def _is_sm90(device: int) -> bool:  # one driver query per device: launches may be captured into graphs
+    return _cupy().cuda.Device(device).compute_capability == "90"
+
+
+def auto_method(n: int, wgmma: bool) -> str:
+    """The method ``method="auto"`` takes for n tokens; ``wgmma``: the device runs v4 (``wgmma_available``)."""
+    if n <= WARP_UP_TO_N:
+        return "warp"
+    if wgmma and n <= WGMMA_UP_TO_N:
+        return "wgmma"
+    return "dense" if n >= DENSE_FROM_N else "fused"
+
+
 def _module():
+    if wgmma_available():  # CuPy appends its own -arch=sm_90; NVRTC keeps the arch-specific target
+        return load_module("tiled_cbc_spmm", _EXPR + _EXPR_V4 + _EXPR_V5, options=("-arch=sm_90a",))
     return load_module("tiled_cbc_spmm", _EXPR)
 
 
@@ -154,6 +202,151 @@ def spmm_warp(dev: DeviceTiledCBC, X, out, config: tuple[int, int, int] | None =
     return out
 
 
+def _split_plan(nsteps: int, splits: int) -> tuple[int, int]:
+    """(blocks along K, steps per block) for ``splits`` requested (clamped to 1..nsteps, no empty block)."""
+    sps = -(-nsteps // max(1, min(int(splits), nsteps)))
+    return -(-nsteps // sps), sps
+
+
+def v4_smem(dev: DeviceTiledCBC, config: tuple[int, int, int], sps: int) -> int:
+    """Dynamic shared memory of one v4 block (layout in the .cu file; 1024 bytes of slack to align it)."""
+    bn, _, nst = config
+    gk = V4_GK
+    bk = TILE[1] * gk
+    raw = -(-dev.max_window_bytes(gk) // 16) * 16
+    return 1024 + 2 * TILE[0] * bk * 2 + nst * (bn * bk * 2 + raw + bk * 36) + bk * 64 + (sps * gk + 1) * 4
+
+
+def v4_config(dev: DeviceTiledCBC, n: int, limit: int) -> tuple[int, int, int]:
+    """(BN, TPR, NST) of the v4 kernel for n tokens: the smallest BN covering n (at most 128), the first config
+    of that BN in V4_CONFIGS whose shared memory fits ``limit`` bytes (one block per SM)."""
+    bn = next((b for b in (16, 32, 64, 128) if b >= n), 128)
+    nsteps = -(-dev.grid[1] // V4_GK)
+    fits = [c for c in V4_CONFIGS if c[0] == bn and v4_smem(dev, c, nsteps) <= limit]
+    if not fits:
+        raise ValueError(f"no v4 configuration for {n} tokens fits {limit} bytes of shared memory")
+    return fits[0]
+
+
+def v4_splits(dev: DeviceTiledCBC, n: int, config: tuple[int, int, int], smem: int) -> int:
+    """Split K to fill the GPU's resident block slots: the split count minimising waves x (steps per block +
+    2 to fill the pipeline) plus the fp32 partial sums' traffic in step units (a step moves ~20 KB per SM)."""
+    bn = config[0]
+    gr, gc = dev.grid
+    nsteps = -(-gc // V4_GK)
+    sms = sm_count()
+    slots = sms * max(1, 233472 // (smem + 1024))
+    blocks = gr * -(-n // bn)
+    best, best_cost = 1, float("inf")
+    for sp in range(1, max(1, nsteps // 4) + 1):
+        waves = -(-blocks * sp // slots)
+        cost = waves * (-(-nsteps // sp) + 2) + (sp > 1) * sp * n * dev.Mp * 8 / (sms * 20480)
+        if cost < best_cost:
+            best, best_cost = sp, cost
+    return best
+
+
+def spmm_wgmma(dev: DeviceTiledCBC, X, out, config: tuple[int, int, int] | None = None, splits: int | None = None):
+    """v4 launch (sm_90a: decode into shared memory, wgmma) into ``out`` [N, M]; X is fp16 [N, Kx], Kx % 8 == 0."""
+    cp = _cupy()
+    if not wgmma_available():
+        raise RuntimeError("method='wgmma' needs a compute-capability 9.0 GPU (sm_90a)")
+    N, Kx = X.shape
+    M = dev.shape[0]
+    gr, gc = dev.grid
+    limit = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    cfg = v4_config(dev, N, limit) if config is None else tuple(config)
+    if cfg not in V4_CONFIGS:
+        raise ValueError(f"config must be one of {V4_CONFIGS}")
+    bn, tpr, nst = cfg
+    gk = V4_GK
+    nsteps = -(-gc // gk)
+    sp, sps = _split_plan(nsteps, v4_splits(dev, N, cfg, v4_smem(dev, cfg, 1)) if splits is None else splits)
+    smem = v4_smem(dev, cfg, sps)
+    if smem > limit:
+        raise ValueError(f"v4 config {cfg} needs {smem} bytes of shared memory, the device allows {limit}")
+    raw = -(-dev.max_window_bytes(gk) // 16) * 16
+    ntn = -(-N // bn)
+    name = f"tcbc_spmm4<{bn}, {tpr}, {nst}>"
+    f = _module().get_function(name)
+    _set_smem(f, name, smem)
+    part = dev.partial(sp * N) if sp > 1 else dev.dummy
+    tickets = dev.spmm_tickets(gr * ntn) if sp > 1 else dev.tickets
+    f((ntn, gr, sp), (256 * tpr,),
+      (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, X, out, np.int32(gc), np.int32(M), np.int32(Kx),
+       np.int32(N), np.int32(dev.Mp), np.int32(raw), np.int32(sps), part, tickets), shared_mem=smem)
+    return out
+
+
+def v5_smem(dev: DeviceTiledCBC, config: tuple[int, int], sps: int) -> int:
+    """Dynamic shared memory of one v5 block (layout in the .cu file; 1024 bytes of slack to align it)."""
+    bn, nst = config
+    ncol = TILE[1] * V4_GK
+    raw = -(-dev.max_window_bytes(V4_GK) // 16) * 16
+    return 1024 + nst * (bn * 128 + raw + ncol * (32 + 4 + 32)) + (sps * V4_GK + 1) * 4
+
+
+def v5_config(dev: DeviceTiledCBC, n: int, limit: int) -> tuple[int, int]:
+    """(BN, NST) of the v5 kernel for n tokens: the smallest BN covering n (at most 256) whose deepest ring fits
+    ``limit`` bytes of shared memory; a smaller BN when none of that BN fits (layers with dense GTiles)."""
+    nsteps = -(-dev.grid[1] // V4_GK)
+    want = next((b for b in (16, 32, 64, 128, 256) if b >= n), 256)
+    for bn in sorted({c[0] for c in V5_CONFIGS if c[0] <= want}, reverse=True):
+        fits = [c for c in V5_CONFIGS if c[0] == bn and v5_smem(dev, c, nsteps) <= limit]
+        if fits:
+            return fits[0]
+    raise ValueError(f"no v5 configuration for {n} tokens fits {limit} bytes of shared memory")
+
+
+def v5_splits(dev: DeviceTiledCBC, n: int, config: tuple[int, int]) -> int:
+    """Split K so that the blocks (one per SM) fill the GPU: the split count minimising waves x (steps per block
+    + 2 to fill the ring) plus the fp32 partial sums' traffic in step units (v4's rule)."""
+    bn = config[0]
+    nsteps = -(-dev.grid[1] // V4_GK)
+    sms = sm_count()
+    blocks = -(-dev.shape[0] // V5_BM) * -(-n // bn)
+    best, best_cost = 1, float("inf")
+    for sp in range(1, max(1, nsteps // 4) + 1):
+        waves = -(-blocks * sp // sms)
+        cost = waves * (-(-nsteps // sp) + 2) + (sp > 1) * sp * n * dev.Mp * 8 / (sms * 20480)
+        if cost < best_cost:
+            best, best_cost = sp, cost
+    return best
+
+
+def spmm_wgmma5(dev: DeviceTiledCBC, X, out, config: tuple[int, int] | None = None, splits: int | None = None):
+    """v5 launch (sm_90a: warp-specialised, W decoded into wgmma's A registers) into ``out`` [N, M]; X is fp16
+    [N, Kx], Kx % 8 == 0."""
+    cp = _cupy()
+    if not wgmma_available():
+        raise RuntimeError("method='wgmma5' needs a compute-capability 9.0 GPU (sm_90a)")
+    N, Kx = X.shape
+    M = dev.shape[0]
+    gr, gc = dev.grid
+    limit = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    cfg = v5_config(dev, N, limit) if config is None else tuple(config)
+    if cfg not in V5_CONFIGS:
+        raise ValueError(f"config must be one of {V5_CONFIGS}")
+    bn, nst = cfg
+    nsteps = -(-gc // V4_GK)
+    sp, sps = _split_plan(nsteps, v5_splits(dev, N, cfg) if splits is None else splits)
+    smem = v5_smem(dev, cfg, sps)
+    if smem > limit:
+        raise ValueError(f"v5 config {cfg} needs {smem} bytes of shared memory, the device allows {limit}")
+    raw = -(-dev.max_window_bytes(V4_GK) // 16) * 16
+    ntn, nmt = -(-N // bn), -(-M // V5_BM)
+    name = f"tcbc_spmm5<{bn}, {nst}>"
+    f = _module().get_function(name)
+    _set_smem(f, name, smem)
+    part = dev.partial(sp * N) if sp > 1 else dev.dummy
+    tickets = dev.spmm_tickets(nmt * ntn) if sp > 1 else dev.tickets
+    xmap = fp16_2d(X, (64, bn))  # the X tiles come by the copy engine, 128-byte swizzled
+    launch_ex(f, (ntn, nmt, sp), 384, smem,
+              (xmap, dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, X, out, np.int32(gc), np.int32(M),
+               np.int32(Kx), np.int32(N), np.int32(dev.Mp), np.int32(raw), np.int32(sps), part, tickets))
+    return out
+
+
 def _set_smem(f, name: str, smem: int) -> None:
     if _SMEM_SET.get(name, -1) < smem:  # once per size: no driver call while a graph is captured
         f.max_dynamic_shared_size_bytes = smem
@@ -165,8 +358,8 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
     """Launch on the current stream; returns ``out`` (CuPy fp16 [N, M]).
 
     method (version 2): "warp" (v3, ``spmm_warp``; ``config`` is then its (NT, NST, MINB)), "fused" (the v2
-    tensor-core kernel), "dense" (``spmm_dense``) or "auto" (warp up to ``WARP_UP_TO_N`` tokens, dense from
-    ``DENSE_FROM_N``, fused between). ``version=1`` is always the first fused kernel."""
+    tensor-core kernel), "wgmma" (v4, ``spmm_wgmma``; config (BN, TPR, NST)), "dense" (``spmm_dense``) or
+    "auto" (``auto_method``). ``version=1`` is always the first fused kernel."""
     cp = _cupy()
     if dev.bits is not None:
         raise NotImplementedError("the tensor-core SpMM kernel takes float16 Tiled-CBC values only")
@@ -180,15 +373,21 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
     else:
         X, Kx = cp.ascontiguousarray(X), K
     N = X.shape[0]
-    if method not in ("warp", "fused", "dense", "auto"):
-        raise ValueError(f"method must be warp, fused, dense or auto, got {method!r}")
-    if version == 2 and (method == "dense" or (method == "auto" and N >= DENSE_FROM_N)):
+    if method not in ("warp", "fused", "dense", "wgmma", "wgmma5", "auto"):
+        raise ValueError(f"method must be warp, fused, dense, wgmma, wgmma5 or auto, got {method!r}")
+    if version == 2 and method == "auto":
+        method = auto_method(N, wgmma_available())
+    if version == 2 and method == "dense":
         return spmm_dense(dev, X, out)
     if out is None:
         out = cp.empty((N, M), dtype=cp.float16)
     if out.shape != (N, M) or out.dtype != cp.float16 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous float16 [{N}, {M}] array")
-    if version == 2 and (method == "warp" or (method == "auto" and N <= WARP_UP_TO_N)):
+    if version == 2 and method == "wgmma":
+        return spmm_wgmma(dev, X, out, config, splits)
+    if version == 2 and method == "wgmma5":
+        return spmm_wgmma5(dev, X, out, config, splits)
+    if version == 2 and method == "warp":
         return spmm_warp(dev, X, out, config, splits)
     gr, gc = dev.grid
     if not hasattr(dev, "_spmm_raw"):

@@ -262,6 +262,95 @@ def test_gpu_warp_spmm_every_config_split_and_width(shape, sparsity):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["wgmma", "wgmma5"])
+@pytest.mark.parametrize("shape,sparsity", [((768, 1040), 0.5), ((300, 70), 0.3), ((257, 200), 0.9), ((256, 16), 0.0),
+                                            ((130, 300), 0.5)])
+def test_gpu_wgmma_spmm_every_config_split_and_width(shape, sparsity, method):
+    """v4 / v5 (wgmma, sm_90a) SpMM: ragged M (a last 128-row half with 2 rows) and K (K % 8 != 0 too), empty
+    and full columns, every config, split-K counts (including more splits than steps), widths that fill n-tiles
+    partially and span several, tickets reused. Skips on GPUs other than compute capability 9.0."""
+    from unionsparse.kernels import tiled_cbc_spmm as k
+    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
+
+    if not k.wgmma_available():
+        pytest.skip("wgmma needs a compute-capability 9.0 GPU")
+    configs, smem = (k.V4_CONFIGS, k.v4_smem) if method == "wgmma" else (k.V5_CONFIGS, k.v5_smem)
+    rng = np.random.default_rng(hash((shape, sparsity, method)) % 2**32)
+    W = _fp16_layer(rng, *shape, sparsity)
+    M, K = shape
+    m = tiled_cbc.encode(W)
+    dev = DeviceTiledCBC(m)
+    limit = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    fit = [c for c in configs if smem(dev, c, m.geometry.grid[1]) <= limit]
+    if method == "wgmma":
+        assert all(c in fit for c in configs if c[2] == 3 and c[0] <= 128)  # 3 stages fit even a dense layer
+    else:
+        assert {c[0] for c in fit} == {c[0] for c in configs}  # every BN has a config that fits a dense layer
+    for c in set(configs) - set(fit):
+        with pytest.raises(ValueError, match="shared memory"):
+            k.spmm(dev, cp.zeros((1, K), cp.float16), config=c, splits=1, method=method)
+    spmm = k.spmm
+    for n in (1, 5, 16, 27, 64, 100, 200, 300):
+        X = rng.standard_normal((n, K)).astype(np.float16)
+        truth = X.astype(np.float64) @ W.astype(np.float64).T
+        bound = tolerance(W.astype(np.float64), X.astype(np.float64), 2.0, True)
+        for cfg in (*fit, None):
+            for splits in (1, 2, 3, 40, None):
+                for _ in range(2):
+                    out = cp.full((n, M), cp.nan, cp.float16)
+                    Y = spmm(dev, cp.asarray(X), out=out, config=cfg, splits=splits, method=method)
+                    err = np.abs(cp.asnumpy(Y).astype(np.float64) - truth)
+                    assert (err <= bound).all(), (n, cfg, splits, float(err.max()))
+
+
+def test_wgmma_launch_names_match_the_instantiations_and_the_rules_fit():
+    """Every v4 and v5 config the launcher can name is instantiated in the .cu file (and only those); the config rule
+    covers the tokens with the smallest tile up to 128 and keeps shared memory within the limit given; the
+    split rule fills a 132-SM GPU's block slots and stays at one split when the GPU is already full."""
+    import re
+    from pathlib import Path
+
+    from unionsparse.kernels import tiled_cbc_spmm as k
+
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "tiled_cbc_spmm.cu").read_text()
+    built = {tuple(int(v) for v in m) for m in re.findall(r"^TCBC_SPMM4\((\d+), (\d+), (\d+)\)", src, re.M)}
+    assert built == set(k.V4_CONFIGS)
+
+    class Layer:  # what the rules read of a DeviceTiledCBC: 28672 x 8192 at 50% (a GTile holds ~2 KB)
+        grid, Mp = (112, 512), 112 * 256
+
+        def max_window_bytes(self, gk):
+            return gk * 2304
+
+    lay = Layer()
+    for n, bn in ((1, 16), (16, 16), (17, 32), (64, 64), (65, 128), (4096, 128)):
+        cfg = k.v4_config(lay, n, 232448)
+        assert cfg[0] == bn and k.v4_smem(lay, cfg, 128) <= 232448
+        assert cfg[2] == max(c[2] for c in k.V4_CONFIGS if c[0] == bn)  # the deepest ring fits here
+    assert k.v4_config(lay, 4096, 170000) == (128, 1, 3)  # 4 stages do not fit: 3
+    with pytest.raises(ValueError, match="fits"):
+        k.v4_config(lay, 16, 50000)
+    cfg = k.v4_config(lay, 16, 232448)
+    assert k.v4_splits(lay, 16, cfg, k.v4_smem(lay, cfg, 1)) == 1  # 112 blocks: 2 splits would take 2 waves
+    lay.grid, lay.Mp = (16, 256), 16 * 256  # 4096 x 4096: 16 blocks per split
+    sp = k.v4_splits(lay, 16, cfg, k.v4_smem(lay, cfg, 1))
+    assert 112 <= 16 * sp <= 132  # one wave, nearly full
+    assert k.v4_splits(lay, 4096, (128, 1, 3), 200000) == 1  # 32 x 16 blocks: the GPU is full without splits
+    built5 = {tuple(int(v) for v in m) for m in re.findall(r"^TCBC_SPMM5\((\d+), (\d+)\)", src, re.M)}
+    assert built5 == set(k.V5_CONFIGS)
+    lay.grid, lay.Mp, lay.shape = (112, 512), 112 * 256, (28672, 8192)
+    for n, bn in ((1, 16), (16, 16), (17, 32), (200, 256), (4096, 256)):
+        cfg = k.v5_config(lay, n, 232448)
+        assert cfg[0] == bn and k.v5_smem(lay, cfg, 128) <= 232448
+    assert k.v5_config(lay, 4096, 120000)[0] == 128  # a smaller tile where 256 tokens do not fit
+    assert k.v5_splits(lay, 4096, (256, 4)) == 1
+    # method="auto": v3 up to 8 tokens, v4 on sm_90 up to 32, the fused v2 below 32 elsewhere, dense beyond
+    assert [k.auto_method(n, True) for n in (1, 8, 9, 32, 33, 4096)] == ["warp"] * 2 + ["wgmma"] * 2 + ["dense"] * 2
+    assert [k.auto_method(n, False) for n in (8, 9, 31, 32)] == ["warp", "fused", "fused", "dense"]
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape,sparsity", [((768, 1040), 0.5), ((300, 48), 0.3), ((257, 64), 0.9), ((256, 16), 0.0)])
 def test_gpu_decode_dense_is_exact(shape, sparsity):
     """Every GTile count modulo the 4 GTiles a block decodes, ragged M, empty and full columns."""
@@ -388,7 +477,7 @@ def _nvrtc():
 
 
 @pytest.mark.parametrize("name,arch", [("tiled_cbc_spmspv.cu", "compute_90"), ("tiled_cbc_spmspv.cu", "compute_80"),
-                                       ("tiled_cbc_spmm.cu", "compute_90")])
+                                       ("tiled_cbc_spmm.cu", "compute_90"), ("tiled_cbc_spmm.cu", "compute_90a")])
 def test_kernel_source_compiles(name, arch):
     """Front-end compile (PTX, no GPU) of every explicitly instantiated kernel; spMspV also before sm_90,
     where its copies take the cp.async path."""
@@ -557,3 +646,33 @@ def test_launch_rules_size_grids_by_the_device_sm_count():
     cp = cupy_or_none()
     expected = H200_SMS if cp is None else cp.cuda.Device().attributes["MultiProcessorCount"]
     assert sm_count() == expected
+
+
+def test_tensor_map_and_driver_launch_arguments_are_checked_without_a_gpu():
+    """The TMA tensor-map encoder refuses what the copy engine cannot take (before any driver call), and the driver
+    launch passes a tensor map by value (a pointer to its 128 aligned bytes) beside scalars."""
+    import ctypes
+
+    from unionsparse.kernels.cluster_launch import kernel_params
+    from unionsparse.kernels.tma import aligned_map, fp16_2d
+
+    class Fake:  # what fp16_2d reads of a CuPy array
+        def __init__(self, shape, itemsize=2, contiguous=True, ptr=4096):
+            self.shape, self.dtype = shape, np.dtype(f"f{itemsize}")
+            self.flags = type("F", (), {"c_contiguous": contiguous})()
+            self.data = type("D", (), {"ptr": ptr})()
+
+    for bad, match in ((Fake((8, 100)), "multiple of 16"), (Fake((8, 64), itemsize=4), "2-byte"),
+                       (Fake((8, 64), contiguous=False), "C-contiguous"), (Fake((8, 64), ptr=4098), "aligned")):
+        with pytest.raises(ValueError, match=match):
+            fp16_2d(bad, (64, 16))
+    with pytest.raises(ValueError, match="box"):
+        fp16_2d(Fake((8, 64)), (32, 16))
+    with pytest.raises(ValueError, match="box"):
+        fp16_2d(Fake((8, 64)), (64, 300))
+    m = aligned_map()
+    assert ctypes.sizeof(m) == 128 and ctypes.addressof(m) % 64 == 0
+    ptrs, vals = kernel_params([m, np.int32(7)])
+    assert ptrs[0] == ctypes.addressof(m) and vals[1].value == 7
+    with pytest.raises(TypeError, match="unsupported"):
+        kernel_params([3])

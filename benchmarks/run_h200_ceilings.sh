@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# On the H200 (device tool, carrying .whl): measured ceilings of the kernel targets (benchmarks/bench_ceilings.py),
+# after the Tiled-CBC GPU tests. Results under $OUT (default /tmp/out): ceilings_h200.{json,md}, logs.
+#   bash benchmarks/run_h200_ceilings.sh [--only iebme,cbc,spmm] [--quick]
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
+export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+if [ -z "${SKIP_TESTS:-}" ]; then
+    timeout 240 python3 -m pytest tests/test_kernels_tiled_cbc.py -q -m gpu -p no:cacheprovider -x 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
+fi
+timeout 420 python3 benchmarks/bench_ceilings.py --out "$OUT" "$@" 2>&1 | tee "$OUT/ceilings.log" | grep -E "SUMMARY|tensor rate|Error|error|Traceback" | tail -40
