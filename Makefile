@@ -38,6 +38,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check compressor solvers formats kernels tests examples benchmarks
+	$(BIN)/pytest tests/test_architecture.py -q -p no:cacheprovider
 
 clean:
 	rm -rf $(OUT) .pytest_cache
@@ -63,7 +64,7 @@ MODEL_smollm2  = $(DEMO_MODEL)
 .PHONY: grid grid-verify verify-all grid-clean
 
 $(GRID_OUT)/models/tiny-llama/config.json: $(STAMP)
-	$(PY) -m unionsparse.compressor.batch tiny-model $(@D)
+	$(PY) -m unionsparse.compressor.report.summarize tiny-model $(@D)
 
 define GRID_CELL
 $(GRID_OUT)/$(1)_s$(2)_$(3)_$(4).zarr: $(STAMP) $(MODEL_DEP_$(1))

@@ -67,7 +67,7 @@ class ReadFloor:
     """t_floor(B): the fastest measured way to read B bytes on this GPU (cached per B)."""
 
     def __init__(self, cp, torch, reps: int = 5):
-        from unionsparse.kernels.tiled_cbc_bench import time_graph_cupy, time_graph_torch
+        from unionsparse.compressor.bench.tiled_cbc import time_graph_cupy, time_graph_torch
 
         self.cp, self.torch, self.reps = cp, torch, reps
         self.tg_cupy, self.tg_torch = time_graph_cupy, time_graph_torch
@@ -135,7 +135,7 @@ def cbc_fp16_bytes(m: int, k: int, static: float, n: int, rng) -> int:
 
 
 def run_iebme(cp, torch, shapes, floor, log) -> list[dict]:
-    from unionsparse.kernels.bench import n_copies, synth_layer, time_cublas, time_iebme
+    from unionsparse.compressor.bench.kernels import n_copies, synth_layer, time_cublas, time_iebme
 
     rows = []
     for si, (m, k) in enumerate(shapes):
@@ -160,7 +160,7 @@ def run_iebme(cp, torch, shapes, floor, log) -> list[dict]:
 
 
 def run_cbc(cp, torch, shapes, floor, log) -> list[dict]:
-    from unionsparse.kernels.tiled_cbc_bench import bench_spmspv, spmspv_candidates
+    from unionsparse.compressor.bench.tiled_cbc import bench_spmspv, spmspv_candidates
 
     rows = []
     for bits in (16, 4):
@@ -182,7 +182,7 @@ def run_cbc(cp, torch, shapes, floor, log) -> list[dict]:
 
 
 def run_spmm(cp, torch, floor, log) -> tuple[list[dict], float]:
-    from unionsparse.kernels.tiled_cbc_bench import SPMM_NS, SPMM_SHAPES, time_graph_torch
+    from unionsparse.compressor.bench.tiled_cbc import SPMM_NS, SPMM_SHAPES, time_graph_torch
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
         return 2
     import cupy as cp
     import torch
-    from unionsparse.kernels.tiled_cbc_bench import SPINFER, machine_info
+    from unionsparse.compressor.bench.tiled_cbc import SPINFER, machine_info
 
     t0 = time.time()
 

@@ -120,7 +120,7 @@ def run_worker(name: str, args) -> dict:
     rec.update(static=sp, dynamic=dp, compress_seconds=round(time.perf_counter() - t, 2),
                static_sparsity=summary["sparsity"], bits_per_weight=summary["bits_per_weight"])
     if dp:
-        from unionsparse.compressor.artifact import Artifact
+        from unionsparse.compressor.artifact.store import Artifact
 
         a = Artifact(art)
         attrs = [a.layer_attrs(n) for n in a.layer_names]

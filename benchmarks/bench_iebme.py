@@ -99,7 +99,7 @@ def md_table(rows, title) -> list[str]:
 def write(res, fails, bw, out_dir: Path) -> None:
     import cupy as cp
     import torch
-    from unionsparse.kernels.bench import summarize
+    from unionsparse.compressor.bench.kernels import summarize
 
     args_out = out_dir
     summary = {k: summarize(v) for k, v in res.items()}
@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
 
-    from unionsparse.kernels.bench import run_bench, spinfer_shapes, unionsparse_shapes
+    from unionsparse.compressor.bench.kernels import run_bench, spinfer_shapes, unionsparse_shapes
 
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.tune:

@@ -46,7 +46,9 @@ def gguf_path() -> Path:
 def run_one(name: str, args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from unionsparse.compressor import calibration, evaluate, layerwise
+    from unionsparse.compressor.calibrate import layerwise
+    from unionsparse.compressor.calibrate import samples as calibration
+    from unionsparse.compressor.evaluate import perplexity as evaluate
 
     cfg = CONFIGS[name]
     g = gguf_path()

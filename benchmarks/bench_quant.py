@@ -64,10 +64,10 @@ def gguf_path() -> Path:
 def prepare(args: argparse.Namespace, work: Path) -> dict:
     """Load the model once; write it (safetensors), the calibration windows and the eval ids to ``work``."""
     import torch
-    from unionsparse.compressor.calibration import load_calibration
-    from unionsparse.compressor.evaluate import load_eval_text, tokenize_eval_text
-    from unionsparse.compressor.layerwise import load_tokenizer
-    from unionsparse.compressor.model_io import load_model
+    from unionsparse.compressor.calibrate.layerwise import load_tokenizer
+    from unionsparse.compressor.calibrate.samples import load_calibration
+    from unionsparse.compressor.evaluate.perplexity import load_eval_text, tokenize_eval_text
+    from unionsparse.compressor.model.loading import load_model
 
     t0 = time.perf_counter()
     model = load_model(str(args.model)).model
@@ -132,10 +132,10 @@ def compress_model(model, samples, cfg: dict, device: str, max_blocks: int | Non
     """Prune (Wanda 50 %) and quantize block by block as ``compress`` does; swap in FakeQuantLinear layers."""
     import torch
     from unionsparse.compressor import pruning
-    from unionsparse.compressor.fake_quant import replace_linear
-    from unionsparse.compressor.layer_quant import QuantSpec, TokenTap, quantize_layer
-    from unionsparse.compressor.layerwise import calibrated_blocks
-    from unionsparse.compressor.model_io import block_linears, find_blocks
+    from unionsparse.compressor.calibrate.layerwise import calibrated_blocks
+    from unionsparse.compressor.model.loading import block_linears, find_blocks
+    from unionsparse.compressor.quantize.fake_quant import replace_linear
+    from unionsparse.compressor.quantize.layer import QuantSpec, TokenTap, quantize_layer
 
     spec = None
     if cfg["mode"]:

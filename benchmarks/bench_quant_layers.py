@@ -29,10 +29,10 @@ from bench_quant import DATA, GGUF, RESULTS, configurations, versions  # noqa: E
 def main() -> None:
     from transformers import AutoTokenizer
     from unionsparse.compressor import pruning
-    from unionsparse.compressor.calibration import load_calibration
-    from unionsparse.compressor.evaluate import load_eval_text, tokenize_eval_text
-    from unionsparse.compressor.layer_quant import QuantSpec, TokenSampler, quantize_layer
-    from unionsparse.compressor.model_io import block_linears, find_blocks, load_model
+    from unionsparse.compressor.calibrate.samples import load_calibration
+    from unionsparse.compressor.evaluate.perplexity import load_eval_text, tokenize_eval_text
+    from unionsparse.compressor.model.loading import block_linears, find_blocks, load_model
+    from unionsparse.compressor.quantize.layer import QuantSpec, TokenSampler, quantize_layer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", default="0,15,29")

@@ -122,7 +122,7 @@ def cli(*args) -> float:
 
 def arrays_equal(a: Path, b: Path) -> bool:
     import numpy as np
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
 
     x, y = Artifact(a), Artifact(b)
     if x.layer_names != y.layer_names:
@@ -209,7 +209,7 @@ def _byte_tokenizer(folder: Path) -> Path:
 LOADED_COMPRESS = """import sys
 from unionsparse.compressor import pipeline
 from unionsparse.compressor.cli import main
-from unionsparse.compressor.model_io import load_model
+from unionsparse.compressor.model.loading import load_model
 pipeline.open_model = lambda src, streaming=True, **kw: load_model(src)  # the non-streaming path
 main(sys.argv[1:])
 """

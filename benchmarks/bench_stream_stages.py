@@ -15,9 +15,10 @@ import time
 
 import numpy as np
 import torch
-from unionsparse.compressor import pruning, quant
-from unionsparse.compressor.row_select import prune_lowest_mask
+from unionsparse.compressor import pruning
+from unionsparse.compressor.pruning.row_select import prune_lowest_mask
 from unionsparse.formats import iebme
+from unionsparse.formats.arithmetic import weights as quant
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from unionsparse.compressor.verify import verify
+from unionsparse.compressor.verify.checks import verify
 
 RUNS = {
     "iebme-w4a4": ["--format", "ie-bme", "--quant", "w4a4", "--reorder", "dp"],

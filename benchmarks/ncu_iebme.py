@@ -10,7 +10,7 @@ import sys
 
 import cupy as cp
 import numpy as np
-from unionsparse.kernels.bench import synth_layer
+from unionsparse.compressor.bench.kernels import synth_layer
 from unionsparse.kernels.iebme_spmm import launch
 
 m, k = (int(v) for v in (sys.argv[1:3] if len(sys.argv) > 2 else (36864, 12288)))

@@ -25,13 +25,13 @@ import sys
 
 import cupy as cp
 import numpy as np
-from unionsparse.kernels.tiled_cbc_bench import random_weights
+from unionsparse.compressor.bench.tiled_cbc import random_weights
 from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device
 
 args = sys.argv[1:]
 if args[:1] in (["spmspv"], ["spmspv4"], ["spmspv2"]):
-    from unionsparse.compressor.thresholds import tau_from_samples
-    from unionsparse.kernels.tiled_cbc_bench import random_codes
+    from unionsparse.compressor.activation_sparsity.thresholds import tau_from_samples
+    from unionsparse.compressor.bench.tiled_cbc import random_codes
     from unionsparse.kernels.tiled_cbc_spmspv import spmspv
 
     m, k = (int(v) for v in (args[1:3] if len(args) > 2 else (28672, 8192)))

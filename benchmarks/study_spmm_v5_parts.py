@@ -23,8 +23,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import cupy as cp
     import torch
-    from unionsparse.kernels import tiled_cbc_spmm as k
-    from unionsparse.kernels.tiled_cbc_bench import (
+    from unionsparse.compressor.bench.tiled_cbc import (
         _clone,
         copies_for,
         machine_info,
@@ -32,6 +31,7 @@ def main(argv=None) -> int:
         time_graph_cupy,
         time_graph_torch,
     )
+    from unionsparse.kernels import tiled_cbc_spmm as k
     from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device, load_module
 
     skips = [0] + [int(x) for x in args.skips.split(",")]

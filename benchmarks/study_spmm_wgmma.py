@@ -52,7 +52,7 @@ def _skip_build(skip: int):
 
 def _study_shape(cp, torch, M, K, static, ns, reps, seed, limit, parts=()):
     """Rows of one shape: cuBLAS, auto, dense path, v4 default and VARIANTS for each N (one weight matrix)."""
-    from unionsparse.kernels.tiled_cbc_bench import (
+    from unionsparse.compressor.bench.tiled_cbc import (
         _clone,
         copies_for,
         random_weights,
@@ -124,7 +124,7 @@ def _study_shape(cp, torch, M, K, static, ns, reps, seed, limit, parts=()):
 
 
 def main(argv=None) -> int:
-    from unionsparse.kernels.tiled_cbc_bench import SPMM_NS, SPMM_SHAPES, _token_counts
+    from unionsparse.compressor.bench.tiled_cbc import SPMM_NS, SPMM_SHAPES, _token_counts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ns", type=_token_counts, default=SPMM_NS)
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import cupy as cp
     import torch
-    from unionsparse.kernels.tiled_cbc_bench import geomean, machine_info
+    from unionsparse.compressor.bench.tiled_cbc import geomean, machine_info
     from unionsparse.kernels.tiled_cbc_spmm import wgmma_available
 
     if not wgmma_available():

@@ -4,7 +4,7 @@
         [--baseline old_tiled_cbc_spmspv.cu ...] [--bits 16|4|2]
 
 Every setting is timed on every shape in the same process beside cuBLAS fp16 GEMV (``bench_spmspv`` of
-``unionsparse.kernels.tiled_cbc_bench``: CUDA graphs, weights rotated beyond L2, median), after a reference
+``unionsparse.compressor.bench.tiled_cbc``: CUDA graphs, weights rotated beyond L2, median), after a reference
 check of its output; the summary is the geomean speedup over cuBLAS per setting and its geomean ratio
 to split-K with the default warps and stages (``w4/d2/x1/m0``; ``w4/d3/x1/m0`` for b-bit codes, ``--bits``:
 random nonzero codes with fp16 scales per 128 inputs). Settings are ``warps/stages/scale/mode``
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
             ap.error(f"--baseline {b!r} is not a file")
     import cupy as cp
     import torch
-    from unionsparse.kernels.tiled_cbc_bench import SPINFER, bench_spmspv, machine_info
+    from unionsparse.compressor.bench.tiled_cbc import SPINFER, bench_spmspv, machine_info
 
     t0 = time.time()
 

@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from unionsparse.kernels.bench import apply_overrides, parse_overrides
+from unionsparse.compressor.bench.kernels import apply_overrides, parse_overrides
 
 os.environ["UNIONSPARSE_IEBME_TRACE"] = "1"
 
@@ -41,8 +41,8 @@ def main() -> None:
 
     import cupy as cp
     import numpy as np
+    from unionsparse.compressor.bench.kernels import n_copies, synth_layer
     from unionsparse.kernels import iebme_spmm as ks
-    from unionsparse.kernels.bench import n_copies, synth_layer
 
     med = statistics.median
     rows = []

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from unionsparse.kernels.bench import apply_overrides, parse_overrides
+from unionsparse.compressor.bench.kernels import apply_overrides, parse_overrides
 
 parse_variants = parse_overrides  # the name the command line and tests know
 
@@ -37,8 +37,8 @@ def main() -> None:
     variants = args.variants if args.variants is not None else [{"WARPS": str(w)} for w in args.warps]
 
     import cupy as cp
+    from unionsparse.compressor.bench.kernels import n_copies, spinfer_shapes, synth_layer, time_iebme
     from unionsparse.kernels import iebme_spmm as ks
-    from unionsparse.kernels.bench import n_copies, spinfer_shapes, synth_layer, time_iebme
 
     t0 = time.time()
     rows = []

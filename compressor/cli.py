@@ -1,6 +1,7 @@
 """The `unionsparse` command: compress, inspect, verify (and the commands other modules add).
 
-Exit codes: 0 success, 1 a check failed (verify), 2 bad input (one line on stderr, no traceback).
+Exit codes: 0 success, 1 a check failed (verify), 2 bad input (one line on stderr, no traceback), 3 a bug
+(one line, the traceback in a file).
 Every option also reads an environment variable: UNIONSPARSE_<COMMAND>_<OPTION>, e.g.
 UNIONSPARSE_COMPRESS_SPARSITY=0.6.
 """
@@ -13,11 +14,14 @@ import sys
 
 import click
 
-from .batch import summarize_command
+from ..formats import registry
+from ..formats.errors import UnionsparseError
 from .errors import UserError
+from .report.summarize import summarize_command
 
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_BUG = 3
 
 
 def _ns(text: str) -> list[int]:
@@ -65,7 +69,7 @@ def cli(log_level: str) -> None:
 @click.option("--clip-search", is_flag=True, help="Per-group weight clip ratios scored on calibration H.")
 @click.option("--keep-outliers", default=0, show_default=True, type=int,
               help="Atom: the N most active input channels as an 8-bit side matrix (ie-bme, w4a4|w2a4).")
-@click.option("--format", "fmt", default="ie-bme", show_default=True, help="ie-bme|tiled-cbc")
+@click.option("--format", "fmt", default=registry.names()[0], show_default=True, help="|".join(registry.names()))
 @click.option("--tile", default=None, help="Local tile HxW (ie-bme 16x64, tiled-cbc 256x16).")
 @click.option("--areas", default="2x2", show_default=True, help="IE-BME area grid R_AxC_A.")
 @click.option("--reorder", default="auto", show_default=True, help="auto|dp|cpsat|none (ie-bme).")
@@ -91,7 +95,7 @@ def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_
              overwrite, quiet, as_json) -> None:
     """Compress MODEL (a model folder, a .gguf file or a hub id) into OUT.zarr."""
     from .config import CompressConfig
-    from .pipeline import compress as run
+    from .pipeline.compress import compress as run
     from .progress import Reporter
 
     cfg = CompressConfig(
@@ -125,7 +129,7 @@ def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> 
     """PMR/CR statistics of ARTIFACT, per layer and for the whole model."""
     from rich.console import Console
 
-    from .report import inspect_data, print_tables
+    from .report.tables import inspect_data, print_tables
 
     if recipe:
         from .recipe import read_recipe, recipe_yaml
@@ -135,8 +139,8 @@ def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> 
         return
     data = inspect_data(artifact, layer, compare or bool(plot_file or html_file))
     if plot_file or html_file:
-        from .html_report import write_html
-        from .plots import render, write_plot
+        from .report.html import write_html
+        from .report.plots import render, write_plot
 
         if plot_file:
             click.echo(f"wrote {write_plot(data, plot_file)}", err=True)
@@ -161,11 +165,11 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
     """Decode and re-encode every layer and check the kernels on it; exit 1 if any check fails."""
     from .config import choice
     from .progress import Reporter
-    from .verify import verify as run
+    from .verify.checks import verify as run
 
     choice("--backend", backend, ("auto", "cupy", "cpu"))
     widths = _ns(ns)
-    from .artifact import Artifact
+    from .artifact.store import Artifact
 
     try:
         n_layers = len(Artifact(artifact).layer_names)
@@ -192,16 +196,17 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
 @click.option("--shapes", default="spinfer", show_default=True, help="spinfer|unionsparse (without ARTIFACT).")
 @click.option("--n", "ns", default="1,2,4,8,16,32", show_default=True, help="Decode widths.")
 @click.option("--sparsity", default=0.5, show_default=True, type=float)
-@click.option("--format", "fmt", default="ie-bme", show_default=True, help="ie-bme|tiled-cbc kernels.")
+@click.option("--format", "fmt", default=registry.names()[0], show_default=True,
+              help="Whose kernels: " + "|".join(registry.names()))
 @click.option("--json", "as_json", is_flag=True)
 def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
     """Time the project's kernels beside cuBLAS fp16 (and int8) on the same shapes (needs a GPU)."""
-    from ..kernels.bench import bench_command
+    from .bench.kernels import bench_command
     from .config import choice
 
     if not 0.0 <= sparsity < 1.0:
         raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")
-    choice("--format", fmt, ("ie-bme", "tiled-cbc"))
+    choice("--format", fmt, registry.names())
     data = bench_command(artifact, shapes, _ns(ns), sparsity, as_json, fmt=fmt)
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
@@ -222,7 +227,7 @@ def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def eval_cmd(source, text_path, seqlen, max_windows, device, dp, as_json) -> None:
     """WikiText-2-style perplexity of a model or of an artifact (rebuilt with its stored weights)."""
-    from .evaluate import evaluate_source
+    from .evaluate.perplexity import evaluate_source
 
     res = evaluate_source(source, text_path, seqlen, max_windows, device, dynamic_pruning=dp)
     if as_json:
@@ -247,11 +252,24 @@ def _name_env_vars(group: click.Group) -> None:
 _name_env_vars(cli)
 
 
+def _report_bug(e: BaseException) -> str:
+    """Write the traceback of an unexpected exception to a file; return its path."""
+    import tempfile
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix="unionsparse-crash-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"unionsparse {' '.join(sys.argv[1:])}\n\n")
+        traceback.print_exception(type(e), e, e.__traceback__, file=f)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: maps bad input to one line and exit 2, never a traceback."""
+    """Entry point. Errors about the input (any UnionsparseError, click's usage errors) are one line and exit 2;
+    anything else is a bug: one line, exit 3, and the traceback in a file (UNIONSPARSE_DEBUG=1 raises it)."""
     try:
         cli.main(args=argv, prog_name="unionsparse", standalone_mode=False)
-    except UserError as e:
+    except UnionsparseError as e:
         click.echo(f"unionsparse: error: {e}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     except click.exceptions.Abort:
@@ -267,9 +285,9 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("UNIONSPARSE_DEBUG"):
             raise
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        click.echo(f"unionsparse: internal error: {type(e).__name__}: {first} "
-                   "(set UNIONSPARSE_DEBUG=1 for a traceback, and please report it)", err=True)
-        sys.exit(3)
+        click.echo(f"unionsparse: internal error (a bug, please report it): {type(e).__name__}: {first}; "
+                   f"traceback in {_report_bug(e)}", err=True)
+        sys.exit(EXIT_BUG)
     sys.exit(0)
 
 

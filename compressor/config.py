@@ -6,14 +6,15 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..formats import registry
+from ..formats.errors import FormatError
 from .errors import UserError
 
 PRUNE_METHODS = ("wanda", "sparsegpt", "magnitude", "none")
 QUANT_MODES = ("w4a4", "w2a4", "w4a16", "none")
-FORMATS = ("ie-bme", "tiled-cbc")
+FORMATS = registry.names()
 REORDER_METHODS = ("auto", "dp", "cpsat", "none")
 CALIB_SUFFIXES = (".json", ".jsonl", ".json.gz", ".parquet")
-DEFAULT_TILES = {"ie-bme": (16, 64), "tiled-cbc": (256, 16)}
 
 
 @dataclass
@@ -29,7 +30,7 @@ class CompressConfig:
     gptq: bool = False  # GPTQ error feedback (needs calibration: --prune wanda|sparsegpt)
     clip_search: bool = False  # per-group weight clip ratios scored on calibration H
     keep_outliers: int = 0  # Atom: N most active input channels as an 8-bit side matrix (IE-BME, A4)
-    format: str = "ie-bme"
+    format: str = registry.names()[0]
     tile: str | None = None
     areas: str = "2x2"
     reorder: str = "auto"
@@ -56,8 +57,12 @@ class CompressConfig:
         return {"w4a4": 4, "w2a4": 4, "w4a16": None, "none": None}[self.quant]
 
     @property
+    def fmt(self) -> registry.Format:
+        return registry.get(self.format)
+
+    @property
     def tile_shape(self) -> tuple[int, int]:
-        return parse_grid("--tile", self.tile) if self.tile else DEFAULT_TILES[self.format]
+        return parse_grid("--tile", self.tile) if self.tile else self.fmt.default_tile
 
     @property
     def area_grid(self) -> tuple[int, int]:
@@ -88,8 +93,9 @@ class CompressConfig:
             raise UserError(f"--sparsity must lie in [0, 1), got {self.sparsity}")
         if not (0.0 <= self.dp_sparsity < 1.0):
             raise UserError(f"--dp-sparsity must lie in [0, 1), got {self.dp_sparsity}")
-        if self.dp_sparsity > 0 and self.format != "tiled-cbc":
-            raise UserError("--dp-sparsity: dynamic pruning thresholds apply to --format tiled-cbc only")
+        if self.dp_sparsity > 0 and not self.fmt.activation_sparsity:
+            raise UserError(f"--dp-sparsity: {self.format} has no activation-sparsity kernel; use --format "
+                            f"{' or '.join(f.name for f in map(registry.get, FORMATS) if f.activation_sparsity)}")
         if self.dp_sparsity > 0 and self.act_bits is not None:
             raise UserError(f"--dp-sparsity: the spMspV kernel takes fp16 activations, not --quant {self.quant}; "
                             "use --quant none or w4a16")
@@ -113,22 +119,16 @@ class CompressConfig:
         if (self.gptq or self.clip_search) and self.prune not in ("wanda", "sparsegpt"):
             raise UserError("--gptq/--clip-search need calibration statistics: use --prune wanda|sparsegpt")
         self._validate_outliers()
-        hl, kl = self.tile_shape
-        if self.format == "ie-bme":
-            if self.quant == "none":
-                raise UserError("--quant none: IE-BME stores integer codes; use --format tiled-cbc for fp16")
-            ra, ca = self.area_grid
-            if hl % ra or kl % ca:
-                raise UserError(f"--areas {ra}x{ca} does not divide --tile {hl}x{kl}")
-            if hl > 256:
-                raise UserError(f"--tile {hl}x{kl}: tile height must be at most 256")
-            if self.group_size % kl:  # a tile must lie inside one scale group
-                raise UserError(f"--group-size {self.group_size} must be a multiple of the tile width {kl}")
-        else:
-            if hl % 64:
-                raise UserError(f"--tile {hl}x{kl}: Tiled-CBC needs TILE_M a multiple of 64")
-            if self.reorder not in ("auto", "none"):
-                raise UserError("--reorder: row reordering applies to --format ie-bme only")
+        if self.bits is None and not self.fmt.holds_fp16:
+            raise UserError(f"--quant none: {self.format} stores integer codes; use --format "
+                            f"{' or '.join(f.name for f in map(registry.get, FORMATS) if f.holds_fp16)} for fp16")
+        if not self.fmt.reorders_rows and self.reorder not in ("auto", "none"):
+            raise UserError(f"--reorder: {self.format} takes no row permutations")
+        try:
+            self.fmt.check_geometry(self.tile_shape, bits=self.bits, areas=self.area_grid,
+                                    group_size=None if self.bits is None else self.group_size)
+        except FormatError as e:
+            raise UserError(f"--tile/--areas/--group-size: {e}") from None
         if self.nsamples <= 0:
             raise UserError(f"--nsamples must be positive, got {self.nsamples}")
         if self.seqlen <= 0:
@@ -139,7 +139,7 @@ class CompressConfig:
             raise UserError("--workers and --scheduler are exclusive")
         if self.needs_calibration and self.calib not in ("c4", "alpaca"):
             check_calib_path(self.calib)
-        from .model_io import check_source
+        from .model.loading import check_source
 
         check_source(self.model)
         if self.device == "cuda":
@@ -159,8 +159,9 @@ class CompressConfig:
         if self.quant not in ("w4a4", "w2a4"):
             raise UserError(f"--keep-outliers {n}: outlier channels are kept at 8 bits next to 4-bit activations; "
                             f"use --quant w4a4 or w2a4, not {self.quant}")
-        if self.format != "ie-bme":
-            raise UserError(f"--keep-outliers {n}: the 8-bit side matrix is carried by --format ie-bme only")
+        if not self.fmt.outlier_side:
+            raise UserError(f"--keep-outliers {n}: {self.format} has no 8-bit side matrix; use --format "
+                            f"{' or '.join(f for f in FORMATS if registry.get(f).outlier_side)}")
         if self.prune not in ("wanda", "sparsegpt"):
             raise UserError(f"--keep-outliers {n}: channels are chosen from calibration statistics; "
                             "use --prune wanda|sparsegpt")

@@ -1,5 +1,7 @@
-"""The one error type that the command line turns into a single line and exit code 2."""
+"""Errors of the compress pipeline and the commands built on it."""
+
+from ..formats.errors import UnionsparseError
 
 
-class UserError(Exception):
+class UserError(UnionsparseError):
     """Bad input from the user: a missing file, an out-of-range option, a store that is not an artifact."""

@@ -39,7 +39,7 @@ def read_recipe(path: str) -> dict:
     """The recipe mapping stored in ``path``: a .yaml/.yml/.json file, or an artifact's stored recipe."""
     p = Path(path)
     if p.is_dir():
-        from .artifact import Artifact
+        from .artifact.store import Artifact
 
         cfg = Artifact(p).attrs.get("config")
         if not isinstance(cfg, dict):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from unionsparse.compressor.quant import rtn
 from unionsparse.formats import baselines, iebme, stats, tiled_cbc
+from unionsparse.formats.arithmetic.weights import rtn
 from unionsparse.solvers import reorder_matrix
 
 

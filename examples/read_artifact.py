@@ -12,15 +12,15 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from unionsparse.compressor.artifact import Artifact
-from unionsparse.compressor.quant import dequantize
+from unionsparse.compressor.artifact.store import Artifact
+from unionsparse.formats.arithmetic.weights import dequantize
 
 
 def make_artifact(folder: Path) -> Path:
-    from unionsparse.compressor.batch import write_tiny_model
     from unionsparse.compressor.config import CompressConfig
-    from unionsparse.compressor.pipeline import compress
+    from unionsparse.compressor.pipeline.compress import compress
     from unionsparse.compressor.progress import Reporter
+    from unionsparse.compressor.report.summarize import write_tiny_model
 
     model = write_tiny_model(folder / "tiny-llama")
     cfg = CompressConfig(model=str(model), output=str(folder / "tiny.zarr"), sparsity=0.5, quant="w4a4",

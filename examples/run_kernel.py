@@ -11,9 +11,9 @@ import argparse
 
 import numpy as np
 from unionsparse import kernels
-from unionsparse.compressor.act_quant import dequantize_activations, quantize_activations
-from unionsparse.compressor.quant import dequantize, rtn
 from unionsparse.formats import iebme, tiled_cbc
+from unionsparse.formats.arithmetic.activations import dequantize_activations, quantize_activations
+from unionsparse.formats.arithmetic.weights import dequantize, rtn
 from unionsparse.kernels.iebme_reference import iebme_spmm_reference
 from unionsparse.kernels.tiled_cbc_reference import spmm_reference, spmspv_reference
 

@@ -1,7 +1,9 @@
 """Sparse low-bit weight formats: IE-BME (UnionSparse) and Tiled-CBC (SPDP), and their statistics."""
 
-from . import iebme, tiled_cbc
-from .errors import FormatError
+from . import iebme, registry, tiled_cbc
+from .errors import FormatError, UnionsparseError
+from .registry import Format
 from .storage_stats import baselines, stats, tca_bme_formula, tiled_cbc_formula
 
-__all__ = ["FormatError", "baselines", "iebme", "stats", "tca_bme_formula", "tiled_cbc", "tiled_cbc_formula"]
+__all__ = ["Format", "FormatError", "UnionsparseError", "baselines", "iebme", "stats", "tca_bme_formula", "registry",
+           "tiled_cbc", "tiled_cbc_formula"]

@@ -1,4 +1,4 @@
-"""IE-BME: Index-Efficient Bitmap Encoding (UnionSparse), byte layout of SPEC section 3.
+"""IE-BME: Index-Efficient Bitmap Encoding (UnionSparse), byte layout of docs/format.md, "IE-BME".
 
 A matrix of b-bit codes is cut into local tiles (LT) of H_L x K_L, row-major over the tile grid.
 Each LT's rows may be permuted; the permuted tile is split into R_A x C_A areas of h x w, and one
@@ -25,6 +25,7 @@ from .bitpack import (
 from .errors import FormatError
 from .runs import run_positions
 
+NAME = "ie-bme"
 DEFAULT_TILE = (16, 64)
 DEFAULT_AREAS = (2, 2)
 
@@ -184,7 +185,7 @@ def encode(
     areas: tuple[int, int] = DEFAULT_AREAS,
     perm: np.ndarray | None = None,
 ) -> IEBMEMatrix:
-    """Encode int8 codes [M, K] of a signed b-bit quantizer as IE-BME (SPEC section 3)."""
+    """Encode int8 codes [M, K] of a signed b-bit quantizer as IE-BME (docs/format.md, "IE-BME")."""
     codes = np.asarray(codes)
     if codes.ndim != 2:
         raise FormatError(f"codes must be 2-D, got shape {codes.shape}")

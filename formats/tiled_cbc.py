@@ -1,4 +1,4 @@
-"""Tiled-CBC: Tiled Column-wise Bitmap Compressed (SPDP), byte layout of SPEC section 4.
+"""Tiled-CBC: Tiled Column-wise Bitmap Compressed (SPDP), byte layout of docs/format.md, "Tiled-CBC".
 
 GTiles of TILE_M x TILE_K (default 256 x 16), row-major; inside a GTile its TILE_K columns in order,
 each a TILE_M x 1 column tile with TILE_M/64 bitmap words. Values hold each column's nonzeros in
@@ -25,6 +25,7 @@ from .bitpack import (
 from .errors import FormatError
 from .runs import run_positions
 
+NAME = "tiled-cbc"
 DEFAULT_TILE = (256, 16)
 
 

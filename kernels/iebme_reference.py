@@ -1,4 +1,4 @@
-"""CPU reference of the IE-BME W4A4 / W2A4 SpMM (SPEC section 7), read straight from the stored arrays.
+"""CPU reference of the IE-BME W4A4 / W2A4 SpMM (docs/kernels.md), read straight from the stored arrays.
 
 ``Y[n, m] = sum_g s_w[m, g] * s_x[n, g] * sum_{k in g} q_w[m, k] * q_x[n, k]``: the integer partial sum
 of every group is exact (int32), the scaled groups are accumulated in float32 in group order as

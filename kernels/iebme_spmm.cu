@@ -1,4 +1,4 @@
-// IE-BME W4A4 / W2A4 SpMM for decode widths N <= 32 (SPEC section 7), tensor cores, sm_80+.
+// IE-BME W4A4 / W2A4 SpMM for decode widths N <= 32 (docs/kernels.md), tensor cores, sm_80+.
 //
 // Y[n, m] = sum_g s_w[m, g] * s_x[n, g] * sum_{k in g} q_w[m, k] * q_x[n, k]
 //

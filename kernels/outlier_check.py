@@ -4,7 +4,7 @@ The layer computes Y = (main IE-BME W4A4/W2A4 product) + (8-bit side product): t
 column-permuted (normal channels, then the outlier columns, which are zero), the side matrix [M, n] holds
 the outlier channels as int8 codes with one fp16 scale per row. Per N in ``ns``, on random activations
 whose outlier channels are made hot, quantized by the layer's activation record
-(:func:`unionsparse.compressor.outliers.quantize_inputs`, the one definition):
+(:func:`unionsparse.formats.arithmetic.outlier_side.quantize_inputs`, the one definition):
 
 * reference: the main integer partial sums read from the IE-BME arrays (``iebme_reference``), the side
   partial sums as an int64 product of the side codes, then Y = fp16 of the float32 sum over the main
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..compressor.outliers import OutlierSide, quantize_inputs
+from ..formats.arithmetic.outlier_side import OutlierSide, quantize_inputs
 from ..formats.iebme import IEBMEMatrix
 from .iebme_check import dense_partials, fp16_close
 from .iebme_reference import iebme_partial_sums

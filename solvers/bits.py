@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from ..compressor.errors import UserError
+from .errors import SolverError
 
 
 @intrinsic
@@ -31,15 +31,15 @@ def popcount64(typingctx, x):
 def check_tile_areas(shape: tuple[int, int], areas: tuple[int, int]) -> tuple[int, int, int, int]:
     """Validate a tile shape against its area grid; return (H_L, K_L, R_A, C_A)."""
     if len(areas) != 2:
-        raise UserError(f"areas must be two integers R_A x C_A, got {areas!r}")
+        raise SolverError(f"areas must be two integers R_A x C_A, got {areas!r}")
     hl, kl = int(shape[0]), int(shape[1])
     ra, ca = int(areas[0]), int(areas[1])
     if min(hl, kl, ra, ca) <= 0:
-        raise UserError(f"tile {hl}x{kl} and areas {ra}x{ca} must be positive")
+        raise SolverError(f"tile {hl}x{kl} and areas {ra}x{ca} must be positive")
     if hl % ra or kl % ca:
-        raise UserError(f"areas {ra}x{ca} do not divide the tile {hl}x{kl}")
+        raise SolverError(f"areas {ra}x{ca} do not divide the tile {hl}x{kl}")
     if hl > 256:
-        raise UserError(f"tile height {hl} exceeds 256 (row permutations are stored as uint8)")
+        raise SolverError(f"tile height {hl} exceeds 256 (row permutations are stored as uint8)")
     return hl, kl, ra, ca
 
 
@@ -78,7 +78,7 @@ def groups_from_perm(perm: np.ndarray, r_a: int) -> list[tuple[int, ...]]:
 
 
 def canonical_perm(groups, h_l: int) -> np.ndarray:
-    """SPEC section 3: sort rows inside each group, sort groups, then list first rows, second rows, ..."""
+    """docs/format.md, "IE-BME": sort rows inside each group, sort groups, then list first rows, second rows, ..."""
     gs = sorted(tuple(sorted(int(x) for x in g)) for g in groups)
     if not gs:
         return np.zeros(0, dtype=np.int64)
@@ -94,9 +94,9 @@ def canonical_perm(groups, h_l: int) -> np.ndarray:
 def check_perm_1d(perm, h_l: int) -> np.ndarray:
     perm = np.asarray(perm)
     if perm.shape != (h_l,) or not np.issubdtype(perm.dtype, np.integer):
-        raise UserError(f"perm must be an integer array of shape ({h_l},), got {perm.dtype} {perm.shape}")
+        raise SolverError(f"perm must be an integer array of shape ({h_l},), got {perm.dtype} {perm.shape}")
     if not np.array_equal(np.sort(perm), np.arange(h_l)):
-        raise UserError(f"perm is not a permutation of 0..{h_l - 1}")
+        raise SolverError(f"perm is not a permutation of 0..{h_l - 1}")
     return perm.astype(np.int64)
 
 

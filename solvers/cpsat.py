@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from itertools import combinations
 from math import comb
 
-from ..compressor.errors import UserError
+from .errors import SolverError
 
 #: Above this many candidate groups the partition model is not built; the assignment model is used.
 PARTITION_MAX_GROUPS = 50_000
@@ -98,11 +98,11 @@ def _canonical(groups) -> list[tuple[int, ...]]:
 
 def load_cp_model():
     """OR-Tools' CP-SAT module, imported only when a tile needs it (the DP and the bounds do not); a
-    missing OR-Tools is a UserError naming it."""
+    missing OR-Tools is a SolverError naming it."""
     try:
         from ortools.sat.python import cp_model
     except ImportError as e:
-        raise UserError("the CP-SAT row grouping needs OR-Tools, which is not installed here "
+        raise SolverError("the CP-SAT row grouping needs OR-Tools, which is not installed here "
                         "(pip install ortools, or use --reorder dp|none)") from e
     return cp_model
 

@@ -1,4 +1,4 @@
-"""Bitmap-aware row reordering: per-tile and whole-matrix entry points (SPEC sections 3 and 8).
+"""Bitmap-aware row reordering: per-tile and whole-matrix entry points (docs/format.md, "IE-BME"; README, "Python API").
 
 ``reorder_tile`` solves one local tile; ``reorder_matrix`` solves every LT of a mask exactly as
 ``iebme.encode`` tiles it and returns the ``perm`` array ``encode`` takes, plus a ``ReorderReport``.
@@ -15,10 +15,10 @@ from multiprocessing import current_process, get_context
 
 import numpy as np
 
-from ..compressor.errors import UserError
 from ..formats import iebme
 from . import cpsat, subset_dp
 from .bits import canonical_perm, check_perm_1d, check_tile_areas
+from .errors import SolverError
 
 METHODS = ("auto", "dp", "cpsat", "none")
 
@@ -77,14 +77,14 @@ class ReorderReport:
 
 def _check_method(method: str, allowed=METHODS) -> str:
     if method not in allowed:
-        raise UserError(f"reorder method must be one of {', '.join(allowed)}, got {method!r}")
+        raise SolverError(f"reorder method must be one of {', '.join(allowed)}, got {method!r}")
     return method
 
 
 def _as_mask(mask) -> np.ndarray:
     mask = np.asarray(mask)
     if mask.ndim != 2:
-        raise UserError(f"mask must be 2-D, got shape {mask.shape}")
+        raise SolverError(f"mask must be 2-D, got shape {mask.shape}")
     return mask if mask.dtype == np.bool_ else mask != 0
 
 
@@ -101,7 +101,7 @@ def _resolve(method: str, h_l: int, r_a: int) -> tuple[str, subset_dp.StateTable
         if table is not None:
             return "dp", table
         if method == "dp":
-            raise UserError(
+            raise SolverError(
                 f"tile height {h_l} with R_A={r_a} is too large for the exact DP "
                 f"(more than {DP_MAX_TRANSITIONS:,} transitions or H_L > {subset_dp.DP_MAX_ROWS}); "
                 "use --reorder cpsat or auto"
@@ -176,7 +176,7 @@ def reorder_matrix(
     h_l, k_l, r_a, c_a = check_tile_areas(tile, areas)
     _check_method(method)
     if time_limit <= 0:
-        raise UserError(f"time_limit must be positive, got {time_limit}")
+        raise SolverError(f"time_limit must be positive, got {time_limit}")
     g = iebme.Geometry((int(mask.shape[0]), int(mask.shape[1])), (h_l, k_l), (r_a, c_a), 4)
     n_t = g.n_tiles
     mp = np.ascontiguousarray(iebme.pad_to(mask, g.padded))

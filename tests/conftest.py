@@ -84,7 +84,7 @@ REFERENCE_FLAGS = ("--quiet", "--prune", "magnitude", "--quant", "w4a4", "--reor
 def assert_same_artifacts(a_path, b_path) -> None:
     """Two artifacts hold the same layers, dense tensors and index: every array equal, dtype included."""
     import numpy as np
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
 
     a, b = Artifact(a_path), Artifact(b_path)
     assert a.layer_names == b.layer_names  # layer order in the index is the submission order

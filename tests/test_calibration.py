@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from unionsparse.compressor import calibration
+from unionsparse.compressor.calibrate import samples as calibration
 from unionsparse.compressor.errors import UserError
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from unionsparse.compressor.artifact import Artifact, write_manifest
-from unionsparse.compressor.pruning import magnitude
-from unionsparse.compressor.quant import rtn
+from unionsparse.compressor.artifact.store import Artifact, write_manifest
+from unionsparse.compressor.pruning.methods import magnitude
+from unionsparse.formats.arithmetic.weights import rtn
 
 
 def only_line(text: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import REFERENCE_FLAGS, assert_same_artifacts
-from unionsparse.compressor.artifact import Artifact
+from unionsparse.compressor.artifact.store import Artifact
 
 COMMON = REFERENCE_FLAGS
 
@@ -21,7 +21,7 @@ def test_local_cluster_two_workers_identical(reference_artifact, tmp_path, model
 @pytest.mark.slow
 def test_existing_scheduler_identical(reference_artifact, tmp_path, model_dirs, run_cli):
     from dask.distributed import LocalCluster
-    from unionsparse.compressor.cluster import WORKER_ENV
+    from unionsparse.compressor.pipeline.executor import WORKER_ENV
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
                       env=WORKER_ENV) as cluster:

@@ -17,7 +17,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
     ("--prune", "wanda", "--quant", "none", "--format", "tiled-cbc", "--dp-sparsity", "0.3"),
 ])
 def test_compress_on_cuda_matches_cpu(llama_with_tokenizer, tmp_path, run_cli, flags):
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
 
     model, calib = llama_with_tokenizer
     common = ("--quiet", "--calib", str(calib), "--dp-calib", str(calib), "--nsamples", "4", "--seqlen", "64",

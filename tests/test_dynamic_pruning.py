@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from unionsparse.compressor import evaluate
+from unionsparse.compressor.evaluate import perplexity as evaluate
 from unionsparse.kernels import available
 
 transformers = pytest.importorskip("transformers")
@@ -81,9 +81,10 @@ def _layer_inputs(model, samples) -> dict[str, list[torch.Tensor]]:
 
 def test_magnitude_dp_thresholds_are_quantiles_of_the_pruned_models_inputs(model_dir, magnitude_dp):
     """--dp-sparsity works without Wanda/SparseGPT; tau = the |fp16 x| quantile through the pruned model."""
-    from unionsparse.compressor import calibration, layerwise
-    from unionsparse.compressor.artifact import Artifact
-    from unionsparse.compressor.thresholds import tau_from_samples
+    from unionsparse.compressor.activation_sparsity.thresholds import tau_from_samples
+    from unionsparse.compressor.artifact.store import Artifact
+    from unionsparse.compressor.calibrate import layerwise
+    from unionsparse.compressor.calibrate import samples as calibration
 
     art = Artifact(magnitude_dp)
     assert art.attrs["dynamic_pruning"]["dp_profile"] == "uniform"
@@ -106,7 +107,7 @@ def test_magnitude_dp_thresholds_are_quantiles_of_the_pruned_models_inputs(model
 
 
 def test_greedy_profile_is_wired_and_stored_per_layer(model_dir, tmp_path):
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
 
     out = tmp_path / "greedy.zarr"
     _compress(model_dir, out, "--prune", "none", "--quant", "w4a16", "--group-size", "64", "--nsamples", "2",
@@ -146,7 +147,7 @@ def _tiled_cbc_case(bits: int | None, seed: int = 0):
 def test_eval_layer_matches_the_spmspv_reference_token_by_token(bits):
     """The eval layer's active set is the kernel's (fp16 rounding, then |x| > tau in fp32), and its output
     is the reference's to float32 rounding, then fp16."""
-    from unionsparse.compressor.dp_linear import TiledCBCLinear
+    from unionsparse.compressor.activation_sparsity.linear import TiledCBCLinear
     from unionsparse.kernels.tiled_cbc_check import tolerance
     from unionsparse.kernels.tiled_cbc_reference import spmspv_reference
 
@@ -178,9 +179,9 @@ def test_eval_layer_matches_the_spmspv_reference_token_by_token(bits):
 
 def _reference_model(artifact):
     """The artifact's model with every linear replaced by per-token calls of the CPU spMspV reference."""
-    from unionsparse.compressor.artifact import Artifact
-    from unionsparse.compressor.fake_quant import replace_linear
-    from unionsparse.compressor.rebuild import rebuild_model
+    from unionsparse.compressor.artifact.store import Artifact
+    from unionsparse.compressor.model.rebuild import rebuild_model
+    from unionsparse.compressor.quantize.fake_quant import replace_linear
     from unionsparse.kernels.tiled_cbc_reference import spmspv_reference
 
     class RefLinear(torch.nn.Module):
@@ -254,7 +255,7 @@ def test_dp_calib_bad_file_content_names_the_flag(model_dir, tmp_path, run_cli):
 def test_bench_times_a_tiled_cbc_artifacts_own_layers(magnitude_dp, run_cli):
     """`bench ARTIFACT` on Tiled-CBC: every layer, spMspV at N = 1 with the layer's calibrated dynamic
     sparsity and the SpMM above, beside cuBLAS."""
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
 
     r = run_cli("bench", magnitude_dp, "--n", "1,16", "--json")
     assert r.code == 0, r.err

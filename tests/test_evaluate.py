@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from unionsparse.compressor import evaluate
 from unionsparse.compressor.errors import UserError
+from unionsparse.compressor.evaluate import perplexity as evaluate
 
 transformers = pytest.importorskip("transformers")
 from conftest import tiny_model  # noqa: E402
@@ -97,7 +97,7 @@ def model_dir(tmp_path_factory):
     ],
 )
 def test_compress_with_calibration_end_to_end(model_dir, tmp_path, extra):
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
     from unionsparse.compressor.cli import main
 
     out = tmp_path / "o.zarr"
@@ -183,9 +183,9 @@ def test_eval_cli_on_model_folder(model_dir, capsys):
 
 @pytest.mark.parametrize("quant", ["none", "w4a16", "w4a4"])
 def test_eval_on_artifact_rebuilds_stored_weights(model_dir, tmp_path, quant):
-    from unionsparse.compressor import layerwise
-    from unionsparse.compressor import quant as q
+    from unionsparse.compressor.calibrate import layerwise
     from unionsparse.compressor.cli import main
+    from unionsparse.formats.arithmetic import weights as q
 
     out = tmp_path / f"{quant}.zarr"
     fmt = ["--format", "tiled-cbc"] if quant == "none" else []
@@ -224,7 +224,7 @@ def test_eval_on_artifact_rebuilds_stored_weights(model_dir, tmp_path, quant):
 
 def test_compress_tiled_cbc_dynamic_pruning_thresholds(model_dir, tmp_path):
     """--dp-sparsity stores per layer tau = the |x| quantile of that layer's calibration inputs."""
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
     from unionsparse.compressor.cli import main
     from unionsparse.kernels.tiled_cbc_reference import spmspv_reference
 

@@ -53,8 +53,8 @@ def test_example_runs(name, artifact):
 def test_compare_formats_numbers_match_the_library():
     """compare_formats.py prints the library's figures, not decoration: recompute one cell."""
     import numpy as np
-    from unionsparse.compressor.quant import rtn
     from unionsparse.formats import baselines
+    from unionsparse.formats.arithmetic.weights import rtn
 
     r = run_script("compare_formats.py", ["--m", "128", "--k", "256", "--sparsities", "0.9"])
     assert r.returncode == 0, r.stderr

@@ -1,4 +1,4 @@
-"""IE-BME and Tiled-CBC byte layouts against hand-built cases, the SPEC example, and properties."""
+"""IE-BME and Tiled-CBC byte layouts against hand-built cases, the worked example of docs/format.md, and properties."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_pack_codes_two_bit_order():
 
 
 def test_spec_worked_example():
-    """SPEC section 3 / paper Fig. 7: LT 8x32, areas 2x2."""
+    """docs/format.md, "IE-BME" / paper Fig. 7: LT 8x32, areas 2x2."""
     rows = [0x36DB, 0x6DB6, 0x5B6D, 0xB6DA]
     mask = np.array([[(r >> j) & 1 for j in range(16)] for r in rows], dtype=bool)
     codes = np.zeros((8, 32), np.int8)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zarr
 from safetensors.torch import load_file, save_file
-from unionsparse.compressor.artifact import write_manifest
+from unionsparse.compressor.artifact.store import write_manifest
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +215,7 @@ def test_fifty_single_byte_flips_all_caught(good, tmp_path):
     """Flip one byte at a time (50 flips over every file of the store); verify must fail on each."""
     import random
 
-    from unionsparse.compressor.verify import verify
+    from unionsparse.compressor.verify.checks import verify
 
     d = copy_store(good, tmp_path, "flips.zarr")
     files = sorted(p for p in d.rglob("*") if p.is_file())

@@ -167,7 +167,7 @@ def test_study_overrides_parse_and_replace_the_environment(monkeypatch):
     item is the default, every other UNIONSPARSE_IEBME_* variable is cleared except those kept."""
     import os
 
-    from unionsparse.kernels.bench import apply_overrides, parse_overrides
+    from unionsparse.compressor.bench.kernels import apply_overrides, parse_overrides
 
     assert parse_overrides("warps=16, xbytes=32768;") == [{"WARPS": "16", "XBYTES": "32768"}, {}]
     monkeypatch.setenv("UNIONSPARSE_IEBME_TRACE", "1")
@@ -335,7 +335,7 @@ def test_gpu_study_scripts_check_their_arguments_without_a_gpu():
 def test_bench_times_an_ie_bme_artifacts_own_layers_beside_fp16_and_int8(reference_artifact, run_cli):
     import json
 
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
 
     r = run_cli("bench", reference_artifact, "--n", "1,8", "--json")
     assert r.code == 0, r.err

@@ -522,7 +522,7 @@ def test_benchmark_checks_arguments_and_reports_int_codes_without_a_gpu(tmp_path
     import sys
     from pathlib import Path
 
-    from unionsparse.kernels.tiled_cbc_bench import write_md
+    from unionsparse.compressor.bench.tiled_cbc import write_md
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_tiled_cbc.py"
     for bad, msg in (("--spmspv-bits=16,8", "expected 16, 4 or 2"), ("--spmm-ns=0", "positive integers")):
@@ -547,7 +547,7 @@ def test_benchmark_checks_arguments_and_reports_int_codes_without_a_gpu(tmp_path
 
 
 def test_bench_summary_mixes_ie_bme_and_tiled_cbc_layers():
-    from unionsparse.kernels.bench import summarize
+    from unionsparse.compressor.bench.kernels import summarize
 
     rows = [dict(N=1, speedup_vs_cublas=2.0, fp16_weight_MB=200.0, iebme_bw_frac=0.6, speedup_vs_int8=1.5),
             dict(N=1, speedup_vs_cublas=0.5, fp16_weight_MB=300.0, kernel="spmspv"),

@@ -6,8 +6,9 @@ import copy
 
 import pytest
 import torch
-from unionsparse.compressor import layerwise, pruning
+from unionsparse.compressor.calibrate import layerwise
 from unionsparse.compressor.errors import UserError
+from unionsparse.compressor.pruning import methods as pruning
 
 transformers = pytest.importorskip("transformers")
 from conftest import tiny_model  # noqa: E402

@@ -69,7 +69,7 @@ def independent_output(x: np.ndarray, arrays: dict, codes: np.ndarray, attrs: di
 
 
 def test_artifact_round_trip_with_outliers(outlier_artifact):
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
 
     art = Artifact(outlier_artifact)
     assert art.attrs["config"]["keep_outliers"] == N_OUT
@@ -89,10 +89,10 @@ def test_artifact_round_trip_with_outliers(outlier_artifact):
 
 def test_writer_reader_round_trip_is_exact(tmp_path):
     """A QuantizedLayer with outliers, encoded, written and read back: every array identical."""
-    from unionsparse.compressor.artifact import Artifact, ArtifactWriter, new_root_attrs
+    from unionsparse.compressor.artifact.store import Artifact, ArtifactWriter, new_root_attrs
     from unionsparse.compressor.config import CompressConfig
-    from unionsparse.compressor.layer_quant import QuantSpec, quantize_layer
-    from unionsparse.compressor.pipeline import encode_layer
+    from unionsparse.compressor.pipeline.encode import encode_layer
+    from unionsparse.compressor.quantize.layer import QuantSpec, quantize_layer
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 256, generator=g)
@@ -116,7 +116,7 @@ def test_writer_reader_round_trip_is_exact(tmp_path):
 
 
 def test_inspect_counts_side_bytes(outlier_artifact, run_cli):
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
 
     r = run_cli("inspect", outlier_artifact, "--json")
     assert r.code == 0, r.err
@@ -139,9 +139,9 @@ def test_inspect_counts_side_bytes(outlier_artifact, run_cli):
 
 
 def test_eval_path_equals_independent_integer_computation(outlier_artifact):
-    from unionsparse.compressor.artifact import Artifact
-    from unionsparse.compressor.fake_quant import FakeQuantLinear
-    from unionsparse.compressor.rebuild import rebuild_model
+    from unionsparse.compressor.artifact.store import Artifact
+    from unionsparse.compressor.model.rebuild import rebuild_model
+    from unionsparse.compressor.quantize.fake_quant import FakeQuantLinear
 
     art = Artifact(outlier_artifact)
     model = rebuild_model(outlier_artifact)
@@ -163,7 +163,7 @@ def test_eval_path_equals_independent_integer_computation(outlier_artifact):
 
 
 def test_verify_passes_then_catches_side_corruption(outlier_artifact, tmp_path, run_cli):
-    from unionsparse.compressor.artifact import Artifact, write_manifest
+    from unionsparse.compressor.artifact.store import Artifact, write_manifest
 
     r = run_cli("verify", outlier_artifact, "--backend", "cpu", "--n", "1,4")
     assert r.code == 0, r.out + r.err
@@ -194,7 +194,7 @@ def test_verify_passes_then_catches_side_corruption(outlier_artifact, tmp_path, 
 
 def test_outlier_check_catches_a_wrong_side_matrix():
     """The CPU reference check fails when the side codes do not belong to the layer (dense truth differs)."""
-    from unionsparse.compressor.layer_quant import QuantSpec, quantize_layer
+    from unionsparse.compressor.quantize.layer import QuantSpec, quantize_layer
     from unionsparse.formats import iebme
     from unionsparse.kernels.outlier_check import check_outlier_layer
 
@@ -231,7 +231,7 @@ def test_gpu_outlier_check(outlier_artifact):
     pytest.importorskip("cupy")
     if not available():
         pytest.skip("no CUDA device")
-    from unionsparse.compressor.verify import verify
+    from unionsparse.compressor.verify.checks import verify
 
     res = verify(str(outlier_artifact), backend="cupy", ns=[1, 8, 32])
     assert res.ok, res.failures

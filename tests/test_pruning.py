@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from unionsparse.compressor import pruning
 from unionsparse.compressor.errors import UserError
+from unionsparse.compressor.pruning import methods as pruning
 
 
 def _correlated_inputs(n_tokens: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -5,22 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from unionsparse.compressor.act_quant import (
-    activation_scheme,
-    calibrate_act_clip,
-    dequantize_activations,
-    quantize_activations,
-)
-from unionsparse.compressor.clip_search import diagonal_blocks, gram, search_clip
-from unionsparse.compressor.fake_quant import FakeQuantLinear, grouped_int_matmul, replace_linear
-from unionsparse.compressor.gptq import gptq, layer_error
-from unionsparse.compressor.outliers import (
-    column_permutation,
-    select_outlier_channels,
-    side_bytes,
-    split_outliers,
-)
-from unionsparse.compressor.quant import quantize_weight, rtn
+from unionsparse.compressor.quantize.act_clip import calibrate_act_clip
+from unionsparse.compressor.quantize.clip_search import diagonal_blocks, gram, search_clip
+from unionsparse.compressor.quantize.fake_quant import FakeQuantLinear, grouped_int_matmul, replace_linear
+from unionsparse.compressor.quantize.gptq import gptq, layer_error
+from unionsparse.compressor.quantize.outliers import select_outlier_channels
+from unionsparse.compressor.quantize.weights import quantize_weight
+from unionsparse.formats.arithmetic.activations import activation_scheme, dequantize_activations, quantize_activations
+from unionsparse.formats.arithmetic.outlier_side import column_permutation, side_bytes, split_outliers
+from unionsparse.formats.arithmetic.weights import rtn
 
 RANGES = {2: (-2, 1), 4: (-8, 7), 8: (-128, 127)}
 
@@ -294,7 +287,7 @@ def test_fake_quant_w4a16_and_module_swap():
 
 
 def test_compress_gptq_clip_search_records_activation_scheme(llama_with_tokenizer, tmp_path, run_cli):
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
 
     model, calib = llama_with_tokenizer
     out = tmp_path / "q.zarr"

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import yaml
-from unionsparse.compressor.artifact import Artifact
+from unionsparse.compressor.artifact.store import Artifact
 
 
 def only_line(text: str) -> str:

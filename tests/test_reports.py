@@ -9,7 +9,7 @@ import struct
 import sys
 
 import pytest
-from unionsparse.compressor.plots import DPI, FIG_SIZE, series
+from unionsparse.compressor.report.plots import DPI, FIG_SIZE, series
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -92,7 +92,7 @@ def test_plot_bad_paths_and_missing_matplotlib(artifacts, tmp_path, run_cli, mon
 
 def test_recipe_prints_yaml(artifacts, run_cli):
     import yaml
-    from unionsparse.compressor.artifact import Artifact
+    from unionsparse.compressor.artifact.store import Artifact
 
     r = run_cli("inspect", artifacts["tiled-cbc"], "--recipe")
     assert r.code == 0

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from conftest import REFERENCE_FLAGS, assert_same_artifacts
-from unionsparse.compressor.artifact import Artifact
+from unionsparse.compressor.artifact.store import Artifact
 
 CLI = Path(sys.executable).parent / "unionsparse"
 COMMON = REFERENCE_FLAGS

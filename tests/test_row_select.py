@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from unionsparse.compressor import pruning, quant
-from unionsparse.compressor.row_select import prune_lowest_mask
+from unionsparse.compressor.pruning import methods as pruning
+from unionsparse.compressor.pruning.row_select import prune_lowest_mask
+from unionsparse.formats.arithmetic import weights as quant
 
 
 def sort_mask(metric: torch.Tensor, k: int) -> torch.Tensor:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from unionsparse.compressor.errors import UserError
 from unionsparse.formats import iebme
-from unionsparse.solvers import reorder_matrix, reorder_tile, union_cost
+from unionsparse.solvers import SolverError, reorder_matrix, reorder_tile, union_cost
 from unionsparse.solvers.bits import canonical_perm, groups_from_perm
 
 
@@ -100,9 +99,9 @@ def test_canonical_perm_layout():
 
 def test_union_cost_rejects_bad_perm():
     mask = np.ones((16, 64), dtype=bool)
-    with pytest.raises(UserError):
+    with pytest.raises(SolverError):
         union_cost(mask, np.zeros(16, dtype=int))
-    with pytest.raises(UserError):
+    with pytest.raises(SolverError):
         union_cost(mask, np.arange(16), areas=(3, 2))
 
 
@@ -149,9 +148,9 @@ def test_dp_needs_no_ortools_and_cpsat_says_what_is_missing(monkeypatch):
     mask = rng.random((32, 128)) < 0.5
     perm, rep = reorder_matrix(mask, method="dp")
     assert rep.methods == {"dp": rep.n_tiles} and rep.positions_after < rep.positions_before
-    with pytest.raises(UserError, match="needs OR-Tools"):
+    with pytest.raises(SolverError, match="needs OR-Tools"):
         reorder_tile(rng.random((64, 64)) < 0.5, method="cpsat", time_limit=0.1)
-    with pytest.raises(UserError, match="needs OR-Tools"):  # before any worker process starts
+    with pytest.raises(SolverError, match="needs OR-Tools"):  # before any worker process starts
         reorder_matrix(rng.random((128, 64)) < 0.5, tile=(64, 64), method="cpsat", jobs=2, time_limit=0.1)
 
 
@@ -205,9 +204,9 @@ def test_reorder_matrix_padding_tiles_are_trivial():
 
 def test_reorder_matrix_bad_input():
     mask = np.ones((16, 64), dtype=bool)
-    with pytest.raises(UserError, match="reorder method"):
+    with pytest.raises(SolverError, match="reorder method"):
         reorder_matrix(mask, method="greedy")
-    with pytest.raises(UserError, match="too large for the exact DP"):
+    with pytest.raises(SolverError, match="too large for the exact DP"):
         reorder_matrix(np.ones((64, 64), dtype=bool), tile=(64, 64), method="dp")
-    with pytest.raises(UserError, match="do not divide"):
+    with pytest.raises(SolverError, match="do not divide"):
         reorder_matrix(mask, tile=(16, 64), areas=(3, 2))

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from unionsparse.compressor import pipeline, streaming
-from unionsparse.compressor.artifact import Artifact
+from unionsparse.compressor.artifact.store import Artifact
 from unionsparse.compressor.config import CompressConfig
+from unionsparse.compressor.model import streaming
+from unionsparse.compressor.pipeline import compress as pipeline
 from unionsparse.compressor.progress import Reporter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -26,7 +27,7 @@ def compress(model: Path, out: Path, stream: bool, monkeypatch, **kw) -> Artifac
 
 
 def streaming_off(src):
-    from unionsparse.compressor.model_io import load_model
+    from unionsparse.compressor.model.loading import load_model
 
     return load_model(src)
 
@@ -92,8 +93,8 @@ class BlockWatch:
     decoder blocks hold real (non-meta) weights and whether any other module does."""
 
     def __init__(self, monkeypatch):
-        from unionsparse.compressor import layerwise
-        from unionsparse.compressor.model_io import find_blocks
+        from unionsparse.compressor.calibrate import layerwise
+        from unionsparse.compressor.model.loading import find_blocks
 
         self.max_blocks, self.outside, self.checks, self.model = 0, 0, 0, None
         orig = layerwise.calibrated_blocks

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from unionsparse.compressor.thresholds import (
+from unionsparse.compressor.activation_sparsity.thresholds import (
     ActivationHistogram,
     greedy_profile,
     tau_from_samples,

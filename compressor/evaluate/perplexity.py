@@ -1,0 +1,172 @@
+"""WikiText-2-style perplexity, computed as the Wanda / SparseGPT reference ``eval_ppl`` does.
+
+Text: every line of the file is one row of the data set (CRLF or LF, normalised to ``\\n``, kept at
+the row's end as in the Hugging Face ``wikitext`` rows); rows are joined with ``"\\n\\n"`` and
+tokenized once. Windows: non-overlapping ``seqlen`` tokens from the start, the remainder dropped.
+Each window's loss is the mean next-token NLL over its ``seqlen - 1`` predictions; the perplexity is
+``exp(mean over windows)`` (the reference's ``sum(loss·seqlen) / (nsamples·seqlen)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["load_eval_text", "tokenize_eval_text", "perplexity", "window_nlls"]
+
+
+def load_eval_text(text_path: str | Path) -> str:
+    """The evaluation text of ``text_path``: its lines (line ends normalised) joined with ``"\\n\\n"``."""
+    p = Path(text_path).expanduser()
+    if not p.is_file():
+        raise UserError(f"--text {text_path}: file does not exist")
+    try:
+        raw = p.read_bytes().decode("utf-8-sig")
+    except PermissionError:
+        raise UserError(f"--text {text_path}: file is not readable (permission denied)") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--text {text_path}: not UTF-8 text") from None
+    rows = raw.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True)
+    rows = [r if r.endswith("\n") else r + "\n" for r in rows if r.strip()]
+    if not rows:
+        raise UserError(f"--text {text_path}: file holds no text")
+    return "\n\n".join(rows)
+
+
+def tokenize_eval_text(tokenizer, text: str) -> torch.Tensor:
+    """Token ids ``[1, L]`` of the whole text, tokenized once (default special tokens)."""
+    return torch.tensor([tokenizer(text, verbose=False)["input_ids"]], dtype=torch.long)
+
+
+@torch.no_grad()
+def window_nlls(
+    model: nn.Module,
+    ids: torch.Tensor,
+    seqlen: int = 2048,
+    max_windows: int | None = None,
+    device: str | torch.device | None = None,
+) -> list[float]:
+    """Mean next-token NLL (nats) of each non-overlapping ``seqlen`` window of ``ids [1, L]``."""
+    if seqlen < 2:
+        raise UserError(f"--seqlen must be >= 2, got {seqlen}")
+    n = ids.numel() // seqlen
+    if n == 0:
+        raise UserError(f"evaluation text has {ids.numel()} tokens, fewer than --seqlen {seqlen}")
+    if max_windows is not None:
+        if max_windows < 1:
+            raise UserError(f"--max-windows must be >= 1, got {max_windows}")
+        n = min(n, max_windows)
+    if device is None:
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for i in range(n):
+            x = ids[:, i * seqlen : (i + 1) * seqlen].to(device)
+            logits = model(x, use_cache=False).logits
+            loss = nn.functional.cross_entropy(logits[0, :-1, :].float(), x[0, 1:], reduction="mean")
+            out.append(float(loss))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def perplexity(
+    model: nn.Module,
+    tokenizer,
+    text_path: str | Path,
+    seqlen: int = 2048,
+    max_windows: int | None = None,
+    device: str | torch.device | None = None,
+) -> float:
+    """WikiText-2-style perplexity of ``model`` on ``text_path`` (see the module docstring)."""
+    ids = tokenize_eval_text(tokenizer, load_eval_text(text_path))
+    nlls = window_nlls(model, ids, seqlen, max_windows, device)
+    ppl = math.exp(sum(nlls) / len(nlls))
+    log.info("perplexity %.4f over %d windows of %d tokens", ppl, len(nlls), seqlen)
+    return ppl
+
+
+def is_artifact(source: str | Path) -> bool:
+    """True when ``source`` is a zarr directory store (an artifact rather than a model)."""
+    p = Path(source)
+    return p.is_dir() and (p / "zarr.json").is_file()
+
+
+def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynamic_pruning: bool = True):
+    """``(model, tokenizer, kind)`` for MODEL (folder, .gguf, hub id) or an artifact (rebuilt).
+
+    An artifact's tokenizer comes from the model it was compressed from (root attrs ``source.model``).
+    Tiled-CBC layers compute the decode kernel's arithmetic, every token with the layer's stored
+    dynamic-pruning threshold unless ``dynamic_pruning`` is False (:mod:`.dp_linear`).
+    """
+    from ..calibrate.layerwise import load_tokenizer
+
+    if is_artifact(source):
+        from ..artifact.store import Artifact
+
+        try:
+            from ..artifact.store import rebuild_model  # the lead's reader, when it provides one
+        except ImportError:
+            from ..model.rebuild import rebuild_model
+        art = Artifact(source)
+        origin = (art.attrs.get("source") or {}).get("model")
+        if not origin:
+            raise UserError(f"{source}: the artifact does not record its source model (for the tokenizer)")
+        model = rebuild_model(source, dynamic_pruning=dynamic_pruning)
+        return model.eval(), load_tokenizer(origin), "artifact"
+    from ..model.loading import load_model
+
+    loaded = load_model(str(source), dtype=dtype)
+    return loaded.model.eval(), load_tokenizer(str(source)), loaded.kind
+
+
+def evaluate_source(
+    source: str | Path,
+    text_path: str | Path,
+    seqlen: int = 2048,
+    max_windows: int | None = None,
+    device: str = "cpu",
+    dynamic_pruning: bool = True,
+) -> dict:
+    """Perplexity of MODEL or an artifact on ``text_path``; returns a dict for the CLI (and ``--json``).
+
+    ``dynamic_pruning``: a Tiled-CBC artifact's thresholds are applied to every token (see
+    :mod:`.dp_linear`); the result's ``dynamic_pruning`` then gives the fraction of weight reads skipped.
+    """
+    import time
+
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device: unknown value {device!r} (choose from cpu, cuda)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
+    text = load_eval_text(text_path)  # check the text before the slow model load
+    t0 = time.perf_counter()
+    model, tok, kind = load_for_eval(source, dynamic_pruning=dynamic_pruning)
+    model.to(device)
+    ids = tokenize_eval_text(tok, text)
+    nlls = window_nlls(model, ids, seqlen, max_windows, device)
+    from ..activation_sparsity.linear import dp_summary
+
+    return {
+        "dynamic_pruning": dp_summary(model),
+        "source": str(source),
+        "kind": kind,
+        "text": str(text_path),
+        "seqlen": seqlen,
+        "windows": len(nlls),
+        "tokens": int(ids.numel()),
+        "nll": sum(nlls) / len(nlls),
+        "ppl": math.exp(sum(nlls) / len(nlls)),
+        "seconds": time.perf_counter() - t0,
+    }

@@ -1,0 +1,1 @@
+"""unionsparse.compressor.quantize"""

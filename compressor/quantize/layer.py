@@ -1,0 +1,185 @@
+"""Quantize one pruned linear layer from its calibration statistics: the per-layer step of ``compress``.
+
+``--quant`` modes: ``w4a16`` (4-bit weights, fp16 activations), ``w4a4`` and ``w2a4`` (4- or 2-bit
+weights, per-token 4-bit activations). Weights are round-to-nearest by default, with ``clip_search``
+per-group clip ratios scored on the layer's H, with ``gptq`` GPTQ error feedback (both combine).
+The activation clip ratio is calibrated per layer on a token sample of the layer's inputs, and
+``keep_outliers`` N keeps the N most active input channels at 8 bits (Atom; :mod:`.outliers`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ...formats.arithmetic.activations import activation_scheme
+from ...formats.arithmetic.outlier_side import OutlierSide, dequantize_layer, split_outliers
+from ...formats.arithmetic.weights import QuantizedWeight
+from .act_clip import ACT_CLIP_GRID, calibrate_act_clip
+from .fake_quant import FakeQuantLinear
+from .outliers import permute_hessian, select_outlier_channels
+from .weights import quantize_weight
+
+MODES = {"w4a16": (4, 16), "w4a4": (4, 4), "w2a4": (2, 4)}
+
+
+@dataclass
+class QuantSpec:
+    """What to do to every layer."""
+
+    weight_bits: int
+    act_bits: int  # 4, or 16 for weight-only
+    group_size: int = 128
+    gptq: bool = False
+    clip_search: bool = False
+    act_clip: bool = True  # calibrate the activation clip ratio (else 1.0)
+    keep_outliers: int = 0
+    act_order: bool = False
+    percdamp: float = 0.01
+
+    @classmethod
+    def from_mode(cls, mode: str, **kw) -> QuantSpec:
+        if mode not in MODES:
+            raise ValueError(f"quantization mode must be one of {', '.join(MODES)}, got {mode!r}")
+        wb, ab = MODES[mode]
+        spec = cls(wb, ab, **kw)
+        if spec.keep_outliers and ab == 16:
+            raise ValueError("outlier channels need quantized activations (w4a4 or w2a4), not w4a16")
+        return spec
+
+    @property
+    def needs_hessian(self) -> bool:
+        return self.gptq or self.clip_search
+
+    @property
+    def needs_tokens(self) -> bool:
+        return self.act_bits != 16 and self.act_clip
+
+
+@dataclass
+class QuantizedLayer:
+    qweight: QuantizedWeight  # codes in the (outlier-)permuted column order when outliers is set
+    activations: dict  # the activation scheme record (act_quant.activation_scheme)
+    outliers: OutlierSide | None = None
+    report: dict = field(default_factory=dict)
+
+    def module(self, bias: torch.Tensor | None = None) -> FakeQuantLinear:
+        return FakeQuantLinear.from_quantized(self.qweight, self.activations, bias, self.outliers)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [M, K] weight in the original column order (main part and 8-bit side together)."""
+        deq = self.qweight.dequantize()
+        return deq if self.outliers is None else dequantize_layer(deq, self.outliers)
+
+
+class TokenSampler:
+    """Keeps ``per_batch`` random token rows of every batch a layer sees (for activation calibration)."""
+
+    def __init__(self, per_batch: int = 128, seed: int = 0):
+        self.per_batch = per_batch
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rows: list[torch.Tensor] = []
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        t = x.detach().reshape(-1, x.shape[-1]).float().cpu()
+        idx = torch.randperm(t.shape[0], generator=self.gen)[: self.per_batch]
+        self.rows.append(t[idx])
+
+    def tokens(self) -> torch.Tensor | None:
+        return torch.cat(self.rows) if self.rows else None
+
+
+def quantize_layer(
+    weight: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    mask: torch.Tensor | None = None,
+    h: torch.Tensor | None = None,
+    x_sq_norm: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+) -> QuantizedLayer:
+    """Quantize a (pruned) weight [M, K]; ``mask`` True = kept, ``h`` = 2/n Σ x xᵀ, ``tokens`` [N, K]."""
+    t0 = time.perf_counter()
+    w = torch.as_tensor(weight).float()
+    k = w.shape[1]
+    implicit_mask = mask is None  # then w * mask == w: quantize_weight need not apply it
+    if mask is None:
+        mask = w != 0
+    if spec.needs_hessian and h is None:
+        raise ValueError("GPTQ and clip search need the layer's calibration Hessian")
+    side = None
+    channels = None
+    if spec.keep_outliers:
+        if x_sq_norm is None and h is not None:  # diag H = 2/n sum x_k^2: the same ranking (SparseGPT stats)
+            x_sq_norm = torch.diagonal(torch.as_tensor(h))
+        if x_sq_norm is None:
+            raise ValueError("outlier channels are chosen from x_sq_norm (or diag H); none given")
+        channels = select_outlier_channels(x_sq_norm, spec.keep_outliers)
+        w, side = split_outliers(w * mask, channels)
+        p = torch.from_numpy(side.perm.astype(np.int64)).to(w.device)
+        mask = mask.to(w.device)[:, p].clone()
+        mask[:, k - channels.size :] = False
+        if h is not None:
+            h = permute_hessian(h, side.perm)
+        if tokens is not None:
+            tokens = tokens.to(w.device)[:, p].clone()
+            tokens[:, k - channels.size :] = 0.0
+    q = quantize_weight(w, spec.weight_bits, spec.group_size, gptq=spec.gptq, clip_search=spec.clip_search,
+                        h=h, mask=None if implicit_mask and side is None and not spec.gptq else mask,
+                        act_order=spec.act_order, percdamp=spec.percdamp)
+    report: dict = {}
+    clip = 1.0
+    if spec.needs_tokens and tokens is not None:
+        clip, errs = calibrate_act_clip(tokens.to(w.device), w * mask.to(w.device), q.dequantize(),
+                                        spec.act_bits, q.group_size, ACT_CLIP_GRID)
+        report["act_clip_rel_error"] = {str(c): e for c, e in errs.items()}
+    acts = activation_scheme(spec.act_bits, q.group_size, clip,
+                             None if channels is None else channels.tolist())
+    report["seconds"] = time.perf_counter() - t0
+    return QuantizedLayer(q, acts, side, report)
+
+
+def spec_from_config(cfg) -> QuantSpec | None:
+    """The QuantSpec of a CompressConfig (None for ``--quant none``)."""
+    if cfg.quant == "none":
+        return None
+    return QuantSpec.from_mode(cfg.quant, group_size=cfg.group_size, gptq=cfg.gptq,
+                               clip_search=cfg.clip_search, keep_outliers=cfg.keep_outliers)
+
+
+def hessian_kind(kind: str | None) -> str | None:
+    """The statistics kind that also holds H (for GPTQ / clip search), from the pruning method's kind."""
+    return {"wanda": "both", "sparsegpt": "sparsegpt", "both": "both"}.get(kind or "", kind)
+
+
+class TokenTap:
+    """Forward hooks on every linear of ``blocks`` keeping a token sample of its input from the first pass.
+
+    The layer-wise engine runs each block twice (statistics, then the next block's inputs); the tap keeps
+    the first pass only: :meth:`pop` hands a layer's sample over and removes its hook.
+    """
+
+    def __init__(self, blocks, linears_of, prefix: str, per_batch: int = 16, seed: int = 0):
+        self.samplers: dict[str, TokenSampler] = {}
+        self.handles: dict[str, object] = {}
+        for i, block in enumerate(blocks):
+            for sub, mod in linears_of(block):
+                name = f"{prefix}.{i}.{sub}"
+                s = self.samplers[name] = TokenSampler(per_batch, seed)
+                self.handles[name] = mod.register_forward_hook(lambda _m, a, _o, s=s: s.add_batch(a[0]))
+
+    def pop(self, name: str) -> torch.Tensor | None:
+        h = self.handles.pop(name, None)
+        if h is not None:
+            h.remove()
+        s = self.samplers.pop(name, None)
+        return None if s is None else s.tokens()
+
+    def close(self) -> None:
+        for h in self.handles.values():
+            h.remove()
+        self.handles.clear()
+        self.samplers.clear()

@@ -1,0 +1,126 @@
+"""`inspect`: the PMR/CR table of an artifact, per layer and for the whole model, baselines beside it."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.table import Table
+
+from ..artifact.store import Artifact
+
+COLUMNS = ("shape", "sparsity", "union_density", "bits_per_weight", "payload_bytes", "meta_bytes",
+           "scale_bytes", "pmr", "cr")
+
+
+def layer_rows(art: Artifact, layer: str | None = None) -> list[dict]:
+    names = [layer] if layer else art.layer_names
+    rows = []
+    for name in names:
+        a = art.layer_attrs(name)
+        s = dict(a.get("stats", {}))
+        row = {"layer": name, "format": a.get("format"), "bits": a.get("bits"), **s}
+        if "reorder" in a:
+            row["reorder"] = a["reorder"]
+        row["baselines"] = a.get("baselines", {})
+        rows.append(row)
+    return rows
+
+
+def model_row(rows: list[dict], fmt: str) -> dict:
+    """Model-level figures: sums of bytes over all layers, ratios recomputed from the sums."""
+    weights = sum(r["shape"][0] * r["shape"][1] for r in rows)
+    tot = {k: sum(r.get(k, 0) for r in rows) for k in ("nnz", "payload_bytes", "meta_bytes", "scale_bytes",
+                                                         "total_bytes")}
+    bw = (rows[0]["bits"] or 16) / 8 if rows else 0.5
+    out = {
+        "layer": "model", "format": fmt, "shape": f"{weights:,} w", "weights": weights, **tot,
+        "sparsity": 1 - tot["nnz"] / max(weights, 1),
+        "bits_per_weight": tot["total_bytes"] * 8 / max(weights, 1),
+        "pmr": bw * tot["nnz"] / tot["meta_bytes"] if tot["meta_bytes"] else math.inf,
+        "cr": 2 * weights / max(tot["total_bytes"], 1),
+    }
+    if rows and all("formula_bytes" in r for r in rows):
+        out["formula_bytes"] = sum(r["formula_bytes"] for r in rows)
+    pos = [r.get("union_positions") for r in rows]
+    if all(p is not None for p in pos) and rows:
+        slots = sum(r["union_positions"] / r["union_density"] for r in rows if r.get("union_density"))
+        out["union_density"] = sum(pos) / slots if slots else 0.0
+    return out
+
+
+def baseline_model_rows(rows: list[dict]) -> dict[str, dict]:
+    """Per baseline format, the model-level figures summed the same way."""
+    names = list(rows[0]["baselines"]) if rows else []
+    out = {}
+    for b in names:
+        sub = [{**r["baselines"][b], "bits": r["bits"]} for r in rows if b in r.get("baselines", {})]
+        out[b] = model_row(sub, b)
+    return out
+
+
+def inspect_data(path: str, layer: str | None = None, compare: bool = False) -> dict:
+    art = Artifact(path)
+    rows = layer_rows(art, layer)
+    fmt = rows[0]["format"] if rows else None
+    data = {
+        "artifact": str(path),
+        "source": art.attrs.get("source"),
+        "config": art.attrs.get("config"),
+        "layers": rows if compare else [{k: v for k, v in r.items() if k != "baselines"} for r in rows],
+        "model": model_row(rows, fmt),
+    }
+    if compare:
+        data["model_baselines"] = baseline_model_rows(rows)
+    reorder = [r["reorder"] for r in rows if "reorder" in r]
+    if reorder:
+        before = sum(r["union_positions_before"] for r in reorder)
+        after = sum(r["union_positions_after"] for r in reorder)
+        slots = sum(r["union_slots"] for r in reorder)
+        data["model"]["union_density_before_reorder"] = before / slots if slots else 0.0
+        data["model"]["union_density_after_reorder"] = after / slots if slots else 0.0
+    return data
+
+
+def _fmt(key: str, v) -> str:
+    if v is None:
+        return "-"
+    if key == "shape":
+        return v if isinstance(v, str) else "x".join(str(x) for x in v)
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "inf"
+        if key in ("sparsity", "union_density"):
+            return f"{100 * v:.1f}%"
+        return f"{v:.3f}"
+    if isinstance(v, int) and key.endswith("bytes"):
+        return f"{v:,}"
+    return str(v)
+
+
+def print_tables(data: dict, console: Console, compare: bool) -> None:
+    t = Table(title=f"{data['artifact']}  ({data['model']['format']})", show_lines=False)
+    t.add_column("layer", overflow="fold")
+    for c in COLUMNS:
+        t.add_column(c.replace("_bytes", " B").replace("_", " "), justify="right")
+    if any("reorder" in r for r in data["layers"]):
+        t.add_column("union before reorder", justify="right")
+    for r in data["layers"] + [data["model"]]:
+        cells = [r["layer"]] + [_fmt(c, r.get(c)) for c in COLUMNS]
+        if len(t.columns) > len(cells):
+            ro = r.get("reorder")
+            cells.append(_fmt("union_density", ro["union_density_before"]) if ro else
+                         _fmt("union_density", r.get("union_density_before_reorder")))
+        t.add_row(*cells, style="bold" if r["layer"] == "model" else None)
+    console.print(t)
+    if compare:
+        b = Table(title="same masks, other encodings (model level)")
+        b.add_column("format")
+        for c in ("bits_per_weight", "total_bytes", "meta_bytes", "pmr", "cr"):
+            b.add_column(c.replace("_", " "), justify="right")
+        b.add_column("seed formula B", justify="right")
+        rows = [data["model"]] + list(data["model_baselines"].values())
+        for r in rows:
+            b.add_row(r["format"], *[_fmt(c, r.get(c)) for c in ("bits_per_weight", "total_bytes", "meta_bytes",
+                                                                 "pmr", "cr")], _fmt("x_bytes", r.get("formula_bytes")))
+        console.print(b)
