@@ -1,4 +1,5 @@
-"""Storage statistics (docs/format.md, "Statistics"): bytes, PMR and CR of an encoding and of baselines on the same mask.
+"""Storage statistics (docs/format.md, "Statistics"): bytes, PMR and CR of an encoding and of baselines on the
+same mask.
 
 PMR = B_w * NNZ / index bytes (B_w bytes per weight value, NNZ true nonzeros).
 CR  = 2 * M * K / all bytes (against dense fp16). Bits per weight = all bytes * 8 / (M * K).
