@@ -1,9 +1,9 @@
 """Where an IE-BME launch spends its time, from per-CTA %globaltimer stamps (a GPU study, not a benchmark).
 
     python benchmarks/trace_iebme.py [--out DIR] [--ns 1,8] [--shapes 4096x4096,8192x8192,...]
-        [--variants "SOURCE=old.cu;;CLUSTER=0"]  # UNIONSPARSE_IEBME_* overrides, "" = as shipped
+        [--variants "SOURCE=old.cu;;CLUSTER=0"]  # LaunchSettings overrides, "" = as shipped
 
-The kernel is built with UNIONSPARSE_IEBME_TRACE=1: thread 0 of every CTA records the time at entry, after
+The kernel is built with LaunchSettings(trace="1"): thread 0 of every CTA records the time at entry, after
 the prologue (the CTA barrier passed, X staged), after warp 0's loop and at exit, and its SM. A CUDA
 graph of R launches (weights rotated beyond L2, as ``bench``), each with its own trace buffer, is replayed;
 per launch: span (first entry to last exit), the gap to the next launch's first entry, and over CTAs the
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 from unionsparse.compressor.bench.kernels import apply_overrides, parse_overrides
 
-os.environ["UNIONSPARSE_IEBME_TRACE"] = "1"
+apply_overrides({"TRACE": "1"})  # every variant is built with per-CTA timestamps
 
 SHAPES = "4096x4096,8192x8192,8192x29568,28672x8192,12288x49152"
 

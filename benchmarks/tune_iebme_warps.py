@@ -3,7 +3,7 @@
     python benchmarks/tune_iebme_warps.py [--out DIR] [--ns 1,2,4,8] [--warps 4,5,6,7,8] [--splits 0]
     python benchmarks/tune_iebme_warps.py --variants "WARPS=8,MINB=5,XBYTES=6144;WARPS=8" ...
 
-A variant is a set of UNIONSPARSE_IEBME_* overrides (``--warps 4,8`` is short for ``--variants
+A variant sets fields of kernels.iebme_spmm.LaunchSettings (``--warps 4,8`` is short for ``--variants
 "WARPS=4;WARPS=8"``; an empty variant is the shipped default). For each shape and N every variant is timed
 (CUDA-graph replays, weights rotated beyond L2) with the chunk ``chunk_for`` picks for it (``--splits 0``)
 or, with ``--splits S``, with each of the S smallest split counts along K that the launch allows; grid,

@@ -14,7 +14,6 @@ reordered row is output row r"); the IE-BME bitmaps, offsets and values are used
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -31,29 +30,63 @@ BT = 4                                                       # tiles per batch (
 WARP_CHOICES = (4, 5, 6, 7, 8, 16)                           # warps (tile rows) per CTA a launch may use
 
 
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
-    return int(v) if v else None
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How launches are configured. The defaults are the measured ones (H200, docs/kernels.md, "Tuning"); a
+    field left None follows the launch rule. Only benchmarks and studies change them (``use_settings``; the
+    study scripts turn their ``--variants`` into one): the product reads no environment variable.
+
+    ``nstage`` ring depth in batches; ``warps`` warps per CTA (None: 8, or 16 where ``plan`` finds fewer
+    waves; set, it wins); ``ilp`` tiles decoded back to back (None: 2 for N <= 16, 4 above); ``minb`` min
+    CTAs per SM for the register allocator (0: none); ``x_bytes`` shared bytes for a chunk's X codes (None:
+    ``X_BUDGET`` per 8 warps); ``cluster`` largest split-K run as one thread-block cluster (None:
+    ``CLUSTER_UP_TO``; 0 never). Studies only: ``tma`` "0" builds cp.async rings on sm_90 too, ``trace``
+    "1" per-CTA timestamps (``launch(trace=...)``), ``source`` another revision of the .cu."""
+
+    nstage: int = 2
+    warps: int | None = None
+    ilp: int | None = None
+    minb: int = 0
+    x_bytes: int | None = None
+    cluster: int | None = None
+    tma: str = ""
+    trace: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.warps is not None and self.warps not in WARP_CHOICES:
+            raise ValueError(f"warps per CTA must be one of {WARP_CHOICES}, got {self.warps}")
+
+
+_settings = LaunchSettings()
+
+
+def settings() -> LaunchSettings:
+    """The launch settings in force."""
+    return _settings
+
+
+def use_settings(new: LaunchSettings) -> LaunchSettings:
+    """Put ``new`` in force (benchmarks and studies); returns the settings it replaced."""
+    global _settings
+    old, _settings = _settings, new
+    return old
 
 
 def config(n: int, warps: int | None = None) -> tuple[int, int, int, int]:
     """(ring depth in batches, warps per CTA, tiles decoded back to back, min CTAs per SM for the register
-    allocator, 0 = none) for a launch of ``n`` columns, as measured on the H200 (docs/kernels.md, "Tuning"):
-    2-deep rings; 8 warps unless ``warps`` says otherwise (``plan`` picks 16 for some shapes); ILP 2
-    for N <= 16, 4 above; no register bound. Environment overrides (UNIONSPARSE_IEBME_NSTAGE / _WARPS / _ILP
-    / _MINB, and _XBYTES for the X budget) are for tuning; _WARPS wins over ``warps``."""
-    nstage = _env_int("UNIONSPARSE_IEBME_NSTAGE") or 2
-    warps = _env_int("UNIONSPARSE_IEBME_WARPS") or warps or 8
+    allocator, 0 = none) for a launch of ``n`` columns under the settings in force; ``warps`` is the launch
+    rule's choice, which ``LaunchSettings.warps`` overrides."""
+    st = settings()
+    warps = st.warps or warps or 8
     if warps not in WARP_CHOICES:
-        raise ValueError(f"UNIONSPARSE_IEBME_WARPS must be one of {WARP_CHOICES}, got {warps}")
-    ilp = _env_int("UNIONSPARSE_IEBME_ILP") or (2 if n <= 16 else 4)
-    minb = _env_int("UNIONSPARSE_IEBME_MINB") or 0
-    return nstage, warps, ilp, minb
+        raise ValueError(f"warps per CTA must be one of {WARP_CHOICES}, got {warps}")
+    return st.nstage, warps, st.ilp or (2 if n <= 16 else 4), st.minb
 
 
 MAX_N = 32            # columns per launch; larger N is cut into launches of 32
 MAX_BATCHES = 31      # per chunk: batch boundaries live in one register per lane
-X_BUDGET = 16 * 1024  # shared bytes for a chunk's X codes per 8 warps (UNIONSPARSE_IEBME_XBYTES overrides)...
+X_BUDGET = 16 * 1024  # shared bytes for a chunk's X codes per 8 warps (LaunchSettings.x_bytes overrides)...
 MIN_CHUNK = 32        # ...but never fewer tiles than this per chunk (large N: more X, fewer CTA start-ups)
 WIDE_WARPS = 16       # CTAs of 16 tile rows (X staged once for twice the rows, with twice the X budget)...
 WIDE_N = (4, 16)      # ...are considered for these N and taken when they need fewer waves (docs/kernels.md)
@@ -97,11 +130,9 @@ def kernel_name(bits: int, nt: int, perm: bool, debug: bool) -> str:
 
 
 def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int = 0):
-    """The compiled kernel of one variant. Studies only: UNIONSPARSE_IEBME_TMA=0 (cp.async rings on sm_90
-    too), _TRACE=1 (per-CTA timestamps, ``launch(trace=...)``), _SOURCE=path (another revision of the .cu,
-    for old-vs-new timings in one process)."""
-    env = tuple(os.environ.get(f"UNIONSPARSE_IEBME_{k}", "") for k in ("TMA", "TRACE", "SOURCE"))
-    return _compiled(bits, nt, perm, debug, nstage, warps, ilp, minb, *env)
+    """The compiled kernel of one variant (with the study fields of the settings in force)."""
+    st = settings()
+    return _compiled(bits, nt, perm, debug, nstage, warps, ilp, minb, st.tma, st.trace, st.source)
 
 
 @cache
@@ -209,9 +240,9 @@ def prepare_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> Devi
 
 
 def x_budget(warps: int = 8) -> int:
-    """Shared bytes a chunk's X codes may take in a CTA of ``warps`` warps: ``X_BUDGET`` per 8 warps, or
-    UNIONSPARSE_IEBME_XBYTES when tuning."""
-    return _env_int("UNIONSPARSE_IEBME_XBYTES") or X_BUDGET * warps // 8
+    """Shared bytes a chunk's X codes may take in a CTA of ``warps`` warps: ``X_BUDGET`` per 8 warps, or the
+    settings' ``x_bytes``."""
+    return settings().x_bytes or X_BUDGET * warps // 8
 
 
 def max_chunk(layer: DeviceLayer, n: int, warps: int | None = None) -> int:
@@ -289,7 +320,7 @@ def plan(layer: DeviceLayer, n: int, splits: int | None = None) -> Plan:
     the waves drop, slower where they do not); then the chunk for them."""
     base = config(n)[1]
     choices = [base]
-    if not _env_int("UNIONSPARSE_IEBME_WARPS") and WIDE_N[0] <= n <= WIDE_N[1]:
+    if not settings().warps and WIDE_N[0] <= n <= WIDE_N[1]:
         choices.append(WIDE_WARPS)
     best = None
     for w in choices:  # the wide CTA only when strictly fewer waves
@@ -340,9 +371,9 @@ CLUSTER_UP_TO = 2   # split counts run as one cluster per row block (H200: 2 spl
 def cluster_split(splits: int) -> bool:
     """True when a launch with ``splits`` CTAs along K runs them as one thread-block cluster per row block
     (sm_90+, 2 <= splits <= ``CLUSTER_UP_TO``), so the split-K sum goes through distributed shared memory
-    instead of global atomics (docs/kernels.md, "v5"). UNIONSPARSE_IEBME_CLUSTER
-    overrides the bound (0: never; up to 8 portable, 16 with the non-portable opt-in) for timings and tests."""
-    largest = _env_int("UNIONSPARSE_IEBME_CLUSTER")
+    instead of global atomics (docs/kernels.md, "v5"). The settings' ``cluster`` moves the bound (0: never;
+    up to 8 portable, 16 with the non-portable opt-in) for timings and tests."""
+    largest = settings().cluster
     largest = CLUSTER_UP_TO if largest is None else largest
     return 1 < splits <= largest and _cc() >= 90
 
@@ -350,7 +381,7 @@ def cluster_split(splits: int) -> bool:
 def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=None, stream=None,
            trace=None) -> None:
     """Launch on prepared inputs (``prepare_x``); writes y fp16 [N, M] or, with ``partial``, int32 sums.
-    ``trace`` (uint64 [CTAs, 5], a kernel built with UNIONSPARSE_IEBME_TRACE=1, N <= 32) receives per CTA
+    ``trace`` (uint64 [CTAs, 5], a kernel built with ``LaunchSettings(trace="1")``, N <= 32) receives per CTA
     %globaltimer at entry, after the prologue, after warp 0's loop, at exit, and the SM id."""
     n = x.shape[0]
     m, _ = layer.shape

@@ -182,11 +182,3 @@ def dense_weights_f64(m: TiledCBCMatrix, w_scales=None, group_size=None) -> np.n
     return w
 
 
-def accumulation_bound(w64: np.ndarray, x64: np.ndarray, n_terms: int) -> np.ndarray:
-    """Worst-case float32 summation error of W @ x: n_terms * 2^-24 * sum_k |W[m,k] x[k]| per output.
-
-    Products of a float16 weight (or a 4/2-bit code times a float16 scale, formed exactly) and a float16
-    input are exact in float32 except for at most one rounding, which the n_terms factor covers (n-term
-    recursive summation has error <= (n-1) u sum |terms|; one more u for the product).
-    """
-    return (n_terms + 1) * 2.0**-24 * (np.abs(w64) @ np.abs(x64.T)).T

@@ -9,8 +9,6 @@ the same-machine baseline of the benchmark.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import sm_count
@@ -37,9 +35,19 @@ _SMEM_SET: dict[str, int] = {}
 SMEM_PER_SM = 227 * 1024
 
 
+_study_source = ""  # studies only: another revision of the .cu (same launch ABI), set by use_source
+
+
+def use_source(path: str | None) -> str:
+    """Compile the spMspV kernels from ``path`` instead of the shipped .cu (None or "": the shipped one); for
+    same-process timings of two revisions. Returns the path it replaced."""
+    global _study_source
+    old, _study_source = _study_source, str(path or "")
+    return old
+
+
 def _source() -> str:
-    """Studies only: UNIONSPARSE_TCBC_SOURCE=path compiles another revision of the .cu (same launch ABI)."""
-    return os.environ.get("UNIONSPARSE_TCBC_SOURCE", "")
+    return _study_source
 
 
 def _module():

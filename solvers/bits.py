@@ -47,27 +47,9 @@ def n_words(w: int) -> int:
     return -(-w // 64)
 
 
-def fold_rows(mask: np.ndarray, c_a: int) -> np.ndarray:
-    """Bool [H, K] -> uint64 [H, ceil(w/64)] folded rows (w = K / C_A)."""
-    h, k = mask.shape
-    w = k // c_a
-    folded = mask.reshape(h, c_a, w).any(axis=1)
-    nw = n_words(w)
-    padded = np.zeros((h, nw * 64), dtype=np.uint64)
-    padded[:, :w] = folded
-    shifts = np.arange(64, dtype=np.uint64)
-    return (padded.reshape(h, nw, 64) << shifts).sum(axis=-1, dtype=np.uint64)
-
-
 def popcount_words(words: np.ndarray) -> np.ndarray:
     """Popcount of each uint64 along the last axis, summed: [..., nw] -> [...] int64."""
     return np.bitwise_count(np.asarray(words, dtype=np.uint64)).sum(axis=-1, dtype=np.int64)
-
-
-def group_cost(folded: np.ndarray, rows) -> int:
-    """Union positions activated by one row group (popcount of the OR of its folded rows)."""
-    acc = np.bitwise_or.reduce(folded[list(rows)], axis=0)
-    return int(popcount_words(acc[None, :])[0])
 
 
 def groups_from_perm(perm: np.ndarray, r_a: int) -> list[tuple[int, ...]]:

@@ -99,11 +99,10 @@ def test_launch_rows_are_padded_for_every_warp_count(monkeypatch):
     assert ks.config(1)[1] in ks.WARP_CHOICES and ks.config(32)[1] in ks.WARP_CHOICES
     assert ks.x_budget() == ks.X_BUDGET and ks.x_budget(ks.WIDE_WARPS) == 2 * ks.X_BUDGET
     assert ks.config(4, ks.WIDE_WARPS)[1] == ks.WIDE_WARPS
-    monkeypatch.setenv("UNIONSPARSE_IEBME_XBYTES", "6144")
+    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings(x_bytes=6144))
     assert ks.x_budget() == 6144 and ks.x_budget(ks.WIDE_WARPS) == 6144
-    monkeypatch.setenv("UNIONSPARSE_IEBME_WARPS", "3")
-    with pytest.raises(ValueError, match="WARPS"):
-        ks.config(1)
+    with pytest.raises(ValueError, match="warps per CTA"):
+        ks.LaunchSettings(warps=3)
 
 
 def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
@@ -123,11 +122,11 @@ def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
         cl.kernel_params([7])
     monkeypatch.setattr(ks, "_cc", lambda: 90)
     assert [ks.cluster_split(s) for s in (1, 2, 3, 8)] == [False, True, False, False]
-    monkeypatch.setenv("UNIONSPARSE_IEBME_CLUSTER", "8")
+    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings(cluster=8))
     assert [ks.cluster_split(s) for s in (1, 2, 8, 9)] == [False, True, True, False]
-    monkeypatch.setenv("UNIONSPARSE_IEBME_CLUSTER", "0")
+    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings(cluster=0))
     assert not ks.cluster_split(4)
-    monkeypatch.delenv("UNIONSPARSE_IEBME_CLUSTER")
+    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings())
     monkeypatch.setattr(ks, "_cc", lambda: 80)
     assert not ks.cluster_split(4)
 
@@ -154,28 +153,33 @@ def test_launch_plan_takes_wide_ctas_only_when_they_need_fewer_waves(monkeypatch
     assert p8.smem == ks.smem_bytes(4, False, 8, 64, 64 // 2 + 1, ks.WIDE_WARPS)
     assert ks.plan(layer, 1).warps == 8 and ks.plan(layer, 32).warps == 8
     assert ks.plan(layer, 8, splits=4).grid[1] == 4
-    monkeypatch.setenv("UNIONSPARSE_IEBME_WARPS", "8")
+    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings(warps=8))
     assert ks.plan(layer, 8).warps == 8
-    monkeypatch.delenv("UNIONSPARSE_IEBME_WARPS")
+    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings())
     monkeypatch.setattr(ks, "sm_count", lambda: 132)
     assert ks.plan(layer, 8).warps == 8
     assert not ks.single_chunk(layer, 8)  # 128 tiles of K never fit one chunk (at most 124)
 
 
-def test_study_overrides_parse_and_replace_the_environment(monkeypatch):
-    """``parse_overrides`` / ``apply_overrides`` (the launch studies' variants): keys upper-cased, an empty
-    item is the default, every other UNIONSPARSE_IEBME_* variable is cleared except those kept."""
+def test_study_overrides_parse_and_set_the_launch_settings(monkeypatch):
+    """``parse_overrides`` / ``apply_overrides`` (the launch studies' variants): keys upper-cased, an empty item
+    is the default, unknown keys refused; a variant replaces the launch settings in force (kept fields stay,
+    every other field returns to its default); no environment variable is read or written."""
+    import argparse
     import os
 
     from unionsparse.compressor.bench.kernels import apply_overrides, parse_overrides
+    from unionsparse.kernels import iebme_spmm as ks
 
     assert parse_overrides("warps=16, xbytes=32768;") == [{"WARPS": "16", "XBYTES": "32768"}, {}]
-    monkeypatch.setenv("UNIONSPARSE_IEBME_TRACE", "1")
-    monkeypatch.setenv("UNIONSPARSE_IEBME_ILP", "4")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown launch setting"):
+        parse_overrides("WRAPS=8")
+    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings(trace="1", ilp=4))
+    env = dict(os.environ)
     assert apply_overrides({"WARPS": "16"}, keep=("TRACE",)) == "WARPS=16"
-    assert os.environ["UNIONSPARSE_IEBME_WARPS"] == "16" and "UNIONSPARSE_IEBME_ILP" not in os.environ
-    assert os.environ["UNIONSPARSE_IEBME_TRACE"] == "1"
-    assert apply_overrides({}) == "default" and not [e for e in os.environ if e.startswith("UNIONSPARSE_IEBME_")]
+    assert ks.settings() == ks.LaunchSettings(warps=16, trace="1") and ks.config(1)[1] == 16
+    assert apply_overrides({}) == "default" and ks.settings() == ks.LaunchSettings()
+    assert dict(os.environ) == env
 
 
 def test_check_layer_cpu_passes_and_catches_corruption():
@@ -226,10 +230,11 @@ def test_gpu_ring_variants_and_trace(monkeypatch, env):
     output, the cluster path the same bits on every run; a trace build writes ordered per-CTA timestamps
     and the same output."""
     import cupy as cp
+    from unionsparse.compressor.bench.kernels import apply_overrides
     from unionsparse.kernels import iebme_spmm as ks
 
-    for key, val in env.items():
-        monkeypatch.setenv(f"UNIONSPARSE_IEBME_{key}", val)
+    monkeypatch.setattr(ks, "_settings", ks.settings())
+    apply_overrides(env)
     rng = np.random.default_rng(21)
     m, k, gs = 100, 2300, 128
     _, mat = random_layer(rng, m, k, 4, perm="random")

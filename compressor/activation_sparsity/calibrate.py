@@ -1,18 +1,18 @@
-"""Dynamic-pruning (TEAL) threshold calibration inside ``compress``, for any static pruning method.
+"""Activation-sparsity (TEAL) threshold calibration inside ``compress``, for any static pruning method.
 
 A second calibration stream (``--dp-calib``, Alpaca by default, ``--nsamples`` x ``--seqlen`` tokens)
 runs through the model block by block *after* each block has been pruned (and quantized), so every
 linear layer's input distribution is the one the compressed model produces at that layer. The stream is
 independent of the Wanda/SparseGPT statistics pass, so it works with ``--prune magnitude`` and ``none``
-too. Dynamic pruning is not applied to earlier layers while calibrating (TEAL's procedure).
+too. Activation sparsity is not applied to earlier layers while calibrating (TEAL's procedure).
 
-Per block (:meth:`DPCalibrator.block`):
+Per block (:meth:`ThresholdCalibrator.block`):
 
 1. Forward the stream through the pruned block; a hook on every linear counts its inputs' float16
    magnitudes into an exact histogram (on the calibration device, one counter per fp16 bit pattern).
 2. Per-layer sparsities: ``uniform`` gives every layer the target; ``greedy`` runs
    :func:`~.thresholds.greedy_profile` with the block error = mean squared difference of the block's
-   outputs with and without dynamic pruning, on the first :data:`GREEDY_SEQUENCES` stream sequences.
+   outputs with and without activation sparsity, on the first :data:`GREEDY_SEQUENCES` stream sequences.
 3. tau_l = the layer's ``|x|`` quantile at its sparsity (:meth:`~.thresholds.ActivationHistogram.tau`).
 """
 
@@ -32,7 +32,7 @@ GREEDY_SEQUENCES = 16  # stream sequences on which the greedy search scores the 
 _N_BINS = 0x8000  # every fp16 magnitude bit pattern: finite 0..0x7BFF, inf 0x7C00, NaN above
 
 
-def dp_input(x: torch.Tensor, tau: float | torch.Tensor | None) -> torch.Tensor:
+def sparsify_input(x: torch.Tensor, tau: float | torch.Tensor | None) -> torch.Tensor:
     """The decode kernel's view of an input: rounded to float16, and (tau given) zero where
     ``|x| > tau`` fails, the test done in float32 (docs/format.md, "Tiled-CBC"). Returned as float32."""
     xh = x.to(torch.float16).float()
@@ -48,8 +48,8 @@ def _bin_counts(x: torch.Tensor) -> torch.Tensor:
     return torch.bincount(bits, minlength=_N_BINS)
 
 
-class DPCalibrator:
-    """The dynamic-pruning calibration stream of one ``compress`` run (see the module docstring)."""
+class ThresholdCalibrator:
+    """The activation-sparsity calibration stream of one ``compress`` run (see the module docstring)."""
 
     def __init__(self, model: nn.Module, source: str, model_source: str, nsamples: int, seqlen: int, seed: int,
                  target: float, profile: str = "uniform", device: str | torch.device = "cpu",
@@ -119,7 +119,7 @@ class DPCalibrator:
         """Mean squared difference of the block's outputs with dynamic pruning at ``s`` and without."""
         g = min(GREEDY_SEQUENCES, self.inps.shape[0])
         taus = {n: torch.tensor(hists[n].tau(s[n]), dtype=torch.float32, device=self.device) for n, _ in linears}
-        handles = [m.register_forward_pre_hook(lambda _m, a, n=n: (dp_input(a[0], taus[n]).to(a[0].dtype),))
+        handles = [m.register_forward_pre_hook(lambda _m, a, n=n: (sparsify_input(a[0], taus[n]).to(a[0].dtype),))
                    for n, m in linears]
         try:
             got = forward_block(block, self.inps[:g], self.kwargs)

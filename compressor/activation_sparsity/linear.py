@@ -1,4 +1,4 @@
-"""A linear layer computing what the Tiled-CBC decode kernel computes, dynamic pruning included.
+"""A linear layer computing what the Tiled-CBC decode kernel computes, activation sparsity included.
 
 For every token row x of the input (``eval`` feeds whole windows, but each row is treated as one decode
 step of the spMspV kernel, as TEAL does when it evaluates perplexity):
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .calibrate import dp_input
+from .calibrate import sparsify_input
 
 
 class TiledCBCLinear(nn.Module):
@@ -36,7 +36,7 @@ class TiledCBCLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        xa = dp_input(x2, None if self.tau is None else self.tau_t)
+        xa = sparsify_input(x2, None if self.tau is None else self.tau_t)
         if self.tau is not None:
             if self.skipped.device != xa.device:
                 self.skipped = self.skipped.to(xa.device)
@@ -55,7 +55,7 @@ class TiledCBCLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, tau={self.tau}"
 
 
-def dp_summary(model: nn.Module) -> dict | None:
+def activation_sparsity_summary(model: nn.Module) -> dict | None:
     """Dynamic pruning as applied during an evaluation: layers with a threshold and the fraction of weight
     reads the kernel skipped (each layer's measured input sparsity weighted by its M*K); None if none."""
     layers = [m for m in model.modules() if isinstance(m, TiledCBCLinear) and m.tau is not None]

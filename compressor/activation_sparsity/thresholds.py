@@ -1,4 +1,4 @@
-"""Dynamic-pruning thresholds (TEAL) for Tiled-CBC decode.
+"""Activation-sparsity thresholds (TEAL) for Tiled-CBC decode.
 
 At decode the spMspV kernel treats input k as active iff ``|x_k| > tau`` (docs/format.md, "Tiled-CBC"). TEAL picks
 ``tau`` per layer as the quantile of ``|x|`` at the target dynamic sparsity, read off the empirical

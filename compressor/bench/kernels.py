@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 
 import numpy as np
@@ -37,26 +36,42 @@ MODELS = {  # (hidden, intermediate, kv width) -> projections (M, K)
 }
 
 
-OVERRIDE_PREFIX = "UNIONSPARSE_IEBME_"
+# study variant keys -> LaunchSettings fields (the keys the UNIONSPARSE_IEBME_* variables of earlier studies had)
+OVERRIDE_FIELDS = {"NSTAGE": "nstage", "WARPS": "warps", "ILP": "ilp", "MINB": "minb", "XBYTES": "x_bytes",
+                   "CLUSTER": "cluster", "TMA": "tma", "TRACE": "trace", "SOURCE": "source"}
 
 
 def parse_overrides(text: str) -> list[dict[str, str]]:
     """Launch variants for the IE-BME studies: ``"WARPS=8,MINB=5;"`` -> [{"WARPS": "8", "MINB": "5"}, {}]
-    (an empty item is the shipped default); each key is an UNIONSPARSE_IEBME_* override."""
+    (an empty item is the shipped default); each key names a ``LaunchSettings`` field (``OVERRIDE_FIELDS``)."""
     out = []
     for item in text.split(";"):
         kv = [p.split("=", 1) for p in item.split(",") if p.strip()]
         if any(len(p) != 2 for p in kv):
             raise argparse.ArgumentTypeError(f"a variant is KEY=VALUE[,KEY=VALUE...], got {item!r}")
-        out.append({k.strip().upper(): v.strip() for k, v in kv})
+        variant = {k.strip().upper(): v.strip() for k, v in kv}
+        unknown = sorted(set(variant) - set(OVERRIDE_FIELDS))
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown launch setting {unknown[0]} (known: {', '.join(OVERRIDE_FIELDS)})")
+        out.append(variant)
     return out
 
 
 def apply_overrides(variant: dict[str, str], keep: tuple[str, ...] = ()) -> str:
-    """Replace the UNIONSPARSE_IEBME_* environment by ``variant`` (keys in ``keep`` stay); returns its label."""
-    for key in [e for e in os.environ if e.startswith(OVERRIDE_PREFIX) and e[len(OVERRIDE_PREFIX):] not in keep]:
-        del os.environ[key]
-    os.environ.update({OVERRIDE_PREFIX + key: val for key, val in variant.items()})
+    """Put the IE-BME launch settings of ``variant`` in force (fields named in ``keep`` keep their current value,
+    every other field its default); returns the variant's label."""
+    from dataclasses import fields
+
+    from ...kernels import iebme_spmm
+
+    current = iebme_spmm.settings()
+    values = {OVERRIDE_FIELDS[k]: getattr(current, OVERRIDE_FIELDS[k]) for k in keep}
+    for key, val in variant.items():
+        name = OVERRIDE_FIELDS[key]
+        typ = {f.name: f.type for f in fields(iebme_spmm.LaunchSettings)}[name]
+        values[name] = val if "str" in str(typ) else int(val)
+    iebme_spmm.use_settings(iebme_spmm.LaunchSettings(**values))
     return ",".join(f"{key}={val}" for key, val in variant.items()) or "default"
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import subprocess
 import sys
@@ -218,7 +217,7 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
     """spMspV rows beside cuBLAS fp16 GEMV on the same shape: fp16 values (``bits`` 16) or random nonzero b-bit
     codes with fp16 scales per ``group`` inputs (the kernel's W4A16 / W2A16 path)."""
     from ...kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device
-    from ...kernels.tiled_cbc_spmspv import bytes_read, spmspv, v2_default_chunk, v2_default_config
+    from ...kernels.tiled_cbc_spmspv import bytes_read, spmspv, use_source, v2_default_chunk, v2_default_config
     from ..activation_sparsity.thresholds import tau_from_samples
 
     candidates = spmspv_candidates(bits) if candidates is None else candidates
@@ -280,8 +279,7 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
                 tag = {False: "", True: "/sk", None: "/auto"}[sk] + cand.get("tag", "")  # split-K, stream-K, rule
                 key = f"w{w}/d{st}/c{chunk}/m{md}{tag}"
                 kw = dict(chunk=chunk or None, stages=st, warps=w, mode=md, streamk=sk, scale=cand["scale"])
-                saved = {k: os.environ.get(k) for k in cand.get("env", {})}  # e.g. another revision of the .cu
-                os.environ.update(cand.get("env", {}))
+                saved = use_source(cand.get("source"))  # e.g. another revision of the .cu
                 yc = cp.full(M, cp.nan, dtype=cp.float32)
                 spmspv(dev0, x, tau, out=yc, **kw)
                 rc = float(cp.linalg.norm(yc - ref) / cp.linalg.norm(ref))
@@ -290,11 +288,7 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
                     return spmspv(devs[i % len(devs)], x, tau, out=out, **kw)
 
                 t = time_graph_cupy(cp, run, L, reps) if rc < 1e-4 else None  # a wrong result is never timed
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+                use_source(saved)
                 if t is None:  # (the strict bound is in gpu_check)
                     bad[key] = rc
                     log(f"  candidate {key}: rel err {rc:.1e}, skipped")

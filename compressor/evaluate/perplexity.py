@@ -156,10 +156,10 @@ def evaluate_source(
     model.to(device)
     ids = tokenize_eval_text(tok, text)
     nlls = window_nlls(model, ids, seqlen, max_windows, device)
-    from ..activation_sparsity.linear import dp_summary
+    from ..activation_sparsity.linear import activation_sparsity_summary
 
     return {
-        "dynamic_pruning": dp_summary(model),
+        "dynamic_pruning": activation_sparsity_summary(model),
         "source": str(source),
         "kind": kind,
         "text": str(text_path),

@@ -10,16 +10,16 @@ import numpy as np
 import torch
 
 from ...formats.errors import UnionsparseError
-from ..activation_sparsity.calibrate import DPCalibrator
+from ..activation_sparsity.calibrate import ThresholdCalibrator
 from ..artifact.store import ArtifactWriter, new_root_attrs
 from ..calibrate import layerwise
 from ..config import CompressConfig, parse_nm
 from ..errors import UserError
-from ..model.loading import block_linears, find_blocks
+from ..model.loading import LoadedModel, block_linears, find_blocks
 from ..model.streaming import StreamingModel, block_loader, layer_weight, model_dense_tensors, open_model
 from ..progress import Reporter
 from ..pruning import methods as pruning
-from ..quantize.layer import TokenTap, hessian_kind, quantize_layer, spec_from_config
+from ..quantize.layer import QuantizedLayer, TokenTap, hessian_kind, quantize_layer, spec_from_config
 from ..quantize.outliers import check_outlier_count
 from .executor import LayerEncoder
 
@@ -91,23 +91,34 @@ def to_storage_dtype(t: torch.Tensor) -> np.ndarray:
     return h if np.isfinite(h).all() == np.isfinite(a).all() else a
 
 
+@dataclass
+class _Run:
+    """One compress run: what its steps share."""
+
+    cfg: CompressConfig
+    reporter: Reporter
+    loaded: StreamingModel | LoadedModel
+    writer: ArtifactWriter
+    encoder: LayerEncoder
+    totals: LayerTotals
+    blocks: list
+    prefix: str
+    done: set[str] = field(default_factory=set)  # layers already in the store (--resume)
+    compressed: set[str] = field(default_factory=set)  # state_dict names of the compressed weights
+    activation_sparsity_info: dict | None = None  # TEAL calibration record, when thresholds were calibrated
+
+    @property
+    def streamed(self) -> bool:
+        return isinstance(self.loaded, StreamingModel)
+
+
 def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     """Run the whole job; returns the model-level summary. Bad input raises UserError with nothing left."""
     cfg.validate()
     t0 = time.perf_counter()
-    out = Path(cfg.output)
-    if out.exists() and not cfg.overwrite:
-        raise UserError(f"-o: {out} already exists (remove it or pass --overwrite)")
-    if not out.name.endswith(".zarr"):
-        raise UserError(f"-o: {out} must end in .zarr")
-    if not out.parent.exists():
-        raise UserError(f"-o: folder {out.parent} does not exist")
-    # safetensors folders stream (meta skeleton; one layer, or with calibration one block, in memory)
-    with reporter.stage(f"loading {Path(cfg.model).name}", total=None):
-        loaded = open_model(cfg.model, forward=cfg.needs_calibration or cfg.sparsity_profile == "owl")
-    load = block_loader(loaded)  # streaming: fills a block's (or the embeddings') weights in while it runs
-    model = loaded.model
-    blocks, prefix = find_blocks(model)
+    out = check_output(cfg)
+    loaded = load_source(cfg, reporter)
+    blocks, prefix = find_blocks(loaded.model)
     check_outlier_count(cfg.keep_outliers, {f"{prefix}.{i}.{n}": lin.weight.shape[1]
                                             for i, b in enumerate(blocks) for n, lin in block_linears(b)})
     writer = ArtifactWriter(out, new_root_attrs(cfg.model, loaded.fingerprint, cfg.to_dict(), loaded.config),
@@ -116,96 +127,18 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     encoder = None
     try:
         encoder = LayerEncoder(cfg, writer.write_layer, totals.add, reporter.note)  # inline or on Dask
+        run = _Run(cfg, reporter, loaded, writer, encoder, totals, blocks, prefix, writer.completed_layers())
         plan = layerwise.calibration_plan(  # calibration windows, statistics kind, per-block sparsity (OWL)
-            model, cfg.model, cfg.prune, cfg.sparsity, cfg.sparsity_profile, cfg.calib, cfg.nsamples,
-            cfg.seqlen, cfg.seed, cfg.device, note=reporter.note, nm=cfg.nm, load=load,
+            loaded.model, cfg.model, cfg.prune, cfg.sparsity, cfg.sparsity_profile, cfg.calib, cfg.nsamples,
+            cfg.seqlen, cfg.seed, cfg.device, note=reporter.note, nm=cfg.nm, load=block_loader(loaded),
         )
-        done = writer.completed_layers()
-        compressed: set[str] = set()
-        names = [(i, n) for i, b in enumerate(blocks) for n, _ in block_linears(b)]
-        with reporter.stage("blocks", total=len(blocks)) as block_bar, \
-                reporter.stage("layers (prune, quantize, encode, write)", total=len(names)) as bar, \
-                reporter.stage("reordering tiles of the current layer", total=None) as tile_bar:
-            encoder.reorder_progress = tile_bar.update
-            # each block's statistics come from the outputs of the already-pruned blocks before it
-            kind = hessian_kind(plan.kind) if cfg.gptq or cfg.clip_search else plan.kind  # GPTQ needs H
-            # a token sample of every layer's input calibrates its activation clip ratio
-            tap = (TokenTap(blocks, block_linears, prefix)
-                   if kind is not None and cfg.act_bits else None)
-            # --dp-sparsity: TEAL thresholds from their own calibration stream through the pruned blocks; a
-            # block's layers are then submitted at the block's end, once its thresholds are known
-            with layerwise.non_block_weights(model, load if cfg.dp_sparsity > 0 else None):
-                dp = (DPCalibrator(model, cfg.dp_calib, cfg.model, cfg.nsamples, cfg.seqlen, cfg.seed,
-                                   cfg.dp_sparsity, cfg.dp_profile, cfg.device, reporter.note)
-                      if cfg.dp_sparsity > 0 else None)
-            later: list = []
-            dp_extra: dict[str, dict] = {}
-
-            def emit(fn, *args) -> None:  # writes stay in layer order either way
-                if dp is None:
-                    fn(*args)
-                else:
-                    later.append((fn, args))
-
-            streamed = isinstance(loaded, StreamingModel)
-            forward = kind is not None or dp is not None  # blocks run: streaming fills each one in
-            blocks_iter = layerwise.calibrated_blocks(
-                model, plan.samples, kind, "meta" if streamed and not forward else cfg.device,
-                load if forward else None)
-            for i, block, block_stats in blocks_iter:
-                for sub, lin in block_linears(block):
-                    full = f"{prefix}.{i}.{sub}"
-                    compressed.add(f"{full}.weight")
-                    if full in done and streamed and not forward:  # nothing later needs its weight
-                        emit(encoder.done, full, writer.layer_attrs(full))
-                        bar.advance()
-                        continue
-                    w = layer_weight(loaded, full, lin)
-                    if not torch.isfinite(w.sum()) and not torch.isfinite(w).all():  # a finite sum: all finite
-                        raise UserError(f"MODEL: layer {full} has NaN or inf weights")
-                    st = block_stats.pop(sub, None)
-                    w_pruned, mask = prune_weight(w, cfg, plan.block_sparsity[i], st)
-                    tokens = tap.pop(full) if tap is not None else None
-                    ql = None
-                    if (st is not None or dp is not None) and cfg.bits is not None and full not in done:
-                        ql = quantize_layer(w_pruned, spec_from_config(cfg), mask=mask, h=st and st.H,
-                                            x_sq_norm=st and st.x_sq_norm, tokens=tokens)
-                        w_pruned = torch.from_numpy(ql.dequantize())  # later blocks see it quantized
-                    if not lin.weight.is_meta:
-                        lin.weight.data.copy_(w_pruned.to(lin.weight.dtype))
-                    w_pruned = w_pruned.cpu()
-                    if full in done:
-                        emit(encoder.done, full, writer.layer_attrs(full))
-                    else:
-                        extra: dict = {}
-                        if dp is not None:
-                            dp_extra[full] = extra  # receives the layer's threshold at the block's end
-                        emit(encoder.submit, full, w_pruned if ql is None else ql, cfg, extra)  # in layer order
-                    del w, w_pruned  # one layer in memory at a time
-                    bar.advance()
-                if dp is not None:  # the block is pruned: calibrate its thresholds, then write its layers
-                    taus = dp.block(block, {sub: f"{prefix}.{i}.{sub}" for sub, _ in block_linears(block)})
-                    for full, extra in dp_extra.items():
-                        extra.update(taus[full])
-                    for fn, args in later:
-                        fn(*args)
-                    dp_extra.clear()
-                    later.clear()
-                block_bar.advance()
-            encoder.finish()
-            if tap is not None:
-                tap.close()
-        dense, tied = model_dense_tensors(loaded, compressed)
-        with reporter.stage("writing dense tensors", total=len(dense)) as bar:
-            for name, t in dense.items():
-                writer.write_dense({name: to_storage_dtype(t)})
-                bar.advance()
-        summary = totals.summary()
-        summary["seconds"] = time.perf_counter() - t0
+        compress_blocks(run, plan)
+        dense, tied = write_dense(run)
+        summary = {**totals.summary(), "seconds": time.perf_counter() - t0}
         writer.finalize({"layers": totals.layers, "dense": sorted(dense), "tied": tied, "summary": summary,
                          "block_prefix": prefix, "n_blocks": len(blocks),
                          "block_sparsity": plan.block_sparsity, "calibration": plan.info,
-                         **({"dynamic_pruning": dp.info} if dp is not None else {})})
+                         **({"dynamic_pruning": run.activation_sparsity_info} if cfg.dp_sparsity > 0 else {})})
     except UnionsparseError:
         writer.abort()
         raise
@@ -214,3 +147,103 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
             encoder.close()
     return summary
 
+
+def check_output(cfg: CompressConfig) -> Path:
+    """The artifact path, checked before any work."""
+    out = Path(cfg.output)
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"-o: {out} already exists (remove it or pass --overwrite)")
+    if not out.name.endswith(".zarr"):
+        raise UserError(f"-o: {out} must end in .zarr")
+    if not out.parent.exists():
+        raise UserError(f"-o: folder {out.parent} does not exist")
+    return out
+
+
+def load_source(cfg: CompressConfig, reporter: Reporter) -> StreamingModel | LoadedModel:
+    """The model: safetensors folders stream (a meta skeleton; one layer, or with calibration one block, in
+    memory), other sources load whole."""
+    with reporter.stage(f"loading {Path(cfg.model).name}", total=None):
+        return open_model(cfg.model, forward=cfg.needs_calibration or cfg.sparsity_profile == "owl")
+
+
+def compress_blocks(run: _Run, plan: layerwise.CalibrationPlan) -> None:
+    """Prune, quantize and encode every linear, block by block; each block's statistics come from the outputs
+    of the already compressed blocks before it."""
+    cfg, model, load = run.cfg, run.loaded.model, block_loader(run.loaded)
+    kind = hessian_kind(plan.kind) if cfg.gptq or cfg.clip_search else plan.kind  # GPTQ needs H
+    # a token sample of every layer's input calibrates its activation clip ratio
+    tap = TokenTap(run.blocks, block_linears, run.prefix) if kind is not None and cfg.act_bits else None
+    # activation sparsity (TEAL): thresholds from their own calibration stream through the compressed blocks
+    with layerwise.non_block_weights(model, load if cfg.dp_sparsity > 0 else None):
+        teal = (ThresholdCalibrator(model, cfg.dp_calib, cfg.model, cfg.nsamples, cfg.seqlen, cfg.seed, cfg.dp_sparsity,
+                             cfg.dp_profile, cfg.device, run.reporter.note) if cfg.dp_sparsity > 0 else None)
+    run.activation_sparsity_info = teal.info if teal is not None else None
+    forward = kind is not None or teal is not None  # blocks run: streaming fills each one in
+    device = "meta" if run.streamed and not forward else cfg.device
+    n_layers = sum(len(block_linears(b)) for b in run.blocks)
+    rep = run.reporter
+    with rep.stage("blocks", total=len(run.blocks)) as block_bar, \
+            rep.stage("layers (prune, quantize, encode, write)", total=n_layers) as bar, \
+            rep.stage("reordering tiles of the current layer", total=None) as tile_bar:
+        run.encoder.reorder_progress = tile_bar.update
+        blocks = layerwise.calibrated_blocks(model, plan.samples, kind, device, load if forward else None)
+        for i, block, block_stats in blocks:
+            names = {sub: f"{run.prefix}.{i}.{sub}" for sub, _ in block_linears(block)}
+            prepared = []
+            for sub, lin in block_linears(block):
+                prepared.append(prepare_layer(run, names[sub], lin, plan.block_sparsity[i],
+                                              block_stats.pop(sub, None), tap, forward))
+                if teal is None:  # submit at once: one layer in memory at a time
+                    submit(run, *prepared.pop(), {})
+                bar.advance()
+            if teal is not None:  # the block is compressed: its thresholds, then its layers, in order
+                thresholds = teal.block(block, names)
+                for name, payload in prepared:
+                    submit(run, name, payload, thresholds.get(name, {}))
+            block_bar.advance()
+        run.encoder.finish()
+    if tap is not None:
+        tap.close()
+
+
+def prepare_layer(run: _Run, full: str, lin: torch.nn.Linear, sparsity: float, stats, tap: TokenTap | None,
+                  forward: bool) -> tuple[str, QuantizedLayer | torch.Tensor | None]:
+    """Prune and quantize one layer (the one place weights are quantized); the model keeps the compressed
+    weight so that later blocks see it. Returns (name, what the encoder takes: a QuantizedLayer, float16
+    weights for ``--quant none``, or None for a layer already in the store)."""
+    cfg = run.cfg
+    run.compressed.add(f"{full}.weight")
+    tokens = tap.pop(full) if tap is not None else None
+    if full in run.done and not forward:  # --resume, and nothing later needs its weight
+        return full, None
+    w = layer_weight(run.loaded, full, lin)
+    if not torch.isfinite(w.sum()) and not torch.isfinite(w).all():  # a finite sum: all finite
+        raise UserError(f"MODEL: layer {full} has NaN or inf weights")
+    w_pruned, mask = prune_weight(w, cfg, sparsity, stats)
+    payload: QuantizedLayer | torch.Tensor | None = w_pruned.cpu()
+    if cfg.bits is not None:  # also for a stored layer that later blocks see: they must see the same weights
+        payload = quantize_layer(w_pruned, spec_from_config(cfg), mask=mask, h=stats and stats.H,
+                                 x_sq_norm=stats and stats.x_sq_norm, tokens=tokens)
+        w_pruned = torch.from_numpy(payload.dequantize())  # later blocks see it quantized
+    if not lin.weight.is_meta:
+        lin.weight.data.copy_(w_pruned.to(lin.weight.dtype))
+    return full, None if full in run.done else payload
+
+
+def submit(run: _Run, name: str, payload, thresholds: dict) -> None:
+    """Hand one layer to the executor (a layer already in the store keeps its place in the order)."""
+    if payload is None:
+        run.encoder.done(name, run.writer.layer_attrs(name))
+    else:
+        run.encoder.submit(name, payload, run.cfg, thresholds)
+
+
+def write_dense(run: _Run) -> tuple[dict, dict]:
+    """Every tensor that is not a compressed weight (embeddings, norms, biases, lm_head) into dense/."""
+    dense, tied = model_dense_tensors(run.loaded, run.compressed)
+    with run.reporter.stage("writing dense tensors", total=len(dense)) as bar:
+        for name, t in dense.items():
+            run.writer.write_dense({name: to_storage_dtype(t)})
+            bar.advance()
+    return dense, tied

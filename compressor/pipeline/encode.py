@@ -1,4 +1,4 @@
-"""One layer, quantized if it is not already, reordered and encoded: what the executor runs per layer."""
+"""One compressed layer reordered and encoded into its format: what the executor runs per layer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ...solvers import reorder_matrix
 from ..artifact.store import LayerRecord
 from ..config import CompressConfig
 from ..errors import UserError
-from ..quantize.layer import QuantizedLayer, quantize_layer, spec_from_config
+from ..quantize.layer import QuantizedLayer
 from ..quantize.outliers import add_side_figures
 
 
@@ -33,7 +33,7 @@ def reorder_perms(codes: np.ndarray, cfg: CompressConfig, progress=None) -> tupl
 
 
 def encode_layer(name: str, w: torch.Tensor | QuantizedLayer, cfg: CompressConfig, progress=None) -> LayerRecord:
-    """Quantize (round to nearest, unless ``w`` comes already quantized) and encode one pruned layer."""
+    """Reorder and encode one compressed layer: a QuantizedLayer, or float16 weights for ``--quant none``."""
     bits = cfg.bits
     attrs: dict = {"prune": cfg.prune, "quant": cfg.quant}
     if bits is None:
@@ -43,7 +43,9 @@ def encode_layer(name: str, w: torch.Tensor | QuantizedLayer, cfg: CompressConfi
         enc = cfg.fmt.encode(values, bits=None, tile=cfg.tile_shape)
         scales, group = None, None
     else:
-        ql = w if isinstance(w, QuantizedLayer) else quantize_layer(w, spec_from_config(cfg))
+        if not isinstance(w, QuantizedLayer):
+            raise TypeError(f"layer {name}: --quant {cfg.quant} layers arrive quantized (pipeline.prepare_layer)")
+        ql = w
         q = ql.qweight
         group = q.group_size
         scales = q.scales
