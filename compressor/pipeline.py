@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..formats import baselines, iebme, stats, tiled_cbc
-from . import layerwise, pruning
+from . import layerwise, pruning, safety
 from .artifact import ArtifactWriter, LayerRecord, new_root_attrs
 from .cluster import LayerEncoder
 from .config import CompressConfig, parse_nm
@@ -118,6 +118,9 @@ def encode_layer(name: str, w: torch.Tensor | QuantizedLayer, cfg: CompressConfi
         q = ql.qweight
         group = q.group_size
         scales = q.scales
+        safety.check_scales(name, scales, cfg.quant)  # verify rejects scales that overflow fp16
+        if ql.outliers is not None:
+            safety.check_scales(name, ql.outliers.scales, cfg.quant, "outlier scales")
         attrs["group_size"] = group
         if cfg.act_bits is not None:  # act_quant.activation_scheme: how kernels quantize inputs
             attrs["activations"] = ql.activations
@@ -152,12 +155,8 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     cfg.validate()
     t0 = time.perf_counter()
     out = Path(cfg.output)
-    if out.exists() and not cfg.overwrite:
-        raise UserError(f"-o: {out} already exists (remove it or pass --overwrite)")
-    if not out.name.endswith(".zarr"):
-        raise UserError(f"-o: {out} must end in .zarr")
-    if not out.parent.exists():
-        raise UserError(f"-o: folder {out.parent} does not exist")
+    recipe = {**cfg.to_dict(), "model": safety.model_reference(cfg.model)}  # absolute: eval works elsewhere
+    safety.check_output(out, cfg.model, cfg.overwrite, cfg.resume, recipe)  # what -o may replace, writable
     # safetensors folders stream (meta skeleton; one layer, or with calibration one block, in memory)
     with reporter.stage(f"loading {Path(cfg.model).name}", total=None):
         loaded = open_model(cfg.model, forward=cfg.needs_calibration or cfg.sparsity_profile == "owl")
@@ -166,7 +165,8 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     blocks, prefix = find_blocks(model)
     check_outlier_count(cfg.keep_outliers, {f"{prefix}.{i}.{n}": lin.weight.shape[1]
                                             for i, b in enumerate(blocks) for n, lin in block_linears(b)})
-    writer = ArtifactWriter(out, new_root_attrs(cfg.model, loaded.fingerprint, cfg.to_dict(), loaded.config),
+    safety.check_loaded_model(cfg, out, loaded, blocks, prefix)  # context, memory, disk, finite dense tensors
+    writer = ArtifactWriter(out, new_root_attrs(recipe["model"], loaded.fingerprint, recipe, loaded.config),
                             resume=cfg.resume, overwrite=cfg.overwrite)
     totals = LayerTotals()
     encoder = None
@@ -265,6 +265,11 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     except UserError:
         writer.abort()
         raise
+    except OSError as e:  # a full disk or a read-only file system while writing: bad input, nothing left
+        if not safety.is_environment_error(e, out):
+            raise
+        writer.abort()
+        raise UserError(f"-o: cannot write {out}: {e.strerror or e}") from None
     finally:
         if encoder is not None:
             encoder.close()
