@@ -52,7 +52,9 @@ def store_attrs(path: Path) -> dict | None:
         doc = json.loads(meta.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict):
+        return None
+    attrs = doc.get("attributes")
     if doc.get("node_type") != "group" or not isinstance(attrs, dict) or attrs.get(MARKER) is not True:
         return None
     return attrs
@@ -61,7 +63,11 @@ def store_attrs(path: Path) -> dict | None:
 def foreign_entries(path: Path) -> list[str]:
     """Top-level entries of ``path`` that no unionsparse store holds (a user's files, links)."""
     out = []
-    for p in sorted(Path(path).iterdir()):
+    try:
+        entries = sorted(Path(path).iterdir())
+    except OSError as e:
+        return [f"(unreadable: {e.strerror or type(e).__name__})"]
+    for p in entries:
         if p.name in ("zarr.json", MANIFEST) and p.is_file() and not p.is_symlink():
             continue
         if p.is_dir() and not p.is_symlink() and (p / "zarr.json").is_file():
@@ -340,8 +346,8 @@ def check_seqlen(flag: str, seqlen: int, context: int | None, source: str) -> No
     if seqlen > MAX_SEQLEN:
         raise UserError(f"{flag} {seqlen} is beyond any model's context (at most {MAX_SEQLEN})")
     if context is not None and seqlen > context:
-        raise UserError(f"{flag} {seqlen} exceeds the context of {source} ({context} tokens, "
-                        f"max_position_embeddings); use --seqlen {context} or less")
+        raise UserError(f"{flag} {seqlen} exceeds the context of {source} ({context} tokens); "
+                        f"use {flag} {context} or less")
 
 
 def available_memory() -> int | None:
