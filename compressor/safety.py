@@ -28,8 +28,6 @@ import numpy as np
 
 from .errors import UserError
 
-MARKER = "unionsparse"  # = artifact.MARKER (not imported: artifact.py pulls in zarr and the formats)
-MANIFEST = "unionsparse_manifest.json"
 FP16_MAX = 65504.0
 MAX_SEQLEN = 1 << 20  # no model has a longer context; larger values are typos
 MAX_ROOT_META = 64 << 20  # a root zarr.json larger than this is not ours
@@ -43,6 +41,8 @@ ACCESS_ERRNOS = (errno.EACCES, errno.EPERM)
 
 def store_attrs(path: Path) -> dict | None:
     """Root attributes of a unionsparse store (finished or partial) at ``path``, else None."""
+    from .artifact import MARKER
+
     meta = Path(path) / "zarr.json"
     try:
         if Path(path).is_symlink() or meta.is_symlink() or not meta.is_file():
@@ -61,7 +61,13 @@ def store_attrs(path: Path) -> dict | None:
 
 
 def foreign_entries(path: Path) -> list[str]:
-    """Top-level entries of ``path`` that no unionsparse store holds (a user's files, links)."""
+    """Top-level entries of ``path`` that no unionsparse store holds (a user's files, links).
+
+    A store holds its root ``zarr.json``, the manifest and zarr groups (folders with a ``zarr.json``);
+    a new kind of top-level file in the artifact must be added here, or ``--overwrite`` refuses it.
+    """
+    from .artifact import MANIFEST
+
     out = []
     try:
         entries = sorted(Path(path).iterdir())
