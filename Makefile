@@ -1,4 +1,5 @@
 # unionsparse: `make demo` compresses a real model offline; `make test` runs the test suite.
+# demo prints per artifact the compress summary line, where its per-layer table went (HTML), and verify's verdict.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -26,11 +27,13 @@ demo: $(STAMP)
 	mkdir -p $(OUT)
 	$(BIN)/unionsparse compress $(DEMO_MODEL) -o $(OUT)/smollm2-iebme.zarr --prune magnitude --sparsity 0.5 \
 		--quant w4a4 --format ie-bme --reorder auto --overwrite
-	$(BIN)/unionsparse inspect $(OUT)/smollm2-iebme.zarr --compare
+	$(BIN)/unionsparse inspect $(OUT)/smollm2-iebme.zarr --compare --html $(OUT)/smollm2-iebme.html >/dev/null
+	@echo "per-layer table and baselines: $(OUT)/smollm2-iebme.html (or $(BIN)/unionsparse inspect $(OUT)/smollm2-iebme.zarr --compare)"
 	$(BIN)/unionsparse verify $(OUT)/smollm2-iebme.zarr --n 1,8
 	$(BIN)/unionsparse compress $(DEMO_MODEL) -o $(OUT)/smollm2-cbc.zarr --prune magnitude --sparsity 0.5 \
 		--quant none --format tiled-cbc --overwrite
-	$(BIN)/unionsparse inspect $(OUT)/smollm2-cbc.zarr --compare
+	$(BIN)/unionsparse inspect $(OUT)/smollm2-cbc.zarr --compare --html $(OUT)/smollm2-cbc.html >/dev/null
+	@echo "per-layer table and baselines: $(OUT)/smollm2-cbc.html (or $(BIN)/unionsparse inspect $(OUT)/smollm2-cbc.zarr --compare)"
 	$(BIN)/unionsparse verify $(OUT)/smollm2-cbc.zarr --n 1,8
 
 test: $(STAMP)
@@ -40,8 +43,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check compressor solvers formats kernels tests examples benchmarks
 	$(BIN)/pytest tests/test_architecture.py -q -p no:cacheprovider
 
-clean:
-	rm -rf $(OUT) .pytest_cache
+# clean and grid-clean delete only what these targets wrote (OUT may come from the environment): artifacts
+# that artifact.ownership.remove_artifact recognises, and the named files beside them; folders only when left empty
+REMOVE_ARTIFACTS = test ! -x $(PY) || $(PY) -c "import sys; from unionsparse.compressor.artifact.ownership import remove_artifact; [remove_artifact(p) for p in sys.argv[1:]]"
+
+clean: grid-clean
+	$(REMOVE_ARTIFACTS) $(wildcard $(OUT)/smollm2-iebme.zarr $(OUT)/smollm2-cbc.zarr)
+	rm -f $(OUT)/smollm2-iebme.html $(OUT)/smollm2-cbc.html
+	rm -rf .pytest_cache
+	rmdir $(OUT) 2>/dev/null || true
 
 # ---- batch jobs: a grid of artifacts and one summary table (`make -j4 grid`, `make grid-verify`) ----
 # Each cell is one artifact GRID_OUT/<model>_s<sparsity>_<quant>_<format>.zarr; override any list, e.g.
@@ -92,4 +102,7 @@ verify-all: $(VERIFY_RESULTS)
 	-$(BIN)/unionsparse verify $< --n $(VERIFY_N) --json --quiet > $@
 
 grid-clean:
-	rm -rf $(GRID_OUT)
+	$(REMOVE_ARTIFACTS) $(wildcard $(GRID_OUT)/*.zarr)
+	rm -f $(wildcard $(GRID_OUT)/*.zarr.verify.json) $(GRID_OUT)/summary.csv $(GRID_OUT)/summary.md
+	rm -rf $(GRID_OUT)/models/tiny-llama
+	rmdir $(GRID_OUT)/models $(GRID_OUT) 2>/dev/null || true

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from unionsparse.compressor.artifact.ownership import remove_artifact
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = "50:0,30:30,40:30"
 
@@ -136,7 +138,7 @@ def run_worker(name: str, args) -> dict:
         r_off = _eval(art, args, "--no-dp")
         rec["ppl_dp_off"] = r_off["ppl"]
     if not args.keep:
-        shutil.rmtree(art, ignore_errors=True)
+        remove_artifact(art)  # in --work, which may be the user's folder: only the artifact goes
     return rec
 
 

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from unionsparse.compressor.artifact.ownership import remove_artifact
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 CLI = str(Path(sys.executable).parent / "unionsparse")
@@ -91,8 +93,8 @@ def part_big(a) -> dict:
     model = Path(a.model)
     size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     out = Path(a.out)
-    for p in (out, out.with_name(out.name + ".partial")):
-        shutil.rmtree(p, ignore_errors=True)
+    for p in (out, out.with_name(out.name + ".partial")):  # --out is the user's: only an artifact goes
+        remove_artifact(p)
     cmd = [CLI, "compress", str(model), "-o", str(out), "--prune", "magnitude", "--sparsity", "0.5",
            "--quant", "w4a4", "--format", "ie-bme", "--reorder", a.reorder, "--quiet"]
     r = run_measured(cmd, a.budget_s, out.with_name(out.name + ".partial"))

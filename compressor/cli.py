@@ -59,30 +59,34 @@ def cli(log_level: str) -> None:
               help="Recipe file (.yaml/.json) or an OUT.zarr whose recipe to reuse; flags override it.")
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Artifact path, OUT.zarr.")
-@click.option("--prune", default="magnitude", show_default=True, help="wanda|sparsegpt|magnitude|none")
+@click.option("--prune", default="magnitude", show_default=True,
+              type=click.Choice(["wanda", "sparsegpt", "magnitude", "none"]), help="Pruning method.")
 @click.option("--sparsity", default=0.5, show_default=True, type=float)
 @click.option("--nm", default=None, help="N:M semi-structured mask such as 2:4 (instead of unstructured).")
-@click.option("--sparsity-profile", default="uniform", show_default=True, help="uniform|owl")
-@click.option("--quant", default="w4a4", show_default=True, help="w4a4|w2a4|w4a16|none")
+@click.option("--sparsity-profile", default="uniform", show_default=True, type=click.Choice(["uniform", "owl"]))
+@click.option("--quant", default="w4a4", show_default=True, type=click.Choice(["w4a4", "w2a4", "w4a16", "none"]),
+              help="Weight/activation bits (none: fp16 values, tiled-cbc).")
 @click.option("--group-size", default=128, show_default=True, type=int)
 @click.option("--gptq", is_flag=True, help="GPTQ weight error feedback (needs --prune wanda|sparsegpt).")
 @click.option("--clip-search", is_flag=True, help="Per-group weight clip ratios scored on calibration H.")
 @click.option("--keep-outliers", default=0, show_default=True, type=int,
               help="Atom: the N most active input channels as an 8-bit side matrix (ie-bme, w4a4|w2a4).")
-@click.option("--format", "fmt", default=registry.names()[0], show_default=True, help="|".join(registry.names()))
+@click.option("--format", "fmt", default=registry.names()[0], show_default=True,
+              type=click.Choice(registry.names()))
 @click.option("--tile", default=None, help="Local tile HxW (ie-bme 16x64, tiled-cbc 256x16).")
 @click.option("--areas", default="2x2", show_default=True, help="IE-BME area grid R_AxC_A.")
-@click.option("--reorder", default="auto", show_default=True, help="auto|dp|cpsat|none (ie-bme).")
+@click.option("--reorder", default="auto", show_default=True, type=click.Choice(["auto", "dp", "cpsat", "none"]),
+              help="Row reordering (ie-bme).")
 @click.option("--calib", default="c4", show_default=True, help="c4|alpaca|PATH (.json/.jsonl/.json.gz/.parquet)")
 @click.option("--nsamples", default=128, show_default=True, type=int)
 @click.option("--seqlen", default=2048, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--device", default="cpu", show_default=True, help="cpu|cuda")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--workers", default=None, type=int, help="Local Dask workers for reordering/encoding.")
 @click.option("--scheduler", default=None, help="Address of an existing Dask scheduler.")
 @click.option("--dp-sparsity", default=0.0, show_default=True, type=float,
               help="Tiled-CBC dynamic (activation) sparsity target for the thresholds.")
-@click.option("--dp-profile", default="uniform", show_default=True, help="uniform|greedy")
+@click.option("--dp-profile", default="uniform", show_default=True, type=click.Choice(["uniform", "greedy"]))
 @click.option("--dp-calib", default="alpaca", show_default=True,
               help="Dynamic-pruning calibration text: c4|alpaca|PATH (as --calib).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run after its last complete layer.")
@@ -107,14 +111,22 @@ def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_
     ).validate()
     with Reporter(quiet=quiet or as_json) as rep:
         summary = run(cfg, rep)
+    summary["requested_sparsity"] = cfg.requested_sparsity
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
         click.echo(
             f"wrote {output}: {summary['layers']} layers, {summary['bits_per_weight']:.3f} bits/weight, "
-            f"CR {summary['cr']:.2f}x vs fp16, sparsity {100 * summary['sparsity']:.1f}% "
-            f"in {summary['seconds']:.1f} s"
+            f"CR {summary['cr']:.2f}x vs fp16, sparsity {100 * summary['sparsity']:.1f}%"
+            f"{sparsity_note(cfg.requested_sparsity, summary['sparsity'])} in {summary['seconds']:.1f} s"
         )
+
+
+def sparsity_note(requested: float, achieved: float) -> str:
+    """Why the achieved sparsity exceeds the pruned fraction: kept weights whose codes round to zero."""
+    if achieved - requested < 0.005:
+        return ""
+    return f" (requested {100 * requested:.1f}%; kept weights whose codes round to zero add the rest)"
 
 
 @cli.command()
@@ -156,7 +168,7 @@ def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> 
 
 @cli.command()
 @click.argument("artifact")
-@click.option("--backend", default="auto", show_default=True, help="auto|cupy|cpu")
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "cupy", "cpu"]))
 @click.option("--n", "ns", default="1,8,32", show_default=True, help="Decode widths to check.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--quiet", is_flag=True)
@@ -193,11 +205,12 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
 
 @cli.command()
 @click.argument("artifact", required=False)
-@click.option("--shapes", default="spinfer", show_default=True, help="spinfer|unionsparse (without ARTIFACT).")
+@click.option("--shapes", default="spinfer", show_default=True, type=click.Choice(["spinfer", "unionsparse"]),
+              help="Kernel corpus (without ARTIFACT).")
 @click.option("--n", "ns", default="1,2,4,8,16,32", show_default=True, help="Decode widths.")
 @click.option("--sparsity", default=0.5, show_default=True, type=float)
 @click.option("--format", "fmt", default=registry.names()[0], show_default=True,
-              help="Whose kernels: " + "|".join(registry.names()))
+              type=click.Choice(registry.names()), help="Kernels to time.")
 @click.option("--json", "as_json", is_flag=True)
 def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
     """Time the project's kernels beside cuBLAS fp16 (and int8) on the same shapes (needs a GPU)."""
@@ -221,7 +234,7 @@ def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
 @click.option("--text", "text_path", required=True, help="Evaluation text file (one row a line).")
 @click.option("--seqlen", default=2048, show_default=True, type=int, help="Window length in tokens.")
 @click.option("--max-windows", default=None, type=int, help="Evaluate only the first N windows.")
-@click.option("--device", default="cpu", show_default=True, help="cpu|cuda")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--dp/--no-dp", "dp", default=True, show_default=True,
               help="Tiled-CBC artifacts: apply the stored dynamic-pruning thresholds to every token.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -249,6 +262,24 @@ def _name_env_vars(group: click.Group) -> None:
                 p.envvar = f"UNIONSPARSE_{cname}_{longs[0][2:]}".upper().replace("-", "_")
 
 
+def _log_level_everywhere(group: click.Group) -> None:
+    """``--log-level`` after the command name too (``unionsparse compress ... --log-level info``)."""
+
+    def set_level(_ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+        if value:
+            from .progress import configure_logging
+
+            configure_logging(value)
+
+    for cmd in group.commands.values():
+        cmd.params.append(click.Option(
+            ["--log-level"], default=None, expose_value=False, is_eager=True, callback=set_level,
+            envvar="UNIONSPARSE_LOG_LEVEL", type=click.Choice(["debug", "info", "warning", "error"],
+                                                              case_sensitive=False),
+            help="As the global --log-level."))
+
+
+_log_level_everywhere(cli)
 _name_env_vars(cli)
 
 

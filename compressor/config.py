@@ -69,6 +69,16 @@ class CompressConfig:
         return parse_grid("--areas", self.areas)
 
     @property
+    def requested_sparsity(self) -> float:
+        """The fraction of weights pruning removes (N:M: 1 - N/M; --prune none: 0)."""
+        if self.prune == "none":
+            return 0.0
+        if self.nm:
+            n, m = parse_nm(self.nm)
+            return 1 - n / m
+        return float(self.sparsity)
+
+    @property
     def needs_calibration(self) -> bool:
         return self.prune in ("wanda", "sparsegpt") or self.dp_sparsity > 0
 
@@ -103,7 +113,7 @@ class CompressConfig:
             raise UserError("--dp-profile greedy needs a dynamic sparsity target (--dp-sparsity > 0)")
         if self.dp_profile == "greedy" and self.dp_sparsity > 0.95:
             raise UserError(f"--dp-profile greedy: --dp-sparsity {self.dp_sparsity} exceeds the per-layer cap 0.95")
-        if self.dp_sparsity > 0 and self.dp_calib not in ("c4", "alpaca"):
+        if self.dp_calib not in ("c4", "alpaca"):  # a file the user names must exist, used or not
             check_calib_path(self.dp_calib, "--dp-calib")
         if self.nm is not None:
             n, m = parse_nm(self.nm)
@@ -137,11 +147,14 @@ class CompressConfig:
             raise UserError(f"--workers must be positive, got {self.workers}")
         if self.workers is not None and self.scheduler is not None:
             raise UserError("--workers and --scheduler are exclusive")
-        if self.needs_calibration and self.calib not in ("c4", "alpaca"):
+        if self.calib not in ("c4", "alpaca"):
             check_calib_path(self.calib)
         from .model.loading import check_source
+        from .preflight import MAX_SEQLEN, check_seqlen, source_context
 
         check_source(self.model)
+        if self.seqlen > MAX_SEQLEN or self.needs_calibration or self.sparsity_profile == "owl":
+            check_seqlen("--seqlen", self.seqlen, source_context(self.model), self.model)
         if self.device == "cuda":
             import torch
 

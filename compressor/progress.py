@@ -103,7 +103,10 @@ class StageHandle:
     def close(self) -> None:
         if self._t0 is not None:
             secs = time.perf_counter() - self._t0
-            log.info("%s: %d/%s in %.1f s", self._desc, self._done, self._total, secs)
+            if self._total is not None:
+                log.info("%s: %d/%d in %.1f s", self._desc, self._done, self._total, secs)
+            else:  # a stage of unknown length: no "0/None"
+                log.info("%s%s in %.1f s", self._desc, f": {self._done}" if self._done else "", secs)
             self._t0 = None
         if self._p is not None:
             self._p.remove_task(self._id)

@@ -17,7 +17,7 @@ import click
 from .errors import UserError
 
 # Options that describe one run, not the recipe: never read from a file.
-RUN_ONLY = ("config_file", "output", "quiet", "as_json")
+RUN_ONLY = ("config_file", "output", "quiet", "as_json", "log_level")
 
 
 def option_keys(command: click.Command) -> dict[str, str]:

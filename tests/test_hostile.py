@@ -235,3 +235,66 @@ def test_fifty_single_byte_flips_all_caught(good, tmp_path):
         finally:
             f.write_bytes(raw)
     assert verify(str(d), backend="cpu", ns=[1]).ok
+
+
+def safety_cases(model: Path, tmp: Path) -> list[tuple[list, str]]:
+    """Data safety (issue 27): what -o may replace, partials, finite tensors, lengths, unused calibration files."""
+    cases: list[tuple[list, str]] = []
+    calib = tmp / "calib.jsonl"
+    calib.write_text(json.dumps({"text": "some calibration text " * 50}) + "\n")
+    f = tmp / "a_file.zarr"
+    f.write_text("mine")
+    cases.append((["compress", model, "-o", f, "--overwrite"], "is a file"))
+    d = tmp / "user_dir.zarr"
+    d.mkdir()
+    (d / "thesis.txt").write_text("mine")
+    cases.append((["compress", model, "-o", d, "--overwrite"], "not a unionsparse artifact"))
+    holder = tmp / "holder.zarr"
+    shutil.copytree(model, holder / "m")
+    cases.append((["compress", holder / "m", "-o", holder, "--overwrite"], "input model"))
+    cases.append((["compress", model, "-o", model / "inside.zarr"], "input model"))
+    cases.append((["compress", model, "-o", f / "x.zarr"], "not a folder"))
+    p = tmp / "p.zarr.partial"
+    p.mkdir()
+    (p / "keep.txt").write_text("mine")
+    cases.append((["compress", model, "-o", tmp / "p.zarr", "--resume"], "p.zarr.partial"))
+    cases.append((["compress", model, "--calib", tmp / "nope.jsonl"], "--calib"))
+    cases.append((["compress", model, "--dp-calib", tmp / "nope.json"], "--dp-calib"))
+    cases.append((["compress", model, "--prune", "wanda", "--calib", calib, "--seqlen", "100000"], "--seqlen"))
+    cases.append((["compress", model, "--prune", "wanda", "--calib", calib, "--seqlen", "1000000000"], "--seqlen"))
+    cases.append((["compress", model, "--prune", "bogus"], "--prune"))
+    for name, key, value in (("nan_embed", "model.embed_tokens.weight", float("nan")),
+                             ("inf_norm", "model.layers.0.input_layernorm.weight", float("inf")),
+                             ("huge_weight", "model.layers.0.self_attn.q_proj.weight", 1e30)):
+        d = model_copy(model, tmp, name)
+        sd = load_file(str(d / "model.safetensors"))
+        sd[key] = sd[key].clone()
+        sd[key].view(-1)[0] = value
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+        cases.append((["compress", d], key.removesuffix(".weight")))
+    text = tmp / "eval.txt"
+    text.write_text("words " * 100)
+    cases.append((["eval", model, "--text", text, "--seqlen", "100000"], "--seqlen"))
+    cases.append((["eval", model, "--text", text, "--max-windows", "0"], "--max-windows"))
+    return cases
+
+
+def test_safety_catalogue(tmp_path, model_dirs, run_cli):
+    """Each case: exit 2, exactly one line naming the problem, no traceback, nothing written, nothing deleted."""
+    model = model_dirs["llama"]
+    o = tmp_path / "o.zarr"
+    cases = safety_cases(model, tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert len(cases) >= 15
+    for args, needle in cases:
+        if args[0] == "compress":
+            args = args + ["--quiet"] + ([] if "-o" in args else ["-o", o])
+        r = run_cli(*args)
+        text = r.out + r.err
+        assert "Traceback" not in text, (args, text)
+        assert r.code == 2, (args, r.code, text)
+        lines = [ln for ln in r.err.splitlines() if ln.strip()]
+        assert len(lines) == 1, (args, r.err)
+        assert needle in lines[0] and "internal error" not in lines[0], (args, lines[0])
+        assert not o.exists() and not (tmp_path / "o.zarr.partial").exists(), args
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing deleted

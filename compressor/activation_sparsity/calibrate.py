@@ -61,12 +61,12 @@ class ThresholdCalibrator:
         self.target, self.profile = float(target), profile
         self.device = torch.device(device)
         say = note or (lambda _m: None)
-        say(f"dynamic pruning: {nsamples} x {seqlen} tokens from {source} (seed {seed}), {profile} profile")
         tok = tokenizer if tokenizer is not None else load_tokenizer(model_source)
         try:
             samples, info = load_calibration(source, tok, nsamples, seqlen, seed, return_info=True)
         except UserError as e:  # the loader names --calib; this stream is --dp-calib
             raise UserError(str(e).replace("--calib ", "--dp-calib ")) from None
+        say(f"dynamic pruning: {nsamples} x {seqlen} tokens from {source} (seed {seed}), {profile} profile")
         self.info = {**dict(info), "dp_sparsity": self.target, "dp_profile": profile,
                      "greedy_sequences": min(GREEDY_SEQUENCES, nsamples) if profile == "greedy" else None}
         self.inps, self.kwargs = capture_block_inputs(model, samples, self.device)

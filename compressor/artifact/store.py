@@ -31,6 +31,7 @@ from ...formats import registry
 from ...formats.arithmetic.outlier_side import OutlierSide, side_arrays, side_from_arrays
 from ...formats.errors import FormatError
 from ..errors import UserError
+from . import ownership
 
 FORMAT_VERSION = 1
 MARKER = "unionsparse"
@@ -99,15 +100,16 @@ class ArtifactWriter:
         self.tmp = partial_path(self.out)
         if self.out.exists() and not overwrite:
             raise UserError(f"-o: {self.out} already exists (remove it or pass --overwrite)")
+        if self.out.exists() or self.out.is_symlink():
+            ownership.check_replaceable(self.out)  # only an artifact is ever replaced (at finalize)
+        if self.tmp.exists() or self.tmp.is_symlink():  # this configuration's and source's, or refused
+            ownership.check_partial(self.tmp, root_attrs.get("config"), (root_attrs.get("source") or {}).get(
+                "fingerprint"), resume)
         if self.tmp.exists() and resume:
             self.root = zarr.open_group(str(self.tmp), mode="r+")
-            old = dict(self.root.attrs).get("config")
-            if old != root_attrs.get("config"):
-                raise UserError(f"--resume: {self.tmp} was written with a different configuration")
             self._drop_incomplete()
         else:
-            if self.tmp.exists():
-                shutil.rmtree(self.tmp)
+            ownership.remove_tree(self.tmp)  # our own partial, checked above
             self.root = zarr.open_group(str(self.tmp), mode="w")
             self.root.attrs.update({**root_attrs, MARKER: True, "format_version": FORMAT_VERSION,
                                     "complete": False})
@@ -115,10 +117,13 @@ class ArtifactWriter:
             self.root.create_group("dense")
 
     def _drop_incomplete(self) -> None:
+        for group in ("layers", "dense"):  # killed right after the root was created
+            if group not in self.root:
+                self.root.create_group(group)
         layers = self.root["layers"]
         for name in list(layers.group_keys()):
             if not layers[name].attrs.get("complete", False):
-                shutil.rmtree(self.tmp / "layers" / name)
+                ownership.remove_tree(self.tmp / "layers" / name, store=False)
 
     def completed_layers(self) -> set[str]:
         layers = self.root["layers"]
@@ -129,9 +134,7 @@ class ArtifactWriter:
 
     def write_layer(self, rec: LayerRecord) -> dict:
         """Write one layer's arrays, then its attrs with ``complete`` last; returns the attrs."""
-        path = self.tmp / "layers" / rec.name
-        if path.exists():
-            shutil.rmtree(path)
+        ownership.remove_tree(self.tmp / "layers" / rec.name, store=False)  # a leftover of an interrupted write
         g = self.root["layers"].create_group(rec.name)
         for k, v in rec.arrays().items():
             write_array(g, k, v)
@@ -148,13 +151,12 @@ class ArtifactWriter:
     def finalize(self, extra_attrs: dict) -> None:
         self.root.attrs.update(_jsonable({**extra_attrs, "complete": True}))
         write_manifest(self.tmp)
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(self.tmp, self.out)
+        ownership.replace_artifact(self.tmp, self.out)  # an existing -o only if it is (still) an artifact
 
     def abort(self) -> None:
-        """Remove the partial store (bad input found midway)."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        """Remove the partial store (bad input found midway); never through a link."""
+        if not self.tmp.is_symlink():
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _jsonable(obj):

@@ -365,14 +365,22 @@ def load_tokenizer(source: str):
 
     from transformers import AutoTokenizer
 
+    from ..model.loading import classify_source
+    from ..preflight import hub_local_only
+
     p = Path(source)
+    try:
+        hub = classify_source(source) == "hub"
+    except UserError:
+        hub = False  # a local path: the loader below names what is wrong with it
+    local = hub and hub_local_only(source)  # offline or unreachable: the cache, or one line at once
     try:
         if p.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(str(p.resolve().parent), gguf_file=p.name)
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, local_files_only=local)
     except Exception as e:  # missing tokenizer files, hub unreachable, unsupported GGUF tokenizer
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UserError(f"MODEL: cannot load the tokenizer of {source} for calibration: {first}") from None
+        raise UserError(f"MODEL: cannot load the tokenizer of {source}: {first}") from None
 
 
 def calibration_plan(
@@ -409,10 +417,10 @@ def calibration_plan(
     if not needs:
         return CalibrationPlan(None, None, [float(sparsity)] * len(blocks))
     say = note or (lambda _m: None)
-    say(f"calibration: {nsamples} x {seqlen} tokens from {calib} (seed {seed})")
     tok = tokenizer if tokenizer is not None else load_tokenizer(model_source)
     samples, info = load_calibration(calib, tok, nsamples, seqlen, seed, return_info=True)
-    say(f"calibration: {info.get('mode')} sampling from {info.get('documents')} documents")
+    say(f"calibration: {nsamples} x {seqlen} tokens from {calib} (seed {seed}), {info.get('mode')} sampling "
+        f"from {info.get('documents')} documents")  # after loading: no note before an error line
     info = dict(info)
     if profile == "owl":
         say("OWL: outlier ratios on the dense model")

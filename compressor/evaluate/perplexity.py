@@ -151,6 +151,9 @@ def evaluate_source(
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
     text = load_eval_text(text_path)  # check the text before the slow model load
+    from ..preflight import check_eval_args
+
+    check_eval_args(str(source), seqlen, max_windows)  # and the window length against the model's context
     t0 = time.perf_counter()
     model, tok, kind = load_for_eval(source, dynamic_pruning=dynamic_pruning)
     model.to(device)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..preflight import hub_local_only
 
 # Where the decoder blocks live, per architecture family (first match wins).
 BLOCK_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers")
@@ -54,6 +55,8 @@ def check_source(source: str) -> str:
         if not files:
             raise UserError(f"MODEL: folder {source} holds no *.safetensors weights")
         _check_safetensors_headers(files)
+    else:
+        hub_local_only(source)
     return kind
 
 
@@ -95,7 +98,8 @@ def load_model(source: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
             model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, use_safetensors=True)
             files = files + [p / "config.json"]
         else:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+            local = hub_local_only(source)  # offline or unreachable: the cache, or one line at once
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local)
             files = []
     except UserError:
         raise

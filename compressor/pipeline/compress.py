@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ...formats.errors import UnionsparseError
+from .. import preflight
 from ..activation_sparsity.calibrate import ThresholdCalibrator
 from ..artifact.store import ArtifactWriter, new_root_attrs
 from ..calibrate import layerwise
@@ -116,12 +117,15 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     """Run the whole job; returns the model-level summary. Bad input raises UserError with nothing left."""
     cfg.validate()
     t0 = time.perf_counter()
-    out = check_output(cfg)
+    out = Path(cfg.output)
+    recipe = {**cfg.to_dict(), "model": preflight.model_reference(cfg.model)}  # absolute: eval works elsewhere
+    preflight.check_output(out, cfg.model, cfg.overwrite, cfg.resume, recipe)  # what -o may replace, writable
     loaded = load_source(cfg, reporter)
     blocks, prefix = find_blocks(loaded.model)
     check_outlier_count(cfg.keep_outliers, {f"{prefix}.{i}.{n}": lin.weight.shape[1]
                                             for i, b in enumerate(blocks) for n, lin in block_linears(b)})
-    writer = ArtifactWriter(out, new_root_attrs(cfg.model, loaded.fingerprint, cfg.to_dict(), loaded.config),
+    preflight.check_loaded_model(cfg, out, loaded, blocks, prefix)  # context, memory, disk, finite dense tensors
+    writer = ArtifactWriter(out, new_root_attrs(recipe["model"], loaded.fingerprint, recipe, loaded.config),
                             resume=cfg.resume, overwrite=cfg.overwrite)
     totals = LayerTotals()
     encoder = None
@@ -142,22 +146,15 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     except UnionsparseError:
         writer.abort()
         raise
+    except OSError as e:  # a full disk or a read-only file system while writing: bad input, nothing left
+        if not preflight.is_environment_error(e, out):
+            raise
+        writer.abort()
+        raise UserError(f"-o: cannot write {out}: {e.strerror or e}") from None
     finally:
         if encoder is not None:
             encoder.close()
     return summary
-
-
-def check_output(cfg: CompressConfig) -> Path:
-    """The artifact path, checked before any work."""
-    out = Path(cfg.output)
-    if out.exists() and not cfg.overwrite:
-        raise UserError(f"-o: {out} already exists (remove it or pass --overwrite)")
-    if not out.name.endswith(".zarr"):
-        raise UserError(f"-o: {out} must end in .zarr")
-    if not out.parent.exists():
-        raise UserError(f"-o: folder {out.parent} does not exist")
-    return out
 
 
 def load_source(cfg: CompressConfig, reporter: Reporter) -> StreamingModel | LoadedModel:
@@ -225,6 +222,9 @@ def prepare_layer(run: _Run, full: str, lin: torch.nn.Linear, sparsity: float, s
     if cfg.bits is not None:  # also for a stored layer that later blocks see: they must see the same weights
         payload = quantize_layer(w_pruned, spec_from_config(cfg), mask=mask, h=stats and stats.H,
                                  x_sq_norm=stats and stats.x_sq_norm, tokens=tokens)
+        preflight.check_scales(full, payload.qweight.scales, cfg.quant)  # verify rejects scales over fp16's range
+        if payload.outliers is not None:
+            preflight.check_scales(full, payload.outliers.scales, cfg.quant, "outlier scales")
         w_pruned = torch.from_numpy(payload.dequantize())  # later blocks see it quantized
     if not lin.weight.is_meta:
         lin.weight.data.copy_(w_pruned.to(lin.weight.dtype))

@@ -1,0 +1,172 @@
+"""What unionsparse may delete (docs/cli.md, "Guarantees"): only its own stores.
+
+An artifact (or ``OUT.zarr.partial``) is recognised by its root ``zarr.json`` carrying the marker and by holding
+nothing but zarr nodes and the manifest; ``-o`` may only replace such a store, a partial is reused only when it
+is this configuration's (same recipe, same source fingerprint), and every deletion goes through
+:func:`remove_tree`, which refuses links and anything that is not a unionsparse store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..errors import UserError
+
+MAX_ROOT_META = 64 << 20  # a root zarr.json larger than this is not ours
+
+
+
+def store_attrs(path: Path) -> dict | None:
+    """Root attributes of a unionsparse store (finished or partial) at ``path``, else None."""
+    from .store import MARKER
+
+    meta = Path(path) / "zarr.json"
+    try:
+        if Path(path).is_symlink() or meta.is_symlink() or not meta.is_file():
+            return None
+        if meta.stat().st_size > MAX_ROOT_META:
+            return None
+        doc = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    attrs = doc.get("attributes")
+    if doc.get("node_type") != "group" or not isinstance(attrs, dict) or attrs.get(MARKER) is not True:
+        return None
+    return attrs
+
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """Top-level entries of ``path`` that no unionsparse store holds (a user's files, links).
+
+    A store holds its root ``zarr.json``, the manifest and zarr groups (folders with a ``zarr.json``);
+    a new kind of top-level file in the artifact must be added here, or ``--overwrite`` refuses it.
+    """
+    from .store import MANIFEST
+
+    out = []
+    try:
+        entries = sorted(Path(path).iterdir())
+    except OSError as e:
+        return [f"(unreadable: {e.strerror or type(e).__name__})"]
+    for p in entries:
+        if p.name in ("zarr.json", MANIFEST) and p.is_file() and not p.is_symlink():
+            continue
+        if p.is_dir() and not p.is_symlink() and (p / "zarr.json").is_file():
+            continue
+        out.append(p.name)
+    return out
+
+
+
+def is_unionsparse_store(path: Path) -> bool:
+    """True when ``path`` is a real folder holding a unionsparse store and nothing else."""
+    p = Path(path)
+    return not p.is_symlink() and p.is_dir() and store_attrs(p) is not None and not foreign_entries(p)
+
+
+
+def check_replaceable(out: Path) -> None:
+    """``--overwrite`` may replace ``out`` only when it is a unionsparse artifact (nothing is deleted here)."""
+    why = _not_ours(out)
+    if why:
+        raise UserError(f"-o: {out} {why}; --overwrite replaces only a unionsparse artifact (nothing was deleted)")
+
+
+
+def _not_ours(p: Path) -> str | None:
+    if p.is_symlink():
+        return "is a symbolic link"
+    if not p.exists():
+        return None
+    if not p.is_dir():
+        return "is a file, not a unionsparse artifact"
+    if store_attrs(p) is None:
+        return "is a folder that is not a unionsparse artifact"
+    extra = foreign_entries(p)
+    if extra:
+        return f"holds {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} no artifact has (e.g. {extra[0]!r})"
+    return None
+
+
+
+def remove_tree(path: Path, store: bool = True) -> None:
+    """Delete ``path`` (a folder) if it is a unionsparse store; refuse links and anything else.
+
+    ``store=False`` is for a folder inside a store of ours (an incomplete layer group): only links are refused.
+    """
+    p = Path(path)
+    if p.is_symlink():
+        raise UserError(f"{p}: is a symbolic link; unionsparse does not delete through links")
+    if not p.exists():
+        return
+    if store:
+        why = _not_ours(p)
+        if why:
+            raise UserError(f"{p} {why}; unionsparse deletes only its own artifacts (nothing was deleted)")
+    shutil.rmtree(p)
+
+
+
+def remove_artifact(path: Path) -> bool:
+    """For scripts: delete ``path`` only if it is a unionsparse store; returns whether it was deleted."""
+    p = Path(path)
+    if p.is_symlink() or not is_unionsparse_store(p):
+        return False
+    shutil.rmtree(p, ignore_errors=True)
+    return True
+
+
+
+def replace_artifact(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``; an existing ``out`` must (still) be an artifact.
+
+    The old artifact is moved aside first and deleted last, so a failure never loses both.
+    """
+    if not (out.exists() or out.is_symlink()):
+        os.replace(tmp, out)
+        return
+    check_replaceable(out)  # again: something else may have appeared at -o during the run
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+
+def check_partial(partial: Path, config: dict | None, fingerprint: str | None, resume: bool) -> bool:
+    """An existing ``OUT.zarr.partial`` must be this configuration's (recipe and, when given, source
+    fingerprint); returns True then. Anything else is refused and left as it is."""
+    flag = "--resume" if resume else "-o"
+    why = _not_ours(partial)
+    if why:
+        raise UserError(f"{flag}: {partial} {why}, not a partial artifact of unionsparse; it was left alone "
+                        "(remove it or choose another -o)")
+    attrs = store_attrs(partial) or {}
+    old = attrs.get("config")
+    if config is not None and old != config:
+        diff = _diff_keys(old if isinstance(old, dict) else {}, config)
+        raise UserError(f"{flag}: {partial} belongs to another run (written with a different configuration: "
+                        f"{diff}); it was left alone (rerun that command with --resume, or remove it)")
+    stored_fp = (attrs.get("source") or {}).get("fingerprint") if isinstance(attrs.get("source"), dict) else None
+    if fingerprint is not None and stored_fp != fingerprint:
+        raise UserError(f"{flag}: {partial} belongs to another run (a different source model: its weights "
+                        "changed); it was left alone (remove it to start over)")
+    return True
+
+
+
+def _diff_keys(old: Mapping, new: Mapping) -> str:
+    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    parts = [f"{k} {old.get(k)!r} vs {new.get(k)!r}" for k in keys[:3]]
+    return ", ".join(parts) + (", ..." if len(keys) > 3 else "") if parts else "unreadable recipe"
