@@ -308,8 +308,15 @@ def _not_expressed(art: Artifact, target: str, dense: dict[str, str] | None = No
                          "dense fp16 and listed in ignore")
         ragged = [n for n, why in (dense or {}).items() if why.startswith("ragged")]
         if ragged:
-            lines.append(f"ragged last weight group on {len(ragged)} layers (compressed-tensors needs K divisible "
-                         "by the group size): written dense fp16 and listed in ignore")
+            ks = sorted({art.layer_attrs(n)["shape"][1] for n in ragged})
+            fit = min(k & -k for k in ks)  # the largest power of two dividing every such K ...
+            requested = (art.attrs.get("config") or {}).get("group_size")
+            while isinstance(requested, int) and fit > requested:  # ... and at most the group size asked for
+                fit //= 2
+            hint = f"; compress with --group-size {fit} to pack them" if fit >= 32 else ""
+            lines.append(f"ragged last weight group on {len(ragged)} layers (K = {', '.join(map(str, ks))}; "
+                         "compressed-tensors needs K divisible by the group size): written dense fp16 and listed "
+                         f"in ignore{hint}")
         if perms:
             lines.append(f"per-tile row permutations (IE-BME reordering) on {perms} layers: dropped, codes are "
                          "written in original row order")

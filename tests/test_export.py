@@ -61,6 +61,9 @@ def arts(source, llama_with_tokenizer, tmp_path_factory) -> dict[str, Path]:
         "w2": compress(root, "w2", model, "--prune", "magnitude", "--quant", "w2a4", "--group-size", "64",
                        "--format", "ie-bme", "--reorder", "auto"),
         "w4cbc": compress(root, "w4cbc", model, "--prune", "magnitude", "--quant", "w4a16", "--format", "tiled-cbc"),
+        # group 192: K=128 layers get one scale per row (clamped), K=256 layers a ragged last group
+        "g192": compress(root, "g192", model, "--prune", "magnitude", "--quant", "w4a16", "--format", "tiled-cbc",
+                         "--group-size", "192"),
         "fp16": compress(root, "fp16", model, "--prune", "magnitude", "--quant", "none", "--format", "tiled-cbc",
                          "--dp-sparsity", "0.3", "--dp-calib", str(calib), "--nsamples", "4", "--seqlen", "64"),
         "outliers": compress(root, "outliers", model, "--prune", "wanda", *cal, "--quant", "w4a4",
@@ -166,6 +169,23 @@ def test_hf_sharded_with_index(arts, tmp_path, run_cli):
     assert_matches_eval(load_hf(out), arts["w2"])
 
 
+def test_source_quantization_config_is_not_exported(arts, tmp_path, run_cli, monkeypatch):
+    """A GGUF source's model config holds quantization_config {quant_method: gguf}: the decoded folder must not."""
+    init = Artifact.__init__
+
+    def gguf_source(self, path):
+        init(self, path)
+        gguf = {"quant_method": "gguf", "gguf_file": "m.gguf", "dequantize": False}
+        self.attrs["model_config"] = {**self.attrs["model_config"], "quantization_config": gguf}
+
+    monkeypatch.setattr(Artifact, "__init__", gguf_source)
+    for target, want in (("hf", None), ("compressed-tensors", "compressed-tensors")):
+        out = tmp_path / target
+        assert run_cli("export", arts["w2"], "-o", out, "--to", target).code == 0
+        qc = json.loads((out / "config.json").read_text()).get("quantization_config")
+        assert (qc and qc["quant_method"]) == want
+
+
 def test_tokenizer_never_downloaded(arts, tmp_path, monkeypatch, capsys):
     """A hub id as source gives a note and a folder without tokenizer, and no connection is attempted."""
     from unionsparse.compressor.export import export_hf
@@ -185,26 +205,17 @@ def test_tokenizer_never_downloaded(arts, tmp_path, monkeypatch, capsys):
 # -------------------------------------------------------------------------------- compressed-tensors
 
 
-@pytest.mark.parametrize("kind,bits,group", [("w2", 2, 64), ("w4cbc", 4, 128)])
-def test_compressed_tensors_round_trip(arts, kind, bits, group, tmp_path, run_cli):
+def assert_packed(out: Path, art: Artifact, names: list[str], grp: dict) -> None:
+    """Each layer's packed words, scales and shape are the artifact's, bit for bit; compressed-tensors unpacks and
+    decompresses them to the artifact's codes and fp16 dequantized weights."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.quantization import QuantizationScheme
 
-    out = tmp_path / "ct"
-    r = run_cli("export", arts[kind], "-o", out, "--to", "compressed-tensors")
-    assert r.code == 0, r.err
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
-    assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"]
-    (grp,) = qc["config_groups"].values()
-    assert grp["targets"] == ["Linear"] and grp["input_activations"] is None
-    want = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
-    assert {k: grp["weights"][k] for k in want} == want
     scheme = QuantizationScheme.model_validate(grp)
+    bits = scheme.weights.num_bits
     t = saved(out)
-    art = Artifact(arts[kind])
-    for name in art.layer_names:
+    for name in names:
         rec = art.read_layer(name)
         codes = rec.encoding.decode()  # original row order
         packed, scale, shape = (t[f"{name}.weight_{k}"] for k in ("packed", "scale", "shape"))
@@ -217,12 +228,32 @@ def test_compressed_tensors_round_trip(arts, kind, bits, group, tmp_path, run_cl
         w = PackedQuantizationCompressor.decompress({"weight_packed": packed, "weight_scale": scale,
                                                      "weight_shape": shape}, scheme)["weight"]
         assert torch.equal(w, torch.from_numpy(dequantize(codes, rec.scales, rec.attrs["group_size"])).half()), name
-    # transformers loads it through compressed-tensors and decompresses on the first forward
+
+
+def assert_loads_like_eval(out: Path, art_path: Path) -> None:
+    """transformers loads the checkpoint through compressed-tensors (decompressing on the first forward)."""
     loaded = load_hf(out)
-    ref = rebuild_model(arts[kind], act_quant=False)
+    ref = rebuild_model(art_path, act_quant=False)
     torch.testing.assert_close(logits(loaded), logits(ref), rtol=0, atol=1e-2)
-    for name in art.layer_names:
+    for name in Artifact(art_path).layer_names:
         assert torch.equal(loaded.get_submodule(name).weight.detach(), ref.get_submodule(name).weight.detach().half())
+
+
+@pytest.mark.parametrize("kind,bits,group", [("w2", 2, 64), ("w4cbc", 4, 128)])
+def test_compressed_tensors_round_trip(arts, kind, bits, group, tmp_path, run_cli):
+    out = tmp_path / "ct"
+    r = run_cli("export", arts[kind], "-o", out, "--to", "compressed-tensors")
+    assert r.code == 0, r.err
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"]
+    (grp,) = qc["config_groups"].values()
+    assert grp["targets"] == ["Linear"] and grp["input_activations"] is None
+    want = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
+    assert {k: grp["weights"][k] for k in want} == want
+    art = Artifact(arts[kind])
+    assert_packed(out, art, art.layer_names, grp)
+    assert_loads_like_eval(out, arts[kind])
     meta = json.loads((out / "unionsparse.json").read_text())
     assert meta["target"] == "compressed-tensors" and meta["dense_layers"] == {}
     notes = [ln.split("compressed-tensors: ", 1)[1] for ln in r.err.splitlines() if "not expressed" in ln]
@@ -230,6 +261,29 @@ def test_compressed_tensors_round_trip(arts, kind, bits, group, tmp_path, run_cl
     if kind == "w2":
         assert any(n.startswith("activation quantization") for n in notes)
         assert any(n.startswith("per-tile row permutations") for n in notes)
+
+
+def test_compressed_tensors_per_channel_and_ragged_groups(arts, tmp_path, run_cli):
+    """Group 192: K=128 layers have one scale per row (strategy channel); K=256 layers end in a ragged group,
+    which compressed-tensors cannot hold: dense fp16, in ignore, with a line saying which group size would do."""
+    out = tmp_path / "ct"
+    r = run_cli("export", arts["g192"], "-o", out, "--to", "compressed-tensors")
+    assert r.code == 0, r.err
+    art = Artifact(arts["g192"])
+    ragged = [n for n in art.layer_names if art.layer_attrs(n)["shape"][1] == 256]
+    assert ragged and all(n.endswith("down_proj") for n in ragged)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert sorted(qc["ignore"]) == sorted(ragged + ["lm_head"])
+    (grp,) = qc["config_groups"].values()
+    assert grp["weights"]["strategy"] == "channel" and grp["weights"]["num_bits"] == 4
+    assert_packed(out, art, [n for n in art.layer_names if n not in ragged], grp)
+    t = saved(out)
+    ref = rebuild_model(arts["g192"], act_quant=False)
+    for n in ragged:
+        assert torch.equal(t[f"{n}.weight"], ref.get_submodule(n).weight.detach().half())
+    assert_loads_like_eval(out, arts["g192"])
+    (line,) = [ln for ln in r.err.splitlines() if "ragged" in ln]
+    assert "K = 256" in line and "--group-size 128" in line and "ignore" in line
 
 
 def test_readback_check_catches_a_wrong_code(arts, tmp_path):
