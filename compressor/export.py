@@ -334,6 +334,17 @@ def _source_model(art: Artifact) -> Path | None:
     return p if p.exists() else None
 
 
+def _source_changed(art: Artifact, src: Path) -> bool:
+    """True when the source model's weight files no longer have the fingerprint compress recorded."""
+    from .model_io import fingerprint
+
+    want = (art.attrs.get("source") or {}).get("fingerprint")
+    files = [src] if src.is_file() else sorted(src.glob("*.safetensors")) + [src / "config.json"]
+    if not isinstance(want, str) or not all(f.is_file() for f in files) or len(files) < (1 if src.is_file() else 2):
+        return False  # nothing to compare (no fingerprint, or not a safetensors folder)
+    return fingerprint(files) != want
+
+
 def _copy_tokenizer(art: Artifact, dst: Path) -> list[str]:
     """Copy the tokenizer (and generation config) of the artifact's local source model; lines saying what
     happened. Never downloads: a source that is not a local folder or .gguf file gives a note instead."""
@@ -343,6 +354,12 @@ def _copy_tokenizer(art: Artifact, dst: Path) -> list[str]:
     if src is None:
         return [f"tokenizer: not copied, the source model {src_name!r} is not a local folder or .gguf file here "
                 f"(export never downloads); {fix}"]
+    changed = ([f"tokenizer: {src}'s weights differ from those compressed (fingerprint); check that its tokenizer "
+                "is the right one"] if _source_changed(art, src) else [])
+    return _tokenizer_from(src, dst, fix) + changed
+
+
+def _tokenizer_from(src: Path, dst: Path, fix: str) -> list[str]:
     if src.is_file() and src.suffix == ".gguf":
         from transformers import AutoTokenizer
 

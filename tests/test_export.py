@@ -186,6 +186,17 @@ def test_source_quantization_config_is_not_exported(arts, tmp_path, run_cli, mon
         assert (qc and qc["quant_method"]) == want
 
 
+def test_tokenizer_from_a_changed_source_is_flagged(arts, source, tmp_path):
+    from unionsparse.compressor.export import export_hf
+
+    art = Artifact(arts["w2"])
+    assert not any("differ" in n for n in export_hf(art, tmp_path / "a").notes)  # the fingerprint compress stored
+    art.attrs["source"] = {**art.attrs["source"], "fingerprint": "0" * 64}
+    res = export_hf(art, tmp_path / "b")
+    assert (tmp_path / "b" / "tokenizer.json").is_file() and any("differ from those compressed" in n
+                                                                  for n in res.notes)
+
+
 def test_tokenizer_never_downloaded(arts, tmp_path, monkeypatch, capsys):
     """A hub id as source gives a note and a folder without tokenizer, and no connection is attempted."""
     from unionsparse.compressor.export import export_hf
