@@ -354,6 +354,12 @@ def test_compressed_tensors_refuses_what_it_cannot_pack(arts, kind, words, tmp_p
     assert not out.exists() and not (tmp_path / "ct.partial").exists()
 
 
+def test_target_from_the_environment(arts, tmp_path, run_cli, monkeypatch):
+    monkeypatch.setenv("UNIONSPARSE_EXPORT_TO", "compressed-tensors")
+    r = run_cli("export", arts["fp16"], "-o", tmp_path / "ct")
+    assert r.code == 2 and "use --to hf" in one_line(r.err)
+
+
 def test_compressed_tensors_missing_package(arts, tmp_path, run_cli, monkeypatch):
     import sys
 
