@@ -20,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt",
                    "chat_template.jinja", "chat_template.json")
 GENERATION_CONFIG = "generation_config.json"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,8 +77,10 @@ def export_hf(artifact: str | Path | Artifact, out_dir: str | Path, *, overwrite
     shard = _shard_bytes(max_shard_size)
     out = Path(out_dir)
     with _output_folder(out, overwrite) as tmp:
-        model = _fp16_model(art)
-        _save_pretrained(model, tmp, shard)
+        with _stage("decoding the layers into an fp16 model"):
+            model = _fp16_model(art)
+        with _stage("writing safetensors"):
+            _save_pretrained(model, tmp, shard)
         notes = _copy_tokenizer(art, tmp)
         lost = _not_expressed(art, "hf")
         return _finish(tmp, out, art, "hf", lost, notes, {})
@@ -89,11 +95,15 @@ def export_compressed_tensors(artifact: str | Path | Artifact, out_dir: str | Pa
     _require_compressed_tensors()
     out = Path(out_dir)
     with _output_folder(out, overwrite) as tmp:
-        model = _fp16_model(art)
-        compressor = _compress(model, art, plan)
-        _save_pretrained(model, tmp, shard)
-        compressor.update_config(str(tmp))
-        _check_packed(tmp, art, plan)
+        with _stage("decoding the layers into an fp16 model"):
+            model = _fp16_model(art)
+        with _stage("packing with compressed-tensors"):
+            compressor = _compress(model, art, plan)
+        with _stage("writing safetensors"):
+            _save_pretrained(model, tmp, shard)
+            compressor.update_config(str(tmp))
+        with _stage("reading the checkpoint back through compressed-tensors"):
+            _check_packed(tmp, art, plan)
         notes = _copy_tokenizer(art, tmp)
         lost = _not_expressed(art, "compressed-tensors", plan.dense)
         return _finish(tmp, out, art, "compressed-tensors", lost, notes, plan.dense)
@@ -103,6 +113,14 @@ EXPORTERS: dict[str, Callable[..., ExportResult]] = {"hf": export_hf, "compresse
 
 
 # ---------------------------------------------------------------------------------------- the model
+
+
+@contextlib.contextmanager
+def _stage(description: str) -> Iterator[None]:
+    """One INFO line per finished stage (``--log-level info``), as the other commands' stages give."""
+    t0 = time.perf_counter()
+    yield
+    log.info("%s in %.1f s", description, time.perf_counter() - t0)
 
 
 def _open(artifact: str | Path | Artifact) -> Artifact:
