@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from unionsparse.compressor.artifact import Artifact
 from unionsparse.compressor.pruning import magnitude
 from unionsparse.compressor.quant import dequantize
@@ -72,8 +73,6 @@ def arts(source, llama_with_tokenizer, tmp_path_factory) -> dict[str, Path]:
 
 
 def load_hf(folder: Path):
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_pretrained(str(folder)).eval()  # no trust_remote_code: plain transformers
 
 
@@ -122,20 +121,18 @@ def test_hf_export_loads_and_matches_eval(arts, kind, tmp_path, run_cli, source)
     assert loaded.dtype == torch.float16
     assert_matches_eval(loaded, arts[kind])
     art = Artifact(arts[kind])
-    for name in art.layer_names:  # exact zeros exactly where the artifact has none
-        dec = np.asarray(art.read_layer(name).encoding.decode())
+    for name in art.layer_names:  # exact zeros exactly where the artifact has zero codes / values
+        rec = art.read_layer(name)
+        dec = np.asarray(rec.encoding.decode())
         w = loaded.get_submodule(name).weight.detach().numpy()
-        if kind != "outliers":  # outlier layers hold their dense 8-bit side in the zero columns
-            assert np.array_equal(w == 0, dec == 0), name
+        if rec.outliers is not None:  # main part in permuted column order; the 8-bit side fills the rest
+            k, n = w.shape[1], rec.outliers.channels.size
+            w, dec = w[:, rec.outliers.perm[: k - n]], dec[:, : k - n]
+        assert np.array_equal(w == 0, dec == 0), name
     # tokenizer and generation config of the source model came along
-    from transformers import AutoTokenizer
-
-    src = source
     assert AutoTokenizer.from_pretrained(str(out))("sparse kernel")["input_ids"] == \
-        AutoTokenizer.from_pretrained(str(src))("sparse kernel")["input_ids"]
-    assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
-    from transformers import GenerationConfig
-
+        AutoTokenizer.from_pretrained(str(source))("sparse kernel")["input_ids"]
+    assert (out / "generation_config.json").read_bytes() == (source / "generation_config.json").read_bytes()
     assert GenerationConfig.from_pretrained(str(out)).temperature == 0.7
     meta = json.loads((out / "unionsparse.json").read_text())
     assert meta["target"] == "hf" and meta["complete"] and set(meta["files"]) | {"unionsparse.json"} == \
@@ -197,7 +194,7 @@ def test_tokenizer_from_a_changed_source_is_flagged(arts, source, tmp_path):
                                                                   for n in res.notes)
 
 
-def test_tokenizer_never_downloaded(arts, tmp_path, monkeypatch, capsys):
+def test_tokenizer_never_downloaded(arts, tmp_path, monkeypatch):
     """A hub id as source gives a note and a folder without tokenizer, and no connection is attempted."""
     from unionsparse.compressor.export import export_hf
 
