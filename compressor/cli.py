@@ -1,4 +1,4 @@
-"""The `unionsparse` command: compress, inspect, verify (and the commands other modules add).
+"""The `unionsparse` command: compress, inspect, verify, eval, export (and the commands other modules add).
 
 Exit codes: 0 success, 1 a check failed (verify), 2 bad input (one line on stderr, no traceback), 3 a bug
 (one line, the traceback in a file).
@@ -247,6 +247,31 @@ def eval_cmd(source, text_path, seqlen, max_windows, device, dp, as_json) -> Non
         click.echo(json.dumps(res, indent=2))
     else:
         click.echo(f"perplexity {res['ppl']:.4f} on {res['windows']} windows of {seqlen} tokens ({source})")
+
+
+@cli.command()
+@click.argument("artifact")
+@click.option("-o", "--output", required=True, help="Output folder DIR (new, or empty).")
+@click.option("--to", "target", default="hf", show_default=True, help="hf|compressed-tensors")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file, e.g. 500MB.")
+@click.option("--overwrite", is_flag=True, help="Replace DIR if an earlier export wrote it.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON on stdout.")
+def export(artifact, output, target, max_shard_size, overwrite, as_json) -> None:
+    """Write ARTIFACT as a Hugging Face folder or a compressed-tensors checkpoint in DIR."""
+    from .config import choice
+    from .export import EXPORTERS, TARGETS
+
+    choice("--to", target, TARGETS)
+    res = EXPORTERS[target](artifact, output, overwrite=overwrite, max_shard_size=max_shard_size)
+    for line in res.not_expressed:
+        click.echo(f"note: not expressed in {target}: {line}", err=True)
+    for line in res.notes:
+        click.echo(f"note: {line}", err=True)
+    if as_json:
+        click.echo(json.dumps(res.to_json(), indent=2))
+    else:
+        dense = f", {len(res.dense_layers)} layers dense fp16" if res.dense_layers else ""
+        click.echo(f"wrote {output} ({target}): {len(res.files)} files{dense}; details in {output}/unionsparse.json")
 
 
 cli.add_command(summarize_command)  # compressor/batch.py: one table over a folder of artifacts

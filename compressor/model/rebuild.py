@@ -32,7 +32,8 @@ def _config(art: Artifact):
     model_type = mc.pop("model_type", None)
     if not model_type:
         raise UserError(f"{art.path}: the artifact does not record the model config (model_config)")
-    for k in ("architectures", "transformers_version", "_name_or_path"):
+    # the source's quantization_config (e.g. GGUF's) describes its checkpoint, not the decoded weights here
+    for k in ("architectures", "transformers_version", "_name_or_path", "quantization_config"):
         mc.pop(k, None)
     return AutoConfig.for_model(model_type, **mc)
 
