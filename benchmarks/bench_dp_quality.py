@@ -1,10 +1,10 @@
 """Perplexity of SmolLM2-135M under static (Wanda) + dynamic (TEAL) pruning, through Tiled-CBC artifacts.
 
 For every (static, dynamic) pair: ``compress --prune wanda --sparsity S --format tiled-cbc --quant none
---dp-sparsity D`` (Wanda on the C4 sample, TEAL thresholds on the Alpaca sample, both NSAMPLES x SEQLEN
+--act-sparsity D`` (Wanda on the C4 sample, TEAL thresholds on the Alpaca sample, both NSAMPLES x SEQLEN
 tokens), then ``eval`` of the artifact on the WikiText-2 sample: every token of every window goes through
 the decode kernel's arithmetic (fp16 inputs, input k active iff |x_k| > tau, fp32 sums, fp16 outputs), so
-the perplexity is what the kernels produce. Pairs with D > 0 are also evaluated with ``--no-dp`` (the same
+the perplexity is what the kernels produce. Pairs with D > 0 are also evaluated with ``--no-act-sparsity`` (the same
 static weights, dynamic pruning off), and the dense model is evaluated once. Each pair runs in its own
 process (``--jobs`` at a time). Writes OUT/dp_quality.json and OUT/dp_quality.md.
 
@@ -118,7 +118,7 @@ def run_worker(name: str, args) -> dict:
         "compress", folder, "-o", art, "--overwrite", "--json", "--prune", "wanda", "--sparsity", sp / 100,
         "--format", "tiled-cbc", "--quant", "none", "--calib", data / "c4_sample.jsonl",
         "--nsamples", args.nsamples, "--seqlen", args.seqlen, "--seed", args.seed, "--device", args.device,
-        "--dp-sparsity", dp / 100, "--dp-calib", data / "alpaca_sample.json"))
+        "--act-sparsity", dp / 100, "--act-sparsity-calib", data / "alpaca_sample.json"))
     rec.update(static=sp, dynamic=dp, compress_seconds=round(time.perf_counter() - t, 2),
                static_sparsity=summary["sparsity"], bits_per_weight=summary["bits_per_weight"])
     if dp:
@@ -135,7 +135,7 @@ def run_worker(name: str, args) -> dict:
     if dp:
         rec["dp_eval_sparsity"] = r["dynamic_pruning"]["measured_sparsity"]
         rec["total_sparsity"] = 1 - (1 - rec["static_sparsity"]) * (1 - rec["dp_eval_sparsity"])
-        r_off = _eval(art, args, "--no-dp")
+        r_off = _eval(art, args, "--no-act-sparsity")
         rec["ppl_dp_off"] = r_off["ppl"]
     if not args.keep:
         remove_artifact(art)  # in --work, which may be the user's folder: only the artifact goes

@@ -84,19 +84,28 @@ def cli(log_level: str) -> None:
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--workers", default=None, type=int, help="Local Dask workers for reordering/encoding.")
 @click.option("--scheduler", default=None, help="Address of an existing Dask scheduler.")
-@click.option("--dp-sparsity", default=0.0, show_default=True, type=float,
-              help="Tiled-CBC dynamic (activation) sparsity target for the thresholds.")
-@click.option("--dp-profile", default="uniform", show_default=True, type=click.Choice(["uniform", "greedy"]))
-@click.option("--dp-calib", default="alpaca", show_default=True,
-              help="Dynamic-pruning calibration text: c4|alpaca|PATH (as --calib).")
+@click.option("--act-sparsity", "--dp-sparsity", "act_sparsity", default=0.0, show_default=True, type=float,
+              help="Activation sparsity (TEAL) target: per-layer thresholds for formats whose decode kernel skips "
+                   "small inputs (tiled-cbc). --dp-sparsity: the old name, kept for one release.")
+@click.option("--act-sparsity-profile", "--dp-profile", "act_sparsity_profile", default="uniform", show_default=True,
+              type=click.Choice(["uniform", "greedy"]), help="Per-layer targets: uniform, or greedy (TEAL).")
+@click.option("--act-sparsity-calib", "--dp-calib", "act_sparsity_calib", default="alpaca", show_default=True,
+              help="Activation-sparsity calibration text: c4|alpaca|PATH (as --calib).")
+@click.option("--targets", multiple=True, metavar="REGEX",
+              help="Compress only the decoder linears whose module path matches (repeatable; default: all).")
+@click.option("--ignore", multiple=True, metavar="REGEX",
+              help="Keep the matching decoder linears dense fp16 (repeatable).")
+@click.option("--layer-overrides", default=None, metavar="JSON",
+              help='Per-layer options, e.g. \'[{"match": ".*down_proj", "quant": "w4a16"}]\' (docs/cli.md, '
+                   '"Per-layer rules"); usually from a recipe file.')
 @click.option("--resume", is_flag=True, help="Continue an interrupted run after its last complete layer.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT.zarr if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_size, gptq, clip_search,
              keep_outliers, fmt, tile, areas, reorder,
-             calib, nsamples, seqlen, seed, device, workers, scheduler, dp_sparsity, dp_profile, dp_calib, resume,
-             overwrite, quiet, as_json) -> None:
+             calib, nsamples, seqlen, seed, device, workers, scheduler, act_sparsity, act_sparsity_profile,
+             act_sparsity_calib, targets, ignore, layer_overrides, resume, overwrite, quiet, as_json) -> None:
     """Compress MODEL (a model folder, a .gguf file or a hub id) into OUT.zarr."""
     from .config import CompressConfig
     from .pipeline.compress import compress as run
@@ -107,7 +116,9 @@ def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_
         quant=quant, group_size=group_size, gptq=gptq, clip_search=clip_search, keep_outliers=keep_outliers,
         format=fmt, tile=tile, areas=areas, reorder=reorder, calib=calib,
         nsamples=nsamples, seqlen=seqlen, seed=seed, device=device, workers=workers, scheduler=scheduler,
-        dp_sparsity=dp_sparsity, dp_profile=dp_profile, dp_calib=dp_calib, resume=resume, overwrite=overwrite,
+        act_sparsity=act_sparsity, act_sparsity_profile=act_sparsity_profile, act_sparsity_calib=act_sparsity_calib,
+        targets=tuple(targets), ignore=tuple(ignore), layer_overrides=parse_overrides_option(layer_overrides),
+        resume=resume, overwrite=overwrite,
     ).validate()
     with Reporter(quiet=quiet or as_json) as rep:
         summary = run(cfg, rep)
@@ -120,6 +131,24 @@ def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_
             f"CR {summary['cr']:.2f}x vs fp16, sparsity {100 * summary['sparsity']:.1f}%"
             f"{sparsity_note(cfg.requested_sparsity, summary['sparsity'])} in {summary['seconds']:.1f} s"
         )
+
+
+def parse_overrides_option(text: str | list | None) -> tuple[dict, ...]:
+    """``--layer-overrides``: a JSON (or YAML) list of mappings, or the list a recipe file gave."""
+    if text is None or text == "":
+        return ()
+    if isinstance(text, (list, tuple)):
+        return tuple(text)
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise UserError("--layer-overrides: expected a JSON list such as "
+                        '[{"match": ".*down_proj", "quant": "w4a16"}]') from None
+    if not isinstance(data, list):
+        raise UserError(f"--layer-overrides: expected a list of mappings, got {type(data).__name__}")
+    return tuple(data)
 
 
 def sparsity_note(requested: float, achieved: float) -> str:
@@ -235,7 +264,7 @@ def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
 @click.option("--seqlen", default=2048, show_default=True, type=int, help="Window length in tokens.")
 @click.option("--max-windows", default=None, type=int, help="Evaluate only the first N windows.")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
-@click.option("--dp/--no-dp", "dp", default=True, show_default=True,
+@click.option("--act-sparsity/--no-act-sparsity", "--dp/--no-dp", "dp", default=True, show_default=True,
               help="Tiled-CBC artifacts: apply the stored dynamic-pruning thresholds to every token.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def eval_cmd(source, text_path, seqlen, max_windows, device, dp, as_json) -> None:
@@ -283,8 +312,9 @@ def _name_env_vars(group: click.Group) -> None:
     for cname, cmd in group.commands.items():
         for p in cmd.params:
             longs = [o for o in getattr(p, "opts", []) if o.startswith("--")]
-            if isinstance(p, click.Option) and p.envvar is None and longs:
-                p.envvar = f"UNIONSPARSE_{cname}_{longs[0][2:]}".upper().replace("-", "_")
+            if isinstance(p, click.Option) and p.envvar is None and longs:  # old names (aliases) too
+                names = [f"UNIONSPARSE_{cname}_{o[2:]}".upper().replace("-", "_") for o in longs]
+                p.envvar = names[0] if len(names) == 1 else names
 
 
 def _log_level_everywhere(group: click.Group) -> None:

@@ -43,9 +43,12 @@ class CompressConfig:
     scheduler: str | None = None
     resume: bool = False
     overwrite: bool = False
-    dp_sparsity: float = 0.0
-    dp_profile: str = "uniform"
-    dp_calib: str = "alpaca"  # the dynamic-pruning calibration text (TEAL: Alpaca), any --calib form
+    act_sparsity: float = 0.0
+    act_sparsity_profile: str = "uniform"
+    act_sparsity_calib: str = "alpaca"  # the dynamic-pruning calibration text (TEAL: Alpaca), any --calib form
+    targets: tuple[str, ...] = ()  # per-layer rules (compressor/layer_rules.py): linears to compress (regexes)
+    ignore: tuple[str, ...] = ()  # linears kept dense
+    layer_overrides: tuple[dict, ...] = ()  # [{match: REGEX, option: value, ...}]
 
     # ------------------------------------------------------------------ derived
     @property
@@ -80,7 +83,7 @@ class CompressConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.prune in ("wanda", "sparsegpt") or self.dp_sparsity > 0
+        return self.prune in ("wanda", "sparsegpt") or self.act_sparsity > 0
 
     def to_dict(self) -> dict:
         """The recipe stored in the artifact: everything that changes its bytes (not paths or -o)."""
@@ -88,33 +91,49 @@ class CompressConfig:
         for k in ("output", "resume", "overwrite", "workers", "scheduler"):
             d.pop(k)
         d["tile"] = list(self.tile_shape)
+        d["targets"], d["ignore"] = list(self.targets), list(self.ignore)
+        d["layer_overrides"] = [dict(o) for o in self.layer_overrides]
         return d
+
+    @property
+    def rules(self):
+        """The per-layer rules, compiled (``layer_rules.LayerRules``)."""
+        from .layer_rules import parse_rules
+
+        return parse_rules(self.targets, self.ignore, self.layer_overrides)
 
     # --------------------------------------------------------------- validation
     def validate(self) -> CompressConfig:
+        """Every option, the per-layer rules' form, the files named and the model source; before any work."""
+        self.validate_options()
+        self.rules  # noqa: B018 - compiles the patterns, raises UserError on a bad one
+        self._validate_sources()
+        return self
+
+    def validate_options(self) -> CompressConfig:
+        """The options alone (also each layer's options under the per-layer rules)."""
         choice("--prune", self.prune, PRUNE_METHODS)
         choice("--quant", self.quant, QUANT_MODES)
         choice("--format", self.format, FORMATS)
         choice("--reorder", self.reorder, REORDER_METHODS)
         choice("--device", self.device, ("cpu", "cuda"))
         choice("--sparsity-profile", self.sparsity_profile, ("uniform", "owl"))
-        choice("--dp-profile", self.dp_profile, ("uniform", "greedy"))
+        choice("--act-sparsity-profile", self.act_sparsity_profile, ("uniform", "greedy"))
         if not (0.0 <= self.sparsity < 1.0):
             raise UserError(f"--sparsity must lie in [0, 1), got {self.sparsity}")
-        if not (0.0 <= self.dp_sparsity < 1.0):
-            raise UserError(f"--dp-sparsity must lie in [0, 1), got {self.dp_sparsity}")
-        if self.dp_sparsity > 0 and not self.fmt.activation_sparsity:
-            raise UserError(f"--dp-sparsity: {self.format} has no activation-sparsity kernel; use --format "
+        if not (0.0 <= self.act_sparsity < 1.0):
+            raise UserError(f"--act-sparsity must lie in [0, 1), got {self.act_sparsity}")
+        if self.act_sparsity > 0 and not self.fmt.activation_sparsity:
+            raise UserError(f"--act-sparsity: {self.format} has no activation-sparsity kernel; use --format "
                             f"{' or '.join(f.name for f in map(registry.get, FORMATS) if f.activation_sparsity)}")
-        if self.dp_sparsity > 0 and self.act_bits is not None:
-            raise UserError(f"--dp-sparsity: the spMspV kernel takes fp16 activations, not --quant {self.quant}; "
+        if self.act_sparsity > 0 and self.act_bits is not None:
+            raise UserError(f"--act-sparsity: the spMspV kernel takes fp16 activations, not --quant {self.quant}; "
                             "use --quant none or w4a16")
-        if self.dp_profile == "greedy" and self.dp_sparsity == 0:
-            raise UserError("--dp-profile greedy needs a dynamic sparsity target (--dp-sparsity > 0)")
-        if self.dp_profile == "greedy" and self.dp_sparsity > 0.95:
-            raise UserError(f"--dp-profile greedy: --dp-sparsity {self.dp_sparsity} exceeds the per-layer cap 0.95")
-        if self.dp_calib not in ("c4", "alpaca"):  # a file the user names must exist, used or not
-            check_calib_path(self.dp_calib, "--dp-calib")
+        if self.act_sparsity_profile == "greedy" and self.act_sparsity == 0:
+            raise UserError("--act-sparsity-profile greedy needs a dynamic sparsity target (--act-sparsity > 0)")
+        if self.act_sparsity_profile == "greedy" and self.act_sparsity > 0.95:
+            raise UserError(f"--act-sparsity-profile greedy: --act-sparsity {self.act_sparsity} exceeds the "
+                            "per-layer cap 0.95")
         if self.nm is not None:
             n, m = parse_nm(self.nm)
             if self.prune == "none":
@@ -147,6 +166,12 @@ class CompressConfig:
             raise UserError(f"--workers must be positive, got {self.workers}")
         if self.workers is not None and self.scheduler is not None:
             raise UserError("--workers and --scheduler are exclusive")
+        return self
+
+    def _validate_sources(self) -> None:
+        """Files the options name, the model source, the context length and the device."""
+        if self.act_sparsity_calib not in ("c4", "alpaca"):  # a file the user names must exist, used or not
+            check_calib_path(self.act_sparsity_calib, "--act-sparsity-calib")
         if self.calib not in ("c4", "alpaca"):
             check_calib_path(self.calib)
         from .model.loading import check_source
@@ -160,7 +185,6 @@ class CompressConfig:
 
             if not torch.cuda.is_available():
                 raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
-        return self
 
     def _validate_outliers(self) -> None:
         """``--keep-outliers N``: IE-BME with 4-bit activations and calibration; N < K is checked on the model."""

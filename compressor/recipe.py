@@ -29,9 +29,9 @@ def option_keys(command: click.Command) -> dict[str, str]:
         if isinstance(p, click.Argument):
             keys[p.name] = p.name
             continue
-        longs = [o for o in p.opts if o.startswith("--")]
-        key = longs[0][2:].replace("-", "_") if longs else p.name
-        keys[key] = p.name
+        longs = [o for o in p.opts if o.startswith("--")] or [f"--{p.name}"]
+        for opt in longs:  # every long name: an old name (--dp-sparsity) reads old recipes and artifacts
+            keys[opt[2:].replace("-", "_")] = p.name
     return keys
 
 
@@ -82,7 +82,12 @@ def to_default_map(recipe: dict, command: click.Command, source: str) -> dict:
                             f"{', '.join(sorted(keys))})")
         if value is None:
             continue
-        if isinstance(value, (list, tuple)):  # tile: [16, 64] -> "16x64"
+        param = next(p for p in command.params if p.name == keys[k])
+        if getattr(param, "multiple", False):  # targets, ignore: lists as they are
+            value = list(value) if isinstance(value, (list, tuple)) else [value]
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, dict) for v in value):  # layer_overrides
+            value = json.dumps(list(value))
+        elif isinstance(value, (list, tuple)):  # tile: [16, 64] -> "16x64"
             value = "x".join(str(v) for v in value)
         out[keys[k]] = value
     return out

@@ -254,12 +254,14 @@ def test_seqlen_beyond_the_context_is_refused_before_work(seqlen, tmp_path, llam
     assert leftovers(out) == []
 
 
-@pytest.mark.parametrize("flag", ["--calib", "--dp-calib"])
-def test_missing_calibration_file_is_refused_even_when_unused(flag, tmp_path, model_dirs, run_cli, no_model_load):
+@pytest.mark.parametrize("flag, named", [("--calib", "--calib"), ("--act-sparsity-calib", "--act-sparsity-calib"),
+                                         ("--dp-calib", "--act-sparsity-calib")])  # the old name is an alias
+def test_missing_calibration_file_is_refused_even_when_unused(flag, named, tmp_path, model_dirs, run_cli,
+                                                              no_model_load):
     out = tmp_path / "c.zarr"
     r = run_cli("compress", model_dirs["llama"], "-o", out, *FAST, "--prune", "magnitude", flag,
                 tmp_path / "nope.jsonl")
-    refused(r, flag, "nope.jsonl")
+    refused(r, named, "nope.jsonl")
     assert leftovers(out) == []
 
 

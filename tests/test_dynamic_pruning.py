@@ -114,7 +114,7 @@ def test_greedy_profile_is_wired_and_stored_per_layer(model_dir, tmp_path):
               "--dp-sparsity", "0.25", "--dp-profile", "greedy")
     art = Artifact(out)
     assert art.attrs["dynamic_pruning"]["dp_profile"] == "greedy"
-    assert art.attrs["config"]["dp_profile"] == "greedy"
+    assert art.attrs["config"]["act_sparsity_profile"] == "greedy"
     blocks: dict[str, list[tuple[float, int]]] = {}
     for name in art.layer_names:
         a = art.layer_attrs(name)
@@ -224,11 +224,11 @@ def test_eval_with_dynamic_pruning_equals_the_reference_spmspv(model_dir, magnit
 @pytest.mark.parametrize("flags, needle", [
     (["--format", "ie-bme", "--quant", "w4a4", "--dp-sparsity", "0.3"], "--format tiled-cbc"),
     (["--format", "tiled-cbc", "--quant", "w4a4", "--dp-sparsity", "0.3"], "--quant none or w4a16"),
-    (["--format", "tiled-cbc", "--quant", "none", "--dp-profile", "greedy"], "--dp-sparsity > 0"),
+    (["--format", "tiled-cbc", "--quant", "none", "--dp-profile", "greedy"], "--act-sparsity > 0"),
     (["--format", "tiled-cbc", "--quant", "none", "--dp-sparsity", "0.97", "--dp-profile", "greedy"], "0.95"),
     (["--format", "tiled-cbc", "--quant", "none", "--dp-sparsity", "0.3", "--dp-calib", "nope.jsonl"],
-     "--dp-calib: file"),
-    (["--format", "tiled-cbc", "--quant", "none", "--dp-sparsity", "1.5"], "--dp-sparsity must lie"),
+     "--act-sparsity-calib: file"),
+    (["--format", "tiled-cbc", "--quant", "none", "--dp-sparsity", "1.5"], "--act-sparsity must lie"),
     (["--format", "tiled-cbc", "--quant", "none", "--dp-profile", "teal"], "--dp-profile"),
 ])
 def test_bad_dynamic_pruning_combinations_exit_2(model_dir, tmp_path, run_cli, flags, needle):
@@ -246,7 +246,7 @@ def test_dp_calib_bad_file_content_names_the_flag(model_dir, tmp_path, run_cli):
     out = tmp_path / "x.zarr"
     res = run_cli("compress", model_dir / "model", "-o", out, "--format", "tiled-cbc", "--quant", "none",
                   "--prune", "magnitude", "--dp-sparsity", "0.3", "--dp-calib", bad, *CALIB, "--quiet")
-    assert res.code == 2 and res.err.startswith("unionsparse: error: --dp-calib "), res.err
+    assert res.code == 2 and res.err.startswith("unionsparse: error: --act-sparsity-calib "), res.err
     assert not out.exists() and not (tmp_path / "x.zarr.partial").exists()
 
 

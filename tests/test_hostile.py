@@ -115,7 +115,7 @@ def option_cases(model: Path, tmp: Path) -> list[tuple[list, str]]:
         (["compress", model, "--reorder", "greedy"], "--reorder"),
         (["compress", model, "--format", "tiled-cbc", "--tile", "100x16"], "--tile"),
         (["compress", model, "--format", "tiled-cbc", "--reorder", "dp"], "--reorder"),
-        (["compress", model, "--dp-sparsity", "0.5"], "--dp-sparsity"),
+        (["compress", model, "--act-sparsity", "0.5"], "--act-sparsity"),
     ]
 
 
@@ -259,7 +259,7 @@ def safety_cases(model: Path, tmp: Path) -> list[tuple[list, str]]:
     (p / "keep.txt").write_text("mine")
     cases.append((["compress", model, "-o", tmp / "p.zarr", "--resume"], "p.zarr.partial"))
     cases.append((["compress", model, "--calib", tmp / "nope.jsonl"], "--calib"))
-    cases.append((["compress", model, "--dp-calib", tmp / "nope.json"], "--dp-calib"))
+    cases.append((["compress", model, "--act-sparsity-calib", tmp / "nope.json"], "--act-sparsity-calib"))
     cases.append((["compress", model, "--prune", "wanda", "--calib", calib, "--seqlen", "100000"], "--seqlen"))
     cases.append((["compress", model, "--prune", "wanda", "--calib", calib, "--seqlen", "1000000000"], "--seqlen"))
     cases.append((["compress", model, "--prune", "bogus"], "--prune"))

@@ -126,7 +126,7 @@ class BlockWatch:
 CALIBRATED = [
     {"prune": "wanda", "quant": "w4a4", "reorder": "dp"},  # activation clip calibration (token taps)
     {"prune": "sparsegpt", "quant": "w4a4", "gptq": True, "reorder": "none"},
-    {"prune": "wanda", "quant": "none", "format": "tiled-cbc", "dp_sparsity": 0.5},  # TEAL thresholds
+    {"prune": "wanda", "quant": "none", "format": "tiled-cbc", "act_sparsity": 0.5},  # TEAL thresholds
     {"prune": "magnitude", "quant": "w4a4", "sparsity_profile": "owl", "reorder": "none"},  # dense OWL pass
 ]
 
@@ -144,8 +144,8 @@ def test_calibrated_run_streams_one_block(tmp_path, llama_with_tokenizer, monkey
     write_checkpoint(model, layers=3, hidden=64, intermediate=128, heads=2, kv_heads=1, vocab=256)
     with_tokenizer(model, tok)
     common = {"calib": str(calib), "nsamples": 4, "seqlen": 32, **kw}
-    if "dp_sparsity" in kw:
-        common["dp_calib"] = str(calib)
+    if "act_sparsity" in kw:
+        common["act_sparsity_calib"] = str(calib)
 
     def no_full_load(src):
         raise AssertionError("a calibrated streaming run loaded the whole model")
@@ -156,7 +156,7 @@ def test_calibrated_run_streams_one_block(tmp_path, llama_with_tokenizer, monkey
     with Reporter(quiet=True) as rep:
         pipeline.compress(cfg, rep)
     monkeypatch.undo()
-    filled = 0 if kw["prune"] == "magnitude" and "dp_sparsity" not in kw else 1  # blocks filled in at once
+    filled = 0 if kw["prune"] == "magnitude" and "act_sparsity" not in kw else 1  # blocks filled in at once
     assert watch.checks >= 3 * 7 and watch.max_blocks == filled and watch.outside == 0
     b = compress(model, tmp_path / "f.zarr", False, monkeypatch, **common)
     same(Artifact(tmp_path / "s.zarr"), b)

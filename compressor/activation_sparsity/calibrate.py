@@ -1,6 +1,6 @@
 """Activation-sparsity (TEAL) threshold calibration inside ``compress``, for any static pruning method.
 
-A second calibration stream (``--dp-calib``, Alpaca by default, ``--nsamples`` x ``--seqlen`` tokens)
+A second calibration stream (``--act-sparsity-calib``, Alpaca by default, ``--nsamples`` x ``--seqlen`` tokens)
 runs through the model block by block *after* each block has been pruned (and quantized), so every
 linear layer's input distribution is the one the compressed model produces at that layer. The stream is
 independent of the Wanda/SparseGPT statistics pass, so it works with ``--prune magnitude`` and ``none``
@@ -57,15 +57,15 @@ class ThresholdCalibrator:
         from ..calibrate.samples import load_calibration
 
         if profile not in ("uniform", "greedy"):
-            raise UserError(f"--dp-profile: unknown value {profile!r} (choose from uniform, greedy)")
+            raise UserError(f"--act-sparsity-profile: unknown value {profile!r} (choose from uniform, greedy)")
         self.target, self.profile = float(target), profile
         self.device = torch.device(device)
         say = note or (lambda _m: None)
         tok = tokenizer if tokenizer is not None else load_tokenizer(model_source)
         try:
             samples, info = load_calibration(source, tok, nsamples, seqlen, seed, return_info=True)
-        except UserError as e:  # the loader names --calib; this stream is --dp-calib
-            raise UserError(str(e).replace("--calib ", "--dp-calib ")) from None
+        except UserError as e:  # the loader names --calib; this stream is --act-sparsity-calib
+            raise UserError(str(e).replace("--calib ", "--act-sparsity-calib ")) from None
         say(f"dynamic pruning: {nsamples} x {seqlen} tokens from {source} (seed {seed}), {profile} profile")
         self.info = {**dict(info), "dp_sparsity": self.target, "dp_profile": profile,
                      "greedy_sequences": min(GREEDY_SEQUENCES, nsamples) if profile == "greedy" else None}
@@ -97,7 +97,7 @@ class ThresholdCalibrator:
         for n, mod in linears:
             c = counts[n].cpu().numpy()
             if c[_N_FINITE_F16 + 1:].any():
-                raise UserError(f"MODEL: layer {names[n]} has NaN inputs on the --dp-calib text")
+                raise UserError(f"MODEL: layer {names[n]} has NaN inputs on the --act-sparsity-calib text")
             h = ActivationHistogram(mod.in_features, reservoir=0)
             h.add_counts(c[: _N_FINITE_F16 + 1])  # inf (0x7C00) is the histogram's overflow bin
             hists[n] = h

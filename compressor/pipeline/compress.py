@@ -16,6 +16,8 @@ from ..artifact.store import ArtifactWriter, new_root_attrs
 from ..calibrate import layerwise
 from ..config import CompressConfig, parse_nm
 from ..errors import UserError
+from ..layer_rules import describe as describe_rules
+from ..layer_rules import resolve as resolve_rules
 from ..model.loading import LoadedModel, block_linears, find_blocks
 from ..model.streaming import StreamingModel, block_loader, layer_weight, model_dense_tensors, open_model
 from ..progress import Reporter
@@ -39,6 +41,7 @@ class LayerTotals:
     union_after: int = 0
     union_slots: int = 0
     layers: dict = field(default_factory=dict)
+    dense_linears: dict = field(default_factory=dict)
 
     def add(self, name: str, attrs: dict) -> None:
         s = attrs["stats"]
@@ -53,6 +56,15 @@ class LayerTotals:
             self.union_slots += r["union_slots"]
         self.layers[name] = {"format": attrs["format"], "shape": [m, k], "bits": attrs["bits"]}
 
+    def add_dense(self, name: str, shape: tuple[int, int]) -> None:
+        """A decoder linear kept dense by the per-layer rules: counted as fp16 in the model's figures."""
+        m, k = shape
+        self.weights += m * k
+        self.nnz += m * k
+        self.total_bytes += 2 * m * k
+        self.payload_bytes += 2 * m * k
+        self.dense_linears[name] = [m, k]
+
     def summary(self) -> dict:
         w = max(self.weights, 1)
         out = {
@@ -65,6 +77,8 @@ class LayerTotals:
         if self.union_slots:
             out["union_density_before"] = self.union_before / self.union_slots
             out["union_density_after"] = self.union_after / self.union_slots
+        if self.dense_linears:
+            out["dense_linears"] = len(self.dense_linears)
         return out
 
 
@@ -106,6 +120,7 @@ class _Run:
     prefix: str
     done: set[str] = field(default_factory=set)  # layers already in the store (--resume)
     compressed: set[str] = field(default_factory=set)  # state_dict names of the compressed weights
+    layer_cfg: dict[str, CompressConfig | None] = field(default_factory=dict)  # per-layer rules; None: dense
     activation_sparsity_info: dict | None = None  # TEAL calibration record, when thresholds were calibrated
 
     @property
@@ -122,8 +137,10 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     preflight.check_output(out, cfg.model, cfg.overwrite, cfg.resume, recipe)  # what -o may replace, writable
     loaded = load_source(cfg, reporter)
     blocks, prefix = find_blocks(loaded.model)
-    check_outlier_count(cfg.keep_outliers, {f"{prefix}.{i}.{n}": lin.weight.shape[1]
-                                            for i, b in enumerate(blocks) for n, lin in block_linears(b)})
+    in_features = {f"{prefix}.{i}.{n}": lin.weight.shape[1]
+                   for i, b in enumerate(blocks) for n, lin in block_linears(b)}
+    check_outlier_count(cfg.keep_outliers, in_features)
+    layer_cfg = layer_configs(cfg, list(in_features))  # per-layer rules, checked against the model's layers
     preflight.check_loaded_model(cfg, out, loaded, blocks, prefix)  # context, memory, disk, finite dense tensors
     writer = ArtifactWriter(out, new_root_attrs(recipe["model"], loaded.fingerprint, recipe, loaded.config),
                             resume=cfg.resume, overwrite=cfg.overwrite)
@@ -131,7 +148,8 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     encoder = None
     try:
         encoder = LayerEncoder(cfg, writer.write_layer, totals.add, reporter.note)  # inline or on Dask
-        run = _Run(cfg, reporter, loaded, writer, encoder, totals, blocks, prefix, writer.completed_layers())
+        run = _Run(cfg, reporter, loaded, writer, encoder, totals, blocks, prefix, writer.completed_layers(),
+                   layer_cfg=layer_cfg)
         plan = layerwise.calibration_plan(  # calibration windows, statistics kind, per-block sparsity (OWL)
             loaded.model, cfg.model, cfg.prune, cfg.sparsity, cfg.sparsity_profile, cfg.calib, cfg.nsamples,
             cfg.seqlen, cfg.seed, cfg.device, note=reporter.note, nm=cfg.nm, load=block_loader(loaded),
@@ -141,8 +159,9 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         summary = {**totals.summary(), "seconds": time.perf_counter() - t0}
         writer.finalize({"layers": totals.layers, "dense": sorted(dense), "tied": tied, "summary": summary,
                          "block_prefix": prefix, "n_blocks": len(blocks),
+                         "layer_rules": describe_rules(layer_cfg, cfg),
                          "block_sparsity": plan.block_sparsity, "calibration": plan.info,
-                         **({"dynamic_pruning": run.activation_sparsity_info} if cfg.dp_sparsity > 0 else {})})
+                         **({"dynamic_pruning": run.activation_sparsity_info} if cfg.act_sparsity > 0 else {})})
     except UnionsparseError:
         writer.abort()
         raise
@@ -155,6 +174,12 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         if encoder is not None:
             encoder.close()
     return summary
+
+
+def layer_configs(cfg: CompressConfig, names: list[str]) -> dict[str, CompressConfig | None]:
+    """Each decoder linear's options under the recipe's per-layer rules (None: kept dense)."""
+    rules = cfg.rules
+    return {n: cfg for n in names} if rules.empty else resolve_rules(rules, cfg, names)
 
 
 def load_source(cfg: CompressConfig, reporter: Reporter) -> StreamingModel | LoadedModel:
@@ -170,11 +195,13 @@ def compress_blocks(run: _Run, plan: layerwise.CalibrationPlan) -> None:
     cfg, model, load = run.cfg, run.loaded.model, block_loader(run.loaded)
     kind = hessian_kind(plan.kind) if cfg.gptq or cfg.clip_search else plan.kind  # GPTQ needs H
     # a token sample of every layer's input calibrates its activation clip ratio
-    tap = TokenTap(run.blocks, block_linears, run.prefix) if kind is not None and cfg.act_bits else None
+    any_act = any(c is not None and c.act_bits for c in run.layer_cfg.values())
+    tap = TokenTap(run.blocks, block_linears, run.prefix) if kind is not None and any_act else None
     # activation sparsity (TEAL): thresholds from their own calibration stream through the compressed blocks
-    with layerwise.non_block_weights(model, load if cfg.dp_sparsity > 0 else None):
-        teal = (ThresholdCalibrator(model, cfg.dp_calib, cfg.model, cfg.nsamples, cfg.seqlen, cfg.seed, cfg.dp_sparsity,
-                             cfg.dp_profile, cfg.device, run.reporter.note) if cfg.dp_sparsity > 0 else None)
+    with layerwise.non_block_weights(model, load if cfg.act_sparsity > 0 else None):
+        teal = (ThresholdCalibrator(model, cfg.act_sparsity_calib, cfg.model, cfg.nsamples, cfg.seqlen, cfg.seed,
+                                    cfg.act_sparsity, cfg.act_sparsity_profile, cfg.device, run.reporter.note)
+                if cfg.act_sparsity > 0 else None)
     run.activation_sparsity_info = teal.info if teal is not None else None
     forward = kind is not None or teal is not None  # blocks run: streaming fills each one in
     device = "meta" if run.streamed and not forward else cfg.device
@@ -189,10 +216,15 @@ def compress_blocks(run: _Run, plan: layerwise.CalibrationPlan) -> None:
             names = {sub: f"{run.prefix}.{i}.{sub}" for sub, _ in block_linears(block)}
             prepared = []
             for sub, lin in block_linears(block):
-                prepared.append(prepare_layer(run, names[sub], lin, plan.block_sparsity[i],
-                                              block_stats.pop(sub, None), tap, forward))
-                if teal is None:  # submit at once: one layer in memory at a time
-                    submit(run, *prepared.pop(), {})
+                stats = block_stats.pop(sub, None)
+                if run.layer_cfg[names[sub]] is None:  # kept dense: its weight goes to dense/ untouched
+                    run.totals.add_dense(names[sub], tuple(lin.weight.shape))
+                    if tap is not None:
+                        tap.pop(names[sub])
+                else:
+                    prepared.append(prepare_layer(run, names[sub], lin, plan.block_sparsity[i], stats, tap, forward))
+                    if teal is None:  # submit at once: one layer in memory at a time
+                        submit(run, *prepared.pop(), {})
                 bar.advance()
             if teal is not None:  # the block is compressed: its thresholds, then its layers, in order
                 thresholds = teal.block(block, names)
@@ -209,7 +241,9 @@ def prepare_layer(run: _Run, full: str, lin: torch.nn.Linear, sparsity: float, s
     """Prune and quantize one layer (the one place weights are quantized); the model keeps the compressed
     weight so that later blocks see it. Returns (name, what the encoder takes: a QuantizedLayer, float16
     weights for ``--quant none``, or None for a layer already in the store)."""
-    cfg = run.cfg
+    cfg = run.layer_cfg[full]
+    if cfg.sparsity != run.cfg.sparsity:  # a per-layer sparsity replaces the run's (and OWL's per-block one)
+        sparsity = cfg.sparsity
     run.compressed.add(f"{full}.weight")
     tokens = tap.pop(full) if tap is not None else None
     if full in run.done and not forward:  # --resume, and nothing later needs its weight
@@ -235,15 +269,22 @@ def submit(run: _Run, name: str, payload, thresholds: dict) -> None:
     """Hand one layer to the executor (a layer already in the store keeps its place in the order)."""
     if payload is None:
         run.encoder.done(name, run.writer.layer_attrs(name))
-    else:
-        run.encoder.submit(name, payload, run.cfg, thresholds)
+        return
+    cfg = run.layer_cfg[name]
+    if not (cfg.fmt.activation_sparsity and cfg.act_bits is None):  # a layer whose kernel skips no input
+        thresholds = {}
+    extra = {"overrides": diff} if (diff := describe_rules({name: cfg}, run.cfg).get(name)) else {}
+    run.encoder.submit(name, payload, cfg, {**thresholds, **extra})
 
 
 def write_dense(run: _Run) -> tuple[dict, dict]:
     """Every tensor that is not a compressed weight (embeddings, norms, biases, lm_head) into dense/."""
     dense, tied = model_dense_tensors(run.loaded, run.compressed)
+    kept = {f"{n}.weight" for n in run.totals.dense_linears}  # checked here: preflight saw only non-linears
     with run.reporter.stage("writing dense tensors", total=len(dense)) as bar:
         for name, t in dense.items():
+            if name in kept:
+                preflight.check_finite(f"layer {name[: -len('.weight')]} (kept dense)", t)
             run.writer.write_dense({name: to_storage_dtype(t)})
             bar.advance()
     return dense, tied
