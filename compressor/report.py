@@ -1,4 +1,8 @@
-"""`inspect`: the PMR/CR table of an artifact, per layer and for the whole model, baselines beside it."""
+"""`inspect`: the PMR/CR table of an artifact, per layer and for the whole model, baselines beside it.
+
+Figures come from the layers' attributes as stored (``verify`` recomputes them from the arrays); their
+types are checked, and every cell is printed as plain text (no rich markup, control characters escaped).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,32 @@ import math
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .artifact import Artifact
+from .errors import UserError
+from .terminal import printable
 
 COLUMNS = ("shape", "sparsity", "union_density", "bits_per_weight", "payload_bytes", "meta_bytes",
            "scale_bytes", "pmr", "cr")
+
+
+NUMBERS = ("nnz", "payload_bytes", "meta_bytes", "scale_bytes", "total_bytes", "sparsity", "bits_per_weight",
+           "pmr", "cr", "union_density", "union_positions", "formula_bytes")
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_figures(where: str, s: object) -> dict:
+    """A layer's (or baseline's) ``stats`` with the types inspect sums and prints, else UserError."""
+    shape = s.get("shape") if isinstance(s, dict) else None
+    ok = (isinstance(shape, list) and len(shape) == 2 and all(type(x) is int and x >= 0 for x in shape)
+          and all(s.get(k) is None or _is_number(s[k]) for k in NUMBERS))
+    if not ok:
+        raise UserError(f"{where}: stats are malformed (run unionsparse verify)")
+    return dict(s)
 
 
 def layer_rows(art: Artifact, layer: str | None = None) -> list[dict]:
@@ -18,13 +43,25 @@ def layer_rows(art: Artifact, layer: str | None = None) -> list[dict]:
     rows = []
     for name in names:
         a = art.layer_attrs(name)
-        s = dict(a.get("stats", {}))
+        s = check_figures(f"layer {printable(name)}", a.get("stats"))
+        if a.get("bits") is not None and type(a.get("bits")) is not int:
+            raise UserError(f"layer {printable(name)}: bits {a.get('bits')!r} is not an integer")
         row = {"layer": name, "format": a.get("format"), "bits": a.get("bits"), **s}
         if "reorder" in a:
-            row["reorder"] = a["reorder"]
-        row["baselines"] = a.get("baselines", {})
+            row["reorder"] = _check_reorder(name, a["reorder"])
+        bl = a.get("baselines", {})
+        if not isinstance(bl, dict):
+            raise UserError(f"layer {printable(name)}: baselines are malformed (run unionsparse verify)")
+        row["baselines"] = {b: check_figures(f"layer {printable(name)} baseline", v) for b, v in bl.items()}
         rows.append(row)
     return rows
+
+
+def _check_reorder(name: str, r: object) -> dict:
+    keys = ("union_positions_before", "union_positions_after", "union_slots", "union_density_before")
+    if not isinstance(r, dict) or not all(_is_number(r.get(k)) for k in keys):
+        raise UserError(f"layer {printable(name)}: reorder figures are malformed (run unionsparse verify)")
+    return r
 
 
 def model_row(rows: list[dict], fmt: str) -> dict:
@@ -98,8 +135,13 @@ def _fmt(key: str, v) -> str:
     return str(v)
 
 
+def _cell(v: object) -> Text:
+    """Plain text: no markup is interpreted, control characters are shown as escapes."""
+    return Text(printable(v))
+
+
 def print_tables(data: dict, console: Console, compare: bool) -> None:
-    t = Table(title=f"{data['artifact']}  ({data['model']['format']})", show_lines=False)
+    t = Table(title=_cell(f"{data['artifact']}  ({data['model']['format']})"), show_lines=False)
     t.add_column("layer", overflow="fold")
     for c in COLUMNS:
         t.add_column(c.replace("_bytes", " B").replace("_", " "), justify="right")
@@ -111,7 +153,7 @@ def print_tables(data: dict, console: Console, compare: bool) -> None:
             ro = r.get("reorder")
             cells.append(_fmt("union_density", ro["union_density_before"]) if ro else
                          _fmt("union_density", r.get("union_density_before_reorder")))
-        t.add_row(*cells, style="bold" if r["layer"] == "model" else None)
+        t.add_row(*map(_cell, cells), style="bold" if r["layer"] == "model" else None)
     console.print(t)
     if compare:
         b = Table(title="same masks, other encodings (model level)")
@@ -121,6 +163,7 @@ def print_tables(data: dict, console: Console, compare: bool) -> None:
         b.add_column("seed formula B", justify="right")
         rows = [data["model"]] + list(data["model_baselines"].values())
         for r in rows:
-            b.add_row(r["format"], *[_fmt(c, r.get(c)) for c in ("bits_per_weight", "total_bytes", "meta_bytes",
-                                                                 "pmr", "cr")], _fmt("x_bytes", r.get("formula_bytes")))
+            cells = [r["format"], *[_fmt(c, r.get(c)) for c in ("bits_per_weight", "total_bytes", "meta_bytes",
+                                                                "pmr", "cr")], _fmt("x_bytes", r.get("formula_bytes"))]
+            b.add_row(*map(_cell, cells))
         console.print(b)
