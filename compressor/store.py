@@ -60,19 +60,19 @@ def scan(root: Path) -> dict[str, int]:
     while stack:
         rel, folder = stack.pop()
         try:
-            entries = list(os.scandir(folder))
+            with os.scandir(folder) as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append((f"{rel}{e.name}/", e.path))
+                    elif e.is_file(follow_symlinks=False):
+                        files[rel + e.name] = e.stat(follow_symlinks=False).st_size
+                    elif e.is_symlink():
+                        raise StoreError(f"{root}: {rel}{e.name} is a symbolic link (an artifact never holds "
+                                         "links; refused)")
+                    else:
+                        raise StoreError(f"{root}: {rel}{e.name} is neither a regular file nor a folder (refused)")
         except OSError as e:
             raise StoreError(f"{root}: cannot list {rel or '.'} ({e.strerror})") from None
-        for e in entries:
-            r = rel + e.name
-            if e.is_symlink():
-                raise StoreError(f"{root}: {r} is a symbolic link (an artifact never holds links; refused)")
-            if e.is_dir(follow_symlinks=False):
-                stack.append((r + "/", e.path))
-            elif e.is_file(follow_symlinks=False):
-                files[r] = e.stat(follow_symlinks=False).st_size
-            else:
-                raise StoreError(f"{root}: {r} is neither a regular file nor a folder (refused)")
     return dict(sorted(files.items()))
 
 
@@ -154,7 +154,7 @@ class Store:
         """A file descriptor of ``rel``, every component opened with O_NOFOLLOW (folders kept open: the
         ancestors of the last file, so reading in path order opens each folder once)."""
         parts = rel.split("/")
-        if any(p in ("", ".", "..") for p in parts):
+        if "" in parts or "." in parts or ".." in parts:
             raise StoreError(f"{rel}: not a path inside the store")
         dirs = parts[:-1]
         k = 0
@@ -195,15 +195,13 @@ class Store:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 raise StoreError(f"{rel}: changed while being read")
-            left = size
+            left = size  # never more than the scanned size, even if the file grows meanwhile
             while left:
                 b = os.read(fd, min(left, _BLOCK))
                 if not b:
                     raise StoreError(f"{rel}: changed while being read")
                 left -= len(b)
                 yield b
-            if os.read(fd, 1):
-                raise StoreError(f"{rel}: changed while being read")
         finally:
             os.close(fd)
 
