@@ -306,6 +306,10 @@ def test_forged_model_config_is_refused_before_building(mini, tmp_path, run_cli,
     d = fresh(mini, tmp_path)
     edit_json(d / "zarr.json", lambda doc: doc["attributes"]["model_config"].__setitem__(key, value))
     write_manifest(d)
+    from unionsparse.compressor.rebuild import rebuild_model
+
+    with pytest.raises(UserError, match="model_config"):
+        rebuild_model(d)
     r = run_cli("eval", d, "--text", mini["text"], "--tokenizer", mini["tok"], "--seqlen", "16")
     err = [ln for ln in r.err.splitlines() if ln.strip()]
     assert r.code == 2 and len(err) == 1 and "model_config" in err[0], (key, r.code, r.err)
