@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from .errors import UserError
+from .terminal import printable
 
 COLUMNS = ("artifact", "model", "prune", "sparsity_target", "quant", "format", "tile", "reorder", "layers",
            "sparsity", "bits_per_weight", "cr", "pmr", "union_density_before", "union_density_after",
@@ -102,8 +103,9 @@ def _cell(v, markdown: bool = False) -> str:
         if math.isinf(v):
             return "inf"
         return f"{v:.3f}" if markdown else repr(v)  # CSV keeps full precision
-    s = str(v)
-    return s.replace("|", "\\|") if markdown else s
+    if not markdown:
+        return str(v)
+    return printable(v).replace("|", "\\|")  # the table goes to a terminal: control characters escaped
 
 
 def to_csv(rows: list[dict]) -> str:
