@@ -105,10 +105,17 @@ def _ints(v: object, what: str, lo: int) -> tuple[int, ...]:
     return tuple(v)
 
 
+ARRAY_KEYS = frozenset({"shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs",
+                        "attributes", "zarr_format", "node_type", "storage_transformers", "dimension_names"})
+GROUP_KEYS = frozenset({"attributes", "zarr_format", "node_type", "consolidated_metadata"})
+
+
 def parse_array_meta(meta: dict) -> ArrayMeta:
     """Validate an array's zarr.json (ValueError with the reason)."""
     if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         raise ValueError("not a zarr v3 array")
+    if not meta.keys() <= ARRAY_KEYS or not isinstance(meta.get("fill_value"), (int, float)):
+        raise ValueError(f"unexpected keys or fill_value: {sorted(meta)}")
     dt = meta.get("data_type")
     if dt not in DTYPES:
         raise ValueError(f"data_type {dt!r} is not one an artifact uses")
@@ -242,6 +249,24 @@ class Store:
         if not isinstance(attrs, dict):
             raise StoreError(f"{rel}: attributes are not an object")
         return attrs
+
+    def node_problems(self) -> list[str]:
+        """Every zarr.json of the store that is not a well-formed group or array node (one line each)."""
+        out = []
+        for rel in self.files:
+            if rel != "zarr.json" and not rel.endswith("/zarr.json"):
+                continue
+            path = rel[: -len("zarr.json")].rstrip("/")
+            try:
+                meta = self.json(rel)
+                if meta.get("node_type") == "array":
+                    self.array_meta(path)
+                elif (meta.get("node_type") != "group" or meta.get("zarr_format") != 3
+                      or not meta.keys() <= GROUP_KEYS or not isinstance(meta.get("attributes", {}), dict)):
+                    raise StoreError(f"{rel}: not a zarr v3 group or array")
+            except StoreError as e:
+                out.append(str(e))
+        return out
 
     def children(self, path: str) -> list[str]:
         """Names of the nodes (groups or arrays) directly under ``path``."""

@@ -6,12 +6,14 @@ Checks, in order:
    every file; missing, extra or changed files). When files differ from a valid manifest, verify stops there:
    nothing in a store whose bytes are not the signed ones is decoded. A missing or old (crc32c) manifest is a
    failure too, but the checks below still run.
-2. The root: marker, ``format_version`` (equal to the manifest's), complete; the layer and dense indexes
-   against the groups and arrays stored; tied names.
+2. The root: marker, ``format_version`` (equal to the manifest's), complete; every zarr.json a well-formed
+   node; the layer and dense indexes against the groups and arrays stored; tied names; ``model_config``
+   builds (on the meta device) a model whose every tensor is stored with that shape.
 3. Per layer: arrays readable (exact chunk sizes, CRC-32C), structure (offsets against bitmap popcounts,
    lengths, permutations), decode, re-encode from the decoded codes and compare every array byte for byte,
    codes in range, scales positive and finite; the figures ``inspect`` reports (``stats``, ``baselines``,
-   reorder union counts, the root index entry) recomputed from the decoded layer and compared; and the
+   reorder union counts, the root index entry) recomputed from the decoded layer and compared; format,
+   bits and activation record against the stored recipe; and the
    layer's matmul through the CPU reference of the kernel arithmetic (and the GPU kernel when one is there)
    against the dense dequantized matmul on random activations.
 4. The root ``summary`` recomputed from the layers; dense tensors readable and finite.
@@ -109,10 +111,11 @@ def verify_layer(rec: LayerRecord, rng: np.random.Generator, ns: list[int], back
 
 
 def _same(a: object, b: object) -> bool:
-    """JSON values equal, numbers to a relative 1e-9 (ints and floats compare as numbers, bools apart)."""
+    """JSON values equal (ints and floats compare as numbers, exactly: the figures are recomputed with the
+    same arithmetic; bools apart)."""
     num = (int, float)
     if isinstance(a, num) and isinstance(b, num) and not isinstance(a, bool) and not isinstance(b, bool):
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+        return a == b or (math.isnan(a) and math.isnan(b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
@@ -170,6 +173,36 @@ def figure_problems(rec: LayerRecord, codes: np.ndarray) -> list[str]:
     return out
 
 
+QUANT_BITS = {"w4a4": (4, 4), "w2a4": (2, 4), "w4a16": (4, None), "none": (None, None)}  # weight, activation
+
+
+def recipe_problems(rec: LayerRecord, config: object) -> list[str]:
+    """The layer against the stored recipe: format, weight bits, prune/quant names, activation record."""
+    from .act_quant import ACT_CLIP_GRID, activation_scheme
+
+    quant = config.get("quant") if isinstance(config, dict) else None
+    if quant not in QUANT_BITS:
+        return [f"layer {rec.name}: the stored recipe (config) names no known --quant"]
+    a, name, out = rec.attrs, rec.name, []
+    wbits, abits = QUANT_BITS[quant]
+    if rec.format != config.get("format") or rec.encoding.bits != wbits:
+        out.append(f"layer {name}: {rec.format} with {rec.encoding.bits}-bit values, the recipe says "
+                   f"{config.get('format')!r} {quant}")
+    out += [f"layer {name}: attribute '{k}' is {a.get(k)!r}, the recipe says {config.get(k)!r}"
+            for k in ("prune", "quant") if a.get(k) != config.get(k)]
+    act = a.get("activations")
+    if abits is None:
+        if act is not None:
+            out.append(f"layer {name}: an activation record on a {quant} layer")
+    elif not isinstance(act, dict) or act.get("clip") not in (1.0, *ACT_CLIP_GRID):
+        out.append(f"layer {name}: activation record missing or its clip is not one compress calibrates")
+    else:
+        channels = None if rec.outliers is None else [int(c) for c in rec.outliers.channels]
+        if not _same(act, _jsonable(activation_scheme(abits, a.get("group_size"), act["clip"], channels))):
+            out.append(f"layer {name}: activation record differs from the {quant} scheme")
+    return out
+
+
 def outlier_problems(rec: LayerRecord, codes: np.ndarray) -> list[str]:
     """The side matrix against its layer: scales positive and finite, main columns of the outliers empty."""
     side, out = rec.outliers, []
@@ -211,9 +244,22 @@ def _open_store(path: str) -> Store | str:
         return str(e)
 
 
+def model_problems(art: Artifact) -> list[str]:
+    """``model_config`` builds (on the meta device) a model whose every tensor is stored with its shape."""
+    import torch
+
+    from .rebuild import _config, check_model_fits
+
+    try:
+        check_model_fits(art, _config(art), torch.float32)
+    except UserError as e:
+        return [str(e)]
+    return []
+
+
 def root_problems(art: Artifact, manifest_version: object) -> list[str]:
-    """The root attributes against the manifest and the groups and arrays stored."""
-    out = []
+    """The root attributes against the manifest and the groups and arrays stored; every node well-formed."""
+    out = art.store.node_problems()
     fv = art.attrs.get("format_version")
     if manifest_version is not None and manifest_version != fv:
         out.append(f"root: format_version {fv!r} differs from the manifest's {manifest_version!r}")
@@ -234,6 +280,7 @@ def root_problems(art: Artifact, manifest_version: object) -> list[str]:
 
 
 def index_problems(art: Artifact, rec: LayerRecord) -> list[str]:
+    """The layer's entry in the root index (format, shape, bits) against the layer itself."""
     entry = (art.attrs.get("layers") or {}).get(rec.name) if isinstance(art.attrs.get("layers"), dict) else None
     want = {"format": rec.format, "shape": list(rec.encoding.shape), "bits": rec.encoding.bits}
     if entry != want:
@@ -259,8 +306,17 @@ def summary_problems(art: Artifact, figures: dict[str, dict]) -> list[str]:
             for k in keys if not _same(stored.get(k), want.get(k))]
 
 
+def _guarded(what: str, check, *args) -> list[str]:
+    """``check(*args)``; an exception on crafted metadata is a failure, not a crash."""
+    try:
+        return check(*args)
+    except Exception as e:  # noqa: BLE001 - whatever a crafted store triggers is reported, not raised
+        return [f"{what}: {(str(e).strip().splitlines() or [type(e).__name__])[0][:300]}"]
+
+
 def verify(path: str, backend: str = "auto", ns: list[int] | None = None, seed: int = 0,
            on_layer=None) -> VerifyResult:
+    """Every check of the module docstring on artifact ``path``; bad input (not an artifact) is UserError."""
     backend, note = resolve_backend(backend)
     res = VerifyResult(backend)
     if note:
@@ -290,7 +346,8 @@ def verify(path: str, backend: str = "auto", ns: list[int] | None = None, seed: 
     except StoreError as e:
         res.failures.append(str(e))
         return res
-    res.failures += root_problems(art, m.format_version if m.present and not m.legacy else None)
+    res.failures += _guarded("root", root_problems, art, m.format_version if m.present and not m.legacy else None)
+    res.failures += _guarded("root", model_problems, art)
     rng = np.random.default_rng(seed)
     ns = ns or [1, 8]
     figures: dict[str, dict] | None = {}
@@ -299,7 +356,8 @@ def verify(path: str, backend: str = "auto", ns: list[int] | None = None, seed: 
             rec = art.read_layer(name)
             codes = rec.encoding.decode()
             problems = verify_layer(rec, rng, ns, backend, codes)
-            problems += index_problems(art, rec)
+            problems += _guarded(f"layer {name}", index_problems, art, rec)
+            problems += _guarded(f"layer {name}", recipe_problems, rec, art.attrs.get("config"))
             if figures is not None and not problems:
                 figures[name] = {**layer_figures(rec, codes), "format": rec.format, "bits": rec.encoding.bits,
                                  "reorder": rec.attrs.get("reorder")}
@@ -313,7 +371,7 @@ def verify(path: str, backend: str = "auto", ns: list[int] | None = None, seed: 
         if on_layer:
             on_layer(name)
     if figures is not None:
-        res.failures += summary_problems(art, figures)
+        res.failures += _guarded("root", summary_problems, art, figures)
     for name in dense_names:
         try:
             a = art.read_dense(name)
