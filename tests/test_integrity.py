@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import shutil
 import time
 import tracemalloc
@@ -186,35 +187,48 @@ def test_missing_manifest_fails_in_one_line(mini, tmp_path, run_cli):
 
 def _layer_stat(key, fn):
     return f"layers/{LAYER}/zarr.json", lambda doc: doc["attributes"]["stats"].__setitem__(
-        key, fn(doc["attributes"]["stats"][key]))
+        key, fn(doc["attributes"]["stats"][key])), f"stats.{key}"
 
 
-EDITS = {
+def _root(fn, needle):
+    return "zarr.json", lambda doc: fn(doc["attributes"]), needle
+
+
+EDITS = {  # what -> (file, edit, what the FAIL line must name)
     "stats.nnz": _layer_stat("nnz", lambda v: v - 100),
     "stats.sparsity": _layer_stat("sparsity", lambda v: v + 0.2),
     "stats.bits_per_weight": _layer_stat("bits_per_weight", lambda v: v / 2),
     "stats.total_bytes": _layer_stat("total_bytes", lambda v: v - 64),
+    "stats.pmr last bit": _layer_stat("pmr", lambda v: math.nextafter(v, math.inf)),
     "baselines.csr": (f"layers/{LAYER}/zarr.json",
-                      lambda doc: doc["attributes"]["baselines"]["csr"].__setitem__("meta_bytes", 1)),
-    "summary.bits_per_weight": ("zarr.json", lambda doc: doc["attributes"]["summary"].__setitem__(
-        "bits_per_weight", 1.5)),
-    "summary.sparsity": ("zarr.json", lambda doc: doc["attributes"]["summary"].__setitem__("sparsity", 0.9)),
-    "root index": ("zarr.json", lambda doc: doc["attributes"]["layers"][LAYER].__setitem__("bits", 2)),
-    "format_version": ("zarr.json", lambda doc: doc["attributes"].__setitem__("format_version", 0)),
+                      lambda doc: doc["attributes"]["baselines"]["csr"].__setitem__("meta_bytes", 1), "baselines.csr"),
+    "activations": (f"layers/{LAYER}/zarr.json",
+                    lambda doc: doc["attributes"]["activations"].__setitem__("bits", 8), "activation record"),
+    "activations dropped": (f"layers/{LAYER}/zarr.json", lambda doc: doc["attributes"].pop("activations"),
+                            "activation record"),
+    "summary.bits_per_weight": _root(lambda a: a["summary"].__setitem__("bits_per_weight", 1.5),
+                                     "summary.bits_per_weight"),
+    "summary.sparsity": _root(lambda a: a["summary"].__setitem__("sparsity", 0.9), "summary.sparsity"),
+    "root index": _root(lambda a: a["layers"][LAYER].__setitem__("bits", 2), "root index"),
+    "recipe": _root(lambda a: a["config"].__setitem__("quant", "w2a4"), "the recipe says"),
+    "model_config": _root(lambda a: a["model_config"].__setitem__("intermediate_size", 96), "model_config"),
+    "format_version": _root(lambda a: a.__setitem__("format_version", 0), "format_version"),
+    "group node": ("layers/zarr.json", lambda doc: doc.__setitem__("node_type", "grup"), "layers/zarr.json"),
+    "array fill_value": (f"layers/{LAYER}/values/zarr.json", lambda doc: doc.__setitem__("fill_value", "x"),
+                         "fill_value"),
 }
 
 
 @pytest.mark.parametrize("what", list(EDITS))
 def test_resigned_manifest_does_not_hide_edited_metadata(mini, tmp_path, run_cli, what):
     d = fresh(mini, tmp_path)
-    rel, fn = EDITS[what]
+    rel, fn, needle = EDITS[what]
     edit_json(d / rel, fn)
     write_manifest(d)  # whoever edited the metadata also re-signed the manifest
     r = run_cli("verify", d, "--n", "1", "--quiet")
     assert r.code == 1, (what, r.out, r.err)
     lines = fail_lines(r)
-    key = what.split(".")[-1] if what != "root index" else "root index"
-    assert any(key in ln for ln in lines), (what, lines)
+    assert any(needle in ln for ln in lines), (what, lines)
 
 
 def test_old_crc32c_manifest_is_refused_by_verify_but_readable(mini, tmp_path, run_cli):
@@ -367,7 +381,8 @@ def test_markup_and_escape_sequences_in_names_are_shown_inert(mini, tmp_path, ru
     r = run_cli("inspect", d)
     assert r.code == 0, r.err
     assert name in r.out  # printed as it is, not interpreted
-    assert run_cli("verify", d, "--n", "1", "--quiet").code == 0
+    r = run_cli("verify", d, "--n", "1", "--quiet")  # a renamed layer: the model lacks q_proj now
+    assert r.code == 1 and any("q_proj" in ln for ln in fail_lines(r)), r.out
     d = fresh(mini, tmp_path, "escape.zarr")
     name = "x\x1b[2J\x1b]0;pwned\x07y"
     _rename_layer(d, LAYER, name)
