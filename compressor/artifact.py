@@ -219,7 +219,7 @@ class ManifestCheck:
 
     problems: list[str] = field(default_factory=list)
     present: bool = True
-    legacy: bool = False  # the crc32c manifest of unionsparse < 0.2 (does not bind content)
+    legacy: bool = False  # manifest version 1: crc32c per file (constant for chunk files: binds no content)
     newer: bool = False  # a valid manifest of a newer writer (manifest or format version)
     format_version: object = None
     digest: str | None = None  # SHA-256 of the whole manifest file: pins the artifact
