@@ -130,12 +130,12 @@ def run_worker(name: str, args) -> dict:
         calib = sum(x["dp_calib_sparsity"] * w for x, w in zip(attrs, sizes, strict=True))
         rec["dp_calib_sparsity"] = calib / sum(sizes)
     t = time.perf_counter()
-    r = _eval(art, args)
+    r = _eval(art, args, "--tokenizer", folder)
     rec.update(ppl=r["ppl"], nll=r["nll"], windows=r["windows"], eval_seconds=round(time.perf_counter() - t, 2))
     if dp:
         rec["dp_eval_sparsity"] = r["dynamic_pruning"]["measured_sparsity"]
         rec["total_sparsity"] = 1 - (1 - rec["static_sparsity"]) * (1 - rec["dp_eval_sparsity"])
-        r_off = _eval(art, args, "--no-act-sparsity")
+        r_off = _eval(art, args, "--no-act-sparsity", "--tokenizer", folder)
         rec["ppl_dp_off"] = r_off["ppl"]
     if not args.keep:
         remove_artifact(art)  # in --work, which may be the user's folder: only the artifact goes

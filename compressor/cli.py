@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -18,6 +19,7 @@ from ..formats import registry
 from ..formats.errors import UnionsparseError
 from .errors import UserError
 from .report.summarize import summarize_command
+from .terminal import printable
 
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -220,14 +222,15 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
         res = run(artifact, backend, widths, seed, on_layer=lambda _: bar.advance())
     if as_json:
         click.echo(json.dumps({"ok": res.ok, "backend": res.backend, "layers": res.checked_layers,
-                               "failures": res.failures, "notes": res.notes}, indent=2))
-    else:
+                               "failures": res.failures, "notes": res.notes, "manifest_sha256": res.digest},
+                              indent=2))
+    else:  # failures quote artifact-provided names: control characters are shown as escapes
         for n in res.notes:
-            click.echo(f"note: {n}", err=True)
+            click.echo(f"note: {printable(n)}", err=True)
         for f in res.failures:
-            click.echo(f"FAIL {f}")
+            click.echo(f"FAIL {printable(f)}")
         status = "OK" if res.ok else f"FAILED: {len(res.failures)} problem(s)"
-        click.echo(f"verify {artifact}: {res.checked_layers} layers, backend {res.backend}: {status}")
+        click.echo(printable(f"verify {artifact}: {res.checked_layers} layers, backend {res.backend}: {status}"))
     if not res.ok:
         sys.exit(EXIT_CHECK_FAILED)
 
@@ -266,16 +269,29 @@ def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--act-sparsity/--no-act-sparsity", "--dp/--no-dp", "dp", default=True, show_default=True,
               help="Tiled-CBC artifacts: apply the stored dynamic-pruning thresholds to every token.")
+@click.option("--tokenizer", default=None,
+              help="Tokenizer: a model folder, .gguf file or tokenizer folder (an artifact without one needs it).")
+@click.option("--record", is_flag=True,
+              help="Keep the result beside the artifact (OUT.zarr.figures.json, outside the store) for inspect.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_cmd(source, text_path, seqlen, max_windows, device, dp, as_json) -> None:
+def eval_cmd(source, text_path, seqlen, max_windows, device, dp, tokenizer, record, as_json) -> None:
     """WikiText-2-style perplexity of a model or of an artifact (rebuilt with its stored weights)."""
+    from .artifact.ownership import store_attrs
     from .evaluate.perplexity import evaluate_source
 
-    res = evaluate_source(source, text_path, seqlen, max_windows, device, dynamic_pruning=dp)
+    if record and store_attrs(Path(source)) is None:
+        raise UserError(f"--record: {source} is not a unionsparse artifact (figures are kept beside artifacts)")
+    res = evaluate_source(source, text_path, seqlen, max_windows, device, dynamic_pruning=dp, tokenizer=tokenizer)
+    if record:
+        from .report.figures import record as keep
+
+        key = f"{Path(text_path).name}, seqlen {seqlen}" + (f", {max_windows} windows" if max_windows else "")
+        keep(source, "perplexity", key + ("" if dp else ", no activation sparsity"),
+             {"ppl": res["ppl"], "windows": res["windows"], "text": str(Path(text_path).resolve())})
     if as_json:
         click.echo(json.dumps(res, indent=2))
     else:
-        click.echo(f"perplexity {res['ppl']:.4f} on {res['windows']} windows of {seqlen} tokens ({source})")
+        click.echo(printable(f"perplexity {res['ppl']:.4f} on {res['windows']} windows of {seqlen} tokens ({source})"))
 
 
 @cli.command()
@@ -356,13 +372,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="unionsparse", standalone_mode=False)
     except UnionsparseError as e:
-        click.echo(f"unionsparse: error: {e}", err=True)
+        click.echo(printable(f"unionsparse: error: {e}"), err=True)
         sys.exit(EXIT_BAD_INPUT)
     except click.exceptions.Abort:
         click.echo("unionsparse: aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:  # usage errors: unknown option, missing argument, bad type
-        click.echo(f"unionsparse: error: {e.format_message()}", err=True)
+        click.echo(printable(f"unionsparse: error: {e.format_message()}"), err=True)
         sys.exit(EXIT_BAD_INPUT if e.exit_code == 2 else e.exit_code)
     except KeyboardInterrupt:
         click.echo("unionsparse: interrupted (rerun compress with --resume to continue)", err=True)
@@ -371,8 +387,8 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("UNIONSPARSE_DEBUG"):
             raise
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        click.echo(f"unionsparse: internal error (a bug, please report it): {type(e).__name__}: {first}; "
-                   f"traceback in {_report_bug(e)}", err=True)
+        click.echo(printable(f"unionsparse: internal error (a bug, please report it): {type(e).__name__}: {first}; ")
+                   + f"traceback in {_report_bug(e)}", err=True)
         sys.exit(EXIT_BUG)
     sys.exit(0)
 

@@ -314,7 +314,7 @@ def _not_expressed(art: Artifact, target: str, dense: dict[str, str] | None = No
             acts[key] = acts.get(key, 0) + 1
         outliers += bool(act.get("outlier_channels"))
         thresholds += a.get("dp_threshold") is not None
-        perms += "perm" in art.root["layers"][name].array_keys()
+        perms += art.store.is_array(f"layers/{name}/perm")
     lines = [f"activation quantization ({k}) on {n} layers: not applied, the exported model takes fp16 inputs "
              "(weight-only quantization)" for k, n in acts.items()]
     if thresholds:

@@ -132,3 +132,26 @@ def describe(layer_cfgs: dict[str, object | None], run_cfg) -> dict[str, dict]:
         if diff:
             out[name] = diff
     return out
+
+
+def layer_options(recipe: dict, name: str) -> dict | None:
+    """A stored recipe's options for one linear under its per-layer rules (None: the rules keep it dense); what
+    ``verify`` checks a layer against. A recipe whose rules do not compile keeps its options as they are."""
+    if not isinstance(recipe, dict):
+        return recipe
+    try:
+        rules = parse_rules(recipe.get("targets") or (), recipe.get("ignore") or (), recipe.get("layer_overrides"))
+    except UserError:
+        return recipe
+    if (rules.targets and not any(_matches(p, name) for p in rules.targets)) or any(
+            _matches(p, name) for p in rules.ignore):
+        return None
+    opts: dict = {}
+    for p, o in rules.overrides:
+        if _matches(p, name):
+            opts.update(o)
+    if opts.pop("dense", False):
+        return None
+    if "format" in opts and opts["format"] != recipe.get("format") and "tile" not in opts:
+        opts["tile"] = None
+    return {**recipe, **opts}

@@ -343,5 +343,9 @@ def check_eval_args(source: str, seqlen: int, max_windows: int | None) -> None:
     if max_windows is not None and max_windows < 1:
         raise UserError(f"--max-windows must be >= 1, got {max_windows}")
     attrs = store_attrs(Path(source))
+    if attrs is not None:  # an artifact: opened through the scanned store (links and special files refused)
+        from .artifact.store import Artifact
+
+        attrs = Artifact(source).attrs
     context = model_context(attrs.get("model_config")) if attrs is not None else source_context(str(source))
     check_seqlen("--seqlen", seqlen, context, str(source))

@@ -205,7 +205,9 @@ def _reference_model(artifact):
 def test_eval_with_dynamic_pruning_equals_the_reference_spmspv(model_dir, magnitude_dp, run_cli):
     """`eval` on a DP artifact = the model whose every layer is the kernel reference, token by token."""
     text = model_dir / "eval.raw"
-    res = run_cli("eval", magnitude_dp, "--text", text, "--seqlen", "32", "--max-windows", "2", "--json")
+    tok_dir = model_dir / "model"
+    res = run_cli("eval", magnitude_dp, "--text", text, "--seqlen", "32", "--max-windows", "2", "--json",
+                  "--tokenizer", tok_dir)
     assert res.code == 0, res.err
     got = json.loads(res.out)
     assert got["dynamic_pruning"]["layers"] == 14
@@ -214,7 +216,7 @@ def test_eval_with_dynamic_pruning_equals_the_reference_spmspv(model_dir, magnit
     ref = evaluate.perplexity(_reference_model(magnitude_dp), tok, text, seqlen=32, max_windows=2)
     assert got["ppl"] == pytest.approx(ref, rel=1e-5)
     off = run_cli("eval", magnitude_dp, "--text", text, "--seqlen", "32", "--max-windows", "2", "--json",
-                  "--no-dp")
+                  "--no-dp", "--tokenizer", tok_dir)
     assert off.code == 0, off.err
     no_dp = json.loads(off.out)
     assert no_dp["dynamic_pruning"] is None

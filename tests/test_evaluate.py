@@ -207,7 +207,7 @@ def test_eval_on_artifact_rebuilds_stored_weights(model_dir, tmp_path, quant):
             ]
         )
     assert e.value.code == 0
-    res = evaluate.evaluate_source(out, model_dir / "eval.raw", seqlen=32)
+    res = evaluate.evaluate_source(out, model_dir / "eval.raw", seqlen=32, tokenizer=model_dir / "model")
     assert res["kind"] == "artifact"
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model").eval()
     layerwise.prune_model(ref, None, "magnitude", 0.5)

@@ -170,17 +170,68 @@ def store_cases(good: Path, tmp: Path) -> list[tuple[list, str]]:
     return cases
 
 
-def test_catalogue(tmp_path, model_dirs, good, run_cli):
+def resign_json(store: Path, rel: str, fn) -> None:
+    """Edit one JSON file of the store and re-sign the manifest (a crafted, consistent store)."""
+    doc = json.loads((store / rel).read_text())
+    fn(doc)
+    (store / rel).write_text(json.dumps(doc))
+    write_manifest(store)
+
+
+def integrity_cases(good: Path, tmp: Path, tokenizer: Path) -> list[tuple[list, str]]:
+    """Issue 27: links, manifests, swaps, forged sizes and configs, names with control characters."""
+    cases = []
+    text = tmp / "eval.txt"
+    text.write_text("the model weights of the sparse kernel\n" * 40)
+    d = copy_store(good, tmp, "no_manifest.zarr")
+    (d / "unionsparse_manifest.json").unlink()
+    cases.append((["verify", d, "--n", "1"], "unionsparse_manifest.json is missing"))
+    d = copy_store(good, tmp, "link.zarr")
+    chunk = first_chunk(d / "layers" / LAYER / "values")
+    shutil.copy(chunk, tmp / "outside_chunk")
+    chunk.unlink()
+    chunk.symlink_to(tmp / "outside_chunk")
+    cases += [(["verify", d, "--n", "1"], "symbolic link"), (["inspect", d], "symbolic link"),
+              (["eval", d, "--text", text, "--tokenizer", tokenizer, "--seqlen", "64"], "symbolic link")]
+    d = copy_store(good, tmp, "swapped_scales.zarr")
+    a, b = (first_chunk(d / "layers" / n / "scales") for n in (LAYER, "model.layers.0.self_attn.o_proj"))
+    ra, rb = a.read_bytes(), b.read_bytes()
+    a.write_bytes(rb)
+    b.write_bytes(ra)
+    cases.append((["verify", d, "--n", "1"], "scales/c/0/0: size or SHA-256 differs"))
+    d = copy_store(good, tmp, "edited_stats.zarr")
+    resign_json(d, f"layers/{LAYER}/zarr.json", lambda m: m["attributes"]["stats"].__setitem__("nnz", 1))
+    cases.append((["verify", d, "--n", "1"], "stats.nnz"))
+    d = copy_store(good, tmp, "huge_shape.zarr")
+    resign_json(d, f"layers/{LAYER}/values/zarr.json", lambda m: m.__setitem__("shape", [1 << 33]))
+    cases += [(["verify", d, "--n", "1"], LAYER),
+              (["eval", d, "--text", text, "--tokenizer", tokenizer, "--seqlen", "64"], "declares")]
+    d = copy_store(good, tmp, "forged_config.zarr")
+    resign_json(d, "zarr.json", lambda m: m["attributes"]["model_config"].__setitem__("vocab_size", 1 << 24))
+    cases.append((["eval", d, "--text", text, "--tokenizer", tokenizer, "--seqlen", "64"], "model_config"))
+    cases.append((["eval", good, "--text", text, "--seqlen", "64"], "--tokenizer"))
+    d = copy_store(good, tmp, "escape_name.zarr")
+    evil = "q\x1b]0;owned\x07\x1b[2J"
+    (d / "layers" / LAYER).rename(d / "layers" / evil)
+    resign_json(d, "zarr.json", lambda m: m["attributes"].__setitem__(
+        "layers", {evil if k == LAYER else k: v for k, v in m["attributes"]["layers"].items()}))
+    cases += [(["inspect", d], "control character"), (["verify", d, "--n", "1"], "control character")]
+    return cases
+
+
+def test_catalogue(tmp_path, model_dirs, good, run_cli, llama_with_tokenizer):
     model = model_dirs["llama"]
     o = tmp_path / "o.zarr"
     cases = [(args + ["-o", o, "--quiet"] if args[0] == "compress" else args, needle)
              for args, needle in model_cases(model, tmp_path) + option_cases(model, tmp_path)]
     cases += store_cases(good, tmp_path)
-    assert len(cases) >= 20
+    cases += integrity_cases(good, tmp_path, llama_with_tokenizer[0])
+    assert len(cases) >= 30
     for args, needle in cases:
         r = run_cli(*args)
         text = r.out + r.err
         assert "Traceback" not in text, (args, text)
+        assert "\x1b" not in text and "\x07" not in text, (args, text)  # nothing reaches the terminal raw
         if args[0] == "verify" and r.code == 1:  # a store of ours that fails a check
             fails = [ln for ln in r.out.splitlines() if ln.startswith("FAIL")]
             assert fails and any(needle in ln for ln in fails), (args, r.out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 import re
 import struct
@@ -135,3 +136,46 @@ def test_log_level_info_gives_one_line_per_stage(artifacts, run_cli):
     assert re.search(r"INFO unionsparse: verifying layers: 14/14 in \d+\.\d s", r.err), r.err
     r = run_cli("verify", artifacts["tiled-cbc"], "--quiet", "--n", "1", "--backend", "cpu")
     assert "INFO" not in r.err  # default level: warnings only
+
+
+def test_inspect_leads_with_the_summary_and_recorded_figures(tmp_path, llama_with_tokenizer, run_cli):
+    """inspect starts with what a user decides from (formats, size against fp16, bits per weight, fidelity,
+    speed); eval --record keeps its perplexity beside the artifact, outside the checksummed store, and inspect
+    and the HTML page then show it; the per-layer table follows, collapsed in the HTML page."""
+    model, _ = llama_with_tokenizer
+    art = tmp_path / "s.zarr"
+    assert run_cli("compress", model, "-o", art, "--quiet", "--reorder", "none", "--ignore", ".*down_proj").code == 0
+    first = run_cli("inspect", art).out.splitlines()
+    assert first[0].startswith(f"{art}: ie-bme w4a4 from ") and "2 kept dense" in first[1]
+    assert "bits/weight" in first[2] and "not recorded" in first[3] and "not measured" in first[4]
+    text = tmp_path / "wiki.txt"
+    text.write_text(" = Title = \n" + "the sparse model weights of the layer input\n" * 60)
+    before = sorted(p.relative_to(art) for p in art.rglob("*"))
+    r = run_cli("eval", art, "--text", text, "--seqlen", "64", "--tokenizer", model, "--record", "--json")
+    assert r.code == 0, r.err
+    ppl = json.loads(r.out)["ppl"]
+    assert sorted(p.relative_to(art) for p in art.rglob("*")) == before  # the store is untouched...
+    sidecar = art.with_name(art.name + ".figures.json")
+    assert sidecar.is_file()  # ...the figures sit beside it
+    assert run_cli("verify", art, "--n", "1").code == 0
+    lines = run_cli("inspect", art).out.splitlines()
+    assert lines[3] == f"  fidelity  perplexity {ppl:.3f} on wiki.txt, seqlen 64"
+    page = tmp_path / "r.html"
+    assert run_cli("inspect", art, "--html", page).code == 0
+    html = page.read_text()
+    assert html.index("Summary") < html.index(f"perplexity {ppl:.3f}") < html.index("<details>")
+    assert "<table>" in html[html.index("<details>"):]
+    r = run_cli("eval", model, "--text", text, "--seqlen", "64", "--record")
+    assert r.code == 2 and "not a unionsparse artifact" in r.err
+
+
+def test_inspect_fits_an_80_column_terminal(artifacts):
+    """A narrow console gets the compact per-layer table (every line within its width)."""
+    from rich.console import Console
+    from unionsparse.compressor.report.tables import inspect_data, print_tables
+
+    console = Console(width=80, record=True, file=io.StringIO())
+    print_tables(inspect_data(str(artifacts["ie-bme"]), None, False), console, False)
+    text = console.export_text()
+    assert "bits per weight" in text and "payload B" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80

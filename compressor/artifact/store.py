@@ -6,17 +6,18 @@ Layout::
                                    config, created, layer index, dense index, tied aliases
       layers/<module path>/        arrays of one encoded layer, attrs (shape, format, bits, stats, ...)
       dense/<tensor name>          every other tensor (embeddings, norms, biases, lm_head)
-      unionsparse_manifest.json    size and crc32c of every file, with its own checksum
+      unionsparse_manifest.json    path, size and SHA-256 of every other file, and the SHA-256 of that list
 
 Every array carries a crc32c codec, so a flipped byte in a chunk fails on read. The manifest covers the
 metadata files too. The store is written as ``OUT.zarr.partial`` and renamed at the end; a layer group
-counts only once its ``complete`` attribute is set (written after its arrays).
+counts only once its ``complete`` attribute is set (written after its arrays). Reading goes through
+:mod:`.store` (no links, bounded reads, declared sizes checked before allocating).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -32,8 +33,11 @@ from ...formats.arithmetic.outlier_side import OutlierSide, side_arrays, side_fr
 from ...formats.errors import FormatError
 from ..errors import UserError
 from . import ownership
+from .scan import MAX_JSON_BYTES, ArrayMeta, Store, StoreError, check_name
 
 FORMAT_VERSION = 1
+READS_FORMAT_VERSIONS = (1,)
+MANIFEST_VERSION = 2  # 1: crc32c of each file (constant for chunk files); 2: SHA-256 of each file
 MARKER = "unionsparse"
 MANIFEST = "unionsparse_manifest.json"
 CHUNK_BYTES = 16 << 20
@@ -175,135 +179,255 @@ def _jsonable(obj):
 # ----------------------------------------------------------------------------------------- manifest
 
 
-def _file_entries(root: Path) -> dict[str, list[int]]:
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for fn in files:
-            p = Path(dirpath) / fn
-            rel = p.relative_to(root).as_posix()
-            if rel == MANIFEST:
-                continue
-            out[rel] = [p.stat().st_size, crc32c.crc32c(p.read_bytes())]
-    return dict(sorted(out.items()))
+def _file_entries(store: Store) -> dict[str, dict]:
+    """SHA-256 and size of every file of the store but the manifest, by relative path."""
+    return {rel: {"sha256": store.sha256(rel), "size": size} for rel, size in store.files.items() if rel != MANIFEST}
+
+
+def _signed(body: str) -> str:
+    return body + "\n" + f"sha256 {hashlib.sha256(body.encode()).hexdigest()}\n"
 
 
 def write_manifest(root: Path) -> None:
-    body = json.dumps({"files": _file_entries(root)}, sort_keys=True, separators=(",", ":"))
-    text = body + "\n" + f"crc32c {crc32c.crc32c(body.encode()):08x}\n"
-    (root / MANIFEST).write_text(text)
-
-
-def check_manifest(root: Path) -> list[str]:
-    """Every problem between the files on disk and the manifest: one message each."""
-    mpath = root / MANIFEST
-    if not mpath.is_file():
-        return [f"{MANIFEST} is missing"]
-    text = mpath.read_bytes()
+    """Write ``unionsparse_manifest.json``: every file's path, size and SHA-256, the root's format_version,
+    and the SHA-256 of that body on a last line (see docs/format.md)."""
+    store = Store(root)
     try:
-        body, trailer = text.decode().rstrip("\n").rsplit("\n", 1)
-        want = int(trailer.split()[1], 16)
-        files = json.loads(body)["files"]
-    except (ValueError, IndexError, KeyError, UnicodeDecodeError):
-        return [f"{MANIFEST} is corrupt"]
-    if crc32c.crc32c(body.encode()) != want:
-        return [f"{MANIFEST} fails its checksum"]
-    problems = []
-    actual = _file_entries(root)
-    for rel, entry in files.items():
-        if rel not in actual:
-            problems.append(f"{rel}: file missing")
-        elif actual[rel] != entry:
-            problems.append(f"{rel}: size or crc32c differs from the manifest")
-    for rel in actual:
-        if rel not in files:
-            problems.append(f"{rel}: file not in the manifest")
+        version = store.group_attrs("").get("format_version")
+    except StoreError:  # signs whatever is there (tests craft broken stores this way)
+        version = None
+    body = json.dumps({"manifest": MANIFEST_VERSION, "hash": "sha256", "format_version": version,
+                       "files": _file_entries(store)}, sort_keys=True, separators=(",", ":"))
+    (Path(root) / MANIFEST).write_text(_signed(body))
+
+
+@dataclass
+class ManifestCheck:
+    """The outcome of :func:`check_manifest`: problems (one line each), and what the manifest records."""
+
+    problems: list[str] = field(default_factory=list)
+    present: bool = True
+    legacy: bool = False  # manifest version 1: crc32c per file (constant for chunk files: binds no content)
+    newer: bool = False  # a valid manifest of a newer writer (manifest or format version)
+    format_version: object = None
+    digest: str | None = None  # SHA-256 of the whole manifest file: pins the artifact
+
+
+def _where(rel: str) -> str:
+    """``layer NAME: path`` / ``dense NAME: path`` for a file of a layer or dense tensor, else the path."""
+    parts = rel.split("/", 2)
+    if len(parts) == 3 and parts[0] in ("layers", "dense"):
+        return f"{'layer' if parts[0] == 'layers' else 'dense'} {parts[1]}: {parts[2]}"
+    return rel
+
+
+def _compare(files: object, actual: dict[str, object], what: str) -> list[str]:
+    if not isinstance(files, dict):
+        return [f"{MANIFEST} is corrupt (no file list)"]
+    problems = [f"{_where(rel)}: file missing (listed in the manifest)" for rel in files if rel not in actual]
+    problems += [f"{_where(rel)}: {what} differs from the manifest"
+                 for rel in files if rel in actual and actual[rel] != files[rel]]
+    problems += [f"{_where(rel)}: file not in the manifest" for rel in actual if rel not in files]
     return problems
+
+
+def _check_legacy(store: Store, body: str, want: str) -> ManifestCheck:
+    res = ManifestCheck(legacy=True)
+    try:
+        files = json.loads(body)["files"]
+        ok = crc32c.crc32c(body.encode()) == int(want, 16)
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return ManifestCheck([f"{MANIFEST} is corrupt"], legacy=True)
+    if not ok:
+        return ManifestCheck([f"{MANIFEST} fails its checksum"], legacy=True)
+    actual = {}
+    for rel, size in store.files.items():
+        if rel != MANIFEST:
+            crc = 0
+            for b in store.blocks(rel):
+                crc = crc32c.crc32c(b, crc)
+            actual[rel] = [size, crc]
+    res.problems = _compare(files, actual, "size or crc32c")
+    res.problems.append(f"{MANIFEST}: an old crc32c manifest, which does not bind the files' content; recompress "
+                        "(unionsparse compress --config OLD.zarr -o NEW.zarr) for a SHA-256 manifest")
+    return res
+
+
+def check_manifest(root: Path | Store) -> ManifestCheck:
+    """Every difference between the store's files and its manifest, one message each (empty: all match)."""
+    store = root if isinstance(root, Store) else Store(root)
+    if MANIFEST not in store.files:
+        return ManifestCheck([f"{MANIFEST} is missing: nothing binds the files' content (every artifact "
+                              "unionsparse writes has one)"], present=False)
+    raw = store.read(MANIFEST, MAX_JSON_BYTES)
+    try:
+        body, trailer = raw.decode("utf-8").rstrip("\n").rsplit("\n", 1)
+        kind, want = trailer.split(" ")
+    except (UnicodeDecodeError, ValueError):
+        return ManifestCheck([f"{MANIFEST} is corrupt"])
+    if kind == "crc32c":
+        return _check_legacy(store, body, want)
+    if kind != "sha256" or hashlib.sha256(body.encode()).hexdigest() != want:
+        return ManifestCheck([f"{MANIFEST} fails its SHA-256 (the manifest itself was changed)"])
+    res = ManifestCheck(digest=hashlib.sha256(raw).hexdigest())
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return ManifestCheck([f"{MANIFEST} is corrupt"])
+    if not isinstance(doc, dict):
+        return ManifestCheck([f"{MANIFEST} is corrupt"])
+    res.format_version = doc.get("format_version")
+    version = doc.get("manifest")
+    if type(version) is int and version > MANIFEST_VERSION or (
+            type(res.format_version) is int and res.format_version > FORMAT_VERSION):
+        res.newer = True
+        return res
+    if version != MANIFEST_VERSION or doc.get("hash") != "sha256":
+        return ManifestCheck([f"{MANIFEST} is corrupt (unknown version or hash)"])
+    res.problems = _compare(doc.get("files"), _file_entries(store), "size or SHA-256")
+    return res
 
 
 # ------------------------------------------------------------------------------------------ reading
 
 
-class Artifact:
-    """Read access to a finished artifact. Opening checks the marker, version and completeness."""
+def _format_version_problem(path: object, version: object) -> str | None:
+    if type(version) is int and version > FORMAT_VERSION:
+        return (f"{path}: format_version {version} is newer than this unionsparse reads ({FORMAT_VERSION}); "
+                "upgrade unionsparse")
+    if type(version) is not int or version not in READS_FORMAT_VERSIONS:
+        return f"{path}: format_version {version!r} is not one unionsparse writes"
+    return None
 
-    def __init__(self, path: str | Path):
+
+class Artifact:
+    """Read access to a finished artifact. Opening checks the marker, version and completeness.
+
+    Everything is read through :class:`~.store.Store`: no links, reads bounded by declared and physical sizes.
+    """
+
+    def __init__(self, path: str | Path, store: Store | None = None):
         self.path = Path(path)
         if not self.path.exists():
             raise UserError(f"{path}: no such artifact")
-        if not (self.path / "zarr.json").is_file():
+        if not self.path.is_dir():
+            raise UserError(f"{path}: not a unionsparse artifact (not a folder)")
+        self.store = store if store is not None else Store(self.path)
+        if "zarr.json" not in self.store.files:
             raise UserError(f"{path}: not a unionsparse artifact (no zarr.json)")
         try:
-            self.root = zarr.open_group(str(self.path), mode="r")
-            self.attrs = dict(self.root.attrs)
-        except Exception as e:  # zarr raises several types for broken metadata
-            raise UserError(f"{path}: not a readable zarr store ({type(e).__name__})") from None
-        if not self.attrs.get(MARKER):
+            self.attrs = self.store.group_attrs("")
+        except StoreError as e:
+            raise UserError(f"{path}: not a readable zarr store ({e})") from None
+        if self.attrs.get(MARKER) is not True:
             raise UserError(f"{path}: not a unionsparse artifact (root attrs lack the marker)")
-        version = self.attrs.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise UserError(
-                f"{path}: format_version {version!r} is newer than this unionsparse reads "
-                f"({FORMAT_VERSION}); upgrade unionsparse"
-            )
-        if not self.attrs.get("complete"):
+        problem = _format_version_problem(path, self.attrs.get("format_version"))
+        if problem:
+            raise UserError(problem)
+        if self.attrs.get("complete") is not True:
             raise UserError(f"{path}: incomplete artifact (interrupted compress? rerun with --resume)")
+
+    def _names(self, key: str, folder: str) -> list[str]:
+        index = self.attrs.get(key)
+        if isinstance(index, (dict, list)):
+            names = list(index)
+        else:
+            names = sorted(self.store.children(folder))
+        return [check_name(n, f"{self.path}: {folder[:-1] if folder == 'layers' else folder} name") for n in names]
 
     @property
     def layer_names(self) -> list[str]:
-        index = self.attrs.get("layers")
-        if isinstance(index, dict):
-            return list(index)
-        return sorted(self.root["layers"].group_keys())
+        return self._names("layers", "layers")
 
     @property
     def dense_names(self) -> list[str]:
-        index = self.attrs.get("dense")
-        if isinstance(index, list):
-            return [str(n) for n in index]
-        return sorted(self.root["dense"].array_keys())
+        return self._names("dense", "dense")
+
+    def group_names(self, folder: str) -> list[str]:
+        """Nodes stored under ``layers`` or ``dense`` (whatever the root index says)."""
+        return sorted(self.store.children(folder))
 
     def layer_attrs(self, name: str) -> dict:
         try:
-            return dict(self.root["layers"][name].attrs)
-        except KeyError:
-            raise UserError(f"--layer: no layer named {name} (see `unionsparse inspect`)") from None
+            check_name(name)
+        except StoreError:
+            raise UserError(f"--layer: no layer named {name!r} (see `unionsparse inspect`)") from None
+        if f"layers/{name}/zarr.json" not in self.store.files:
+            raise UserError(f"--layer: no layer named {name} (see `unionsparse inspect`)")
+        return self.store.group_attrs(f"layers/{name}")
 
     def read_layer(self, name: str) -> LayerRecord:
-        """Read and structurally validate one layer. Corruption raises FormatError or a zarr error."""
-        g = self.root["layers"][name]
-        a = dict(g.attrs)
-        present = set(g.array_keys())
+        """Read and structurally validate one layer. Corruption raises FormatError or StoreError."""
+        check_name(name, "layer name")
+        base = f"layers/{name}"
+        if f"{base}/zarr.json" not in self.store.files:
+            raise FormatError(f"layer {name}: group missing")
+        a = self.store.group_attrs(base)
+        present = {k for k in self.store.children(base) if self.store.is_array(f"{base}/{k}")}
 
         def arr(key: str, required: bool = True) -> np.ndarray | None:
             if key not in present:
                 if required:
                     raise FormatError(f"layer {name}: array '{key}' is missing")
                 return None
-            return np.asarray(g[key][...])
+            return self.store.read_array(f"{base}/{key}")
 
+        shape, bits, tile, fmt_name = _layer_geometry(name, a)  # types and ranges, before the arrays
         try:
-            fmt = registry.get(a.get("format"))
-            enc = fmt.from_arrays(a, arr)
+            enc = registry.get(fmt_name).from_arrays(
+                {**a, **{k: list(_int_pair(name, a, k)) for k in registry.get(fmt_name).extra_geometry}}, arr)
         except FormatError as e:
-            raise FormatError(f"layer {name}: {e}") from None
-        shape, bits = enc.shape, enc.bits
+            raise e if str(e).startswith(f"layer {name}:") else FormatError(f"layer {name}: {e}") from None
         scales = arr("scales", required=bits is not None)
         if scales is not None:
             gs = a.get("group_size")
-            if not isinstance(gs, int) or gs <= 0:
+            if type(gs) is not int or gs <= 0:
                 raise FormatError(f"layer {name}: bad group_size {gs!r}")
             want = (shape[0], -(-shape[1] // gs))
             if scales.dtype != np.float16 or scales.shape != want:
                 raise FormatError(f"layer {name}: scales must be float16 {want}, got {scales.dtype} {scales.shape}")
-        recorded = (a.get("activations") or {}).get("outlier_channels")
+        act = a.get("activations")
+        recorded = act.get("outlier_channels") if isinstance(act, dict) else None
         side = None
         if recorded is not None or "outlier_codes" in present:
             side = side_from_arrays(name, shape, arr("outlier_codes"), arr("outlier_scales"),
                                     arr("outlier_channels"), recorded)
         return LayerRecord(name, enc, scales, a, side)
 
+    def dense_meta(self, name: str) -> ArrayMeta:
+        """Declared shape and dtype of a dense tensor (nothing allocated)."""
+        check_name(name, "dense tensor name")
+        return self.store.array_meta(f"dense/{name}")
+
     def read_dense(self, name: str) -> np.ndarray:
-        return np.asarray(self.root["dense"][name][...])
+        check_name(name, "dense tensor name")
+        return self.store.read_array(f"dense/{name}")
+
+    def tokenizer_dir(self) -> Path | None:
+        """The store's ``tokenizer/`` folder (regular files only, checked by the scan), or None."""
+        if any(rel.startswith("tokenizer/") for rel in self.store.files):
+            return self.path / "tokenizer"
+        return None
+
+
+def _int_pair(name: str, attrs: dict, key: str) -> tuple[int, int]:
+    v = attrs.get(key)
+    if not isinstance(v, list) or len(v) != 2 or not all(type(x) is int and 0 < x <= 1 << 31 for x in v):
+        raise FormatError(f"layer {name}: attribute {key} must be two positive integers, got {v!r}")
+    return v[0], v[1]
+
+
+def _layer_geometry(name: str, a: dict) -> tuple[tuple[int, int], int | None, tuple[int, int], str]:
+    """(shape, bits, tile, format) of a layer's attributes, validated (FormatError)."""
+    for key in ("shape", "bits", "tile", "format"):
+        if key not in a:
+            raise FormatError(f"layer {name}: attribute '{key}' is missing")
+    fmt, bits = a["format"], a["bits"]
+    if fmt not in registry.names():
+        raise FormatError(f"layer {name}: unknown format {fmt!r}")
+    if bits is not None and (type(bits) is not int or bits not in (2, 4, 8)):
+        raise FormatError(f"layer {name}: bad bits {bits!r}")
+    return _int_pair(name, a, "shape"), bits, _int_pair(name, a, "tile"), fmt
 
 
 def new_root_attrs(source: str, fp: str, config: dict, model_config: dict) -> dict:

@@ -359,8 +359,8 @@ class CalibrationPlan:
     info: dict = field(default_factory=dict)
 
 
-def load_tokenizer(source: str):
-    """The tokenizer of MODEL (a model folder, a .gguf file or a hub id)."""
+def load_tokenizer(source: str, flag: str = "MODEL", purpose: str = " for calibration"):
+    """The tokenizer of MODEL (a model folder, a .gguf file or a hub id); errors name ``flag``."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
@@ -380,7 +380,7 @@ def load_tokenizer(source: str):
         return AutoTokenizer.from_pretrained(source, local_files_only=local)
     except Exception as e:  # missing tokenizer files, hub unreachable, unsupported GGUF tokenizer
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UserError(f"MODEL: cannot load the tokenizer of {source}: {first}") from None
+        raise UserError(f"{flag}: cannot load the tokenizer of {source}{purpose}: {first}") from None
 
 
 def calibration_plan(

@@ -103,12 +103,36 @@ def is_artifact(source: str | Path) -> bool:
     return p.is_dir() and (p / "zarr.json").is_file()
 
 
-def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynamic_pruning: bool = True):
+def load_artifact_tokenizer(art, tokenizer: str | Path | None = None):
+    """The tokenizer for an artifact: ``tokenizer`` when given, else the one stored in the artifact.
+
+    Never the source model the artifact names: what an artifact says must not make eval read another
+    file or reach the network (UserError when there is neither).
+    """
+    from ..calibrate.layerwise import load_tokenizer
+
+    if tokenizer is not None:
+        return load_tokenizer(str(tokenizer), flag="--tokenizer", purpose="")
+    stored = art.tokenizer_dir()
+    if stored is None:
+        raise UserError(f"{art.path}: the artifact stores no tokenizer; pass --tokenizer (the source model's "
+                        "folder, .gguf file or tokenizer folder)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(stored), local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        raise UserError(f"{art.path}: the stored tokenizer does not load ({type(e).__name__})") from None
+
+
+def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynamic_pruning: bool = True,
+                  tokenizer: str | Path | None = None):
     """``(model, tokenizer, kind)`` for MODEL (folder, .gguf, hub id) or an artifact (rebuilt).
 
-    An artifact's tokenizer comes from the model it was compressed from (root attrs ``source.model``).
-    Tiled-CBC layers compute the decode kernel's arithmetic, every token with the layer's stored
-    dynamic-pruning threshold unless ``dynamic_pruning`` is False (:mod:`.dp_linear`).
+    An artifact's tokenizer is ``tokenizer`` or the one stored in it (:func:`load_artifact_tokenizer`);
+    MODEL's is its own unless ``tokenizer`` is given. Tiled-CBC layers compute the decode kernel's
+    arithmetic, every token with the layer's stored dynamic-pruning threshold unless ``dynamic_pruning``
+    is False (:mod:`.dp_linear`).
     """
     from ..calibrate.layerwise import load_tokenizer
 
@@ -119,16 +143,15 @@ def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynami
             from ..artifact.store import rebuild_model  # the lead's reader, when it provides one
         except ImportError:
             from ..model.rebuild import rebuild_model
-        art = Artifact(source)
-        origin = (art.attrs.get("source") or {}).get("model")
-        if not origin:
-            raise UserError(f"{source}: the artifact does not record its source model (for the tokenizer)")
+        tok = load_artifact_tokenizer(Artifact(source), tokenizer)  # before the slow rebuild
         model = rebuild_model(source, dynamic_pruning=dynamic_pruning)
-        return model.eval(), load_tokenizer(origin), "artifact"
+        return model.eval(), tok, "artifact"
     from ..model.loading import load_model
 
+    tok = load_tokenizer(str(tokenizer if tokenizer is not None else source),
+                         flag="--tokenizer" if tokenizer is not None else "MODEL", purpose="")
     loaded = load_model(str(source), dtype=dtype)
-    return loaded.model.eval(), load_tokenizer(str(source)), loaded.kind
+    return loaded.model.eval(), tok, loaded.kind
 
 
 def evaluate_source(
@@ -138,11 +161,14 @@ def evaluate_source(
     max_windows: int | None = None,
     device: str = "cpu",
     dynamic_pruning: bool = True,
+    tokenizer: str | Path | None = None,
 ) -> dict:
     """Perplexity of MODEL or an artifact on ``text_path``; returns a dict for the CLI (and ``--json``).
 
     ``dynamic_pruning``: a Tiled-CBC artifact's thresholds are applied to every token (see
     :mod:`.dp_linear`); the result's ``dynamic_pruning`` then gives the fraction of weight reads skipped.
+    ``tokenizer``: a model folder, .gguf file, tokenizer folder or hub id to tokenize with (an artifact
+    without a stored tokenizer needs it).
     """
     import time
 
@@ -155,7 +181,7 @@ def evaluate_source(
 
     check_eval_args(str(source), seqlen, max_windows)  # and the window length against the model's context
     t0 = time.perf_counter()
-    model, tok, kind = load_for_eval(source, dynamic_pruning=dynamic_pruning)
+    model, tok, kind = load_for_eval(source, dynamic_pruning=dynamic_pruning, tokenizer=tokenizer)
     model.to(device)
     ids = tokenize_eval_text(tok, text)
     nlls = window_nlls(model, ids, seqlen, max_windows, device)

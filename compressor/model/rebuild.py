@@ -7,6 +7,10 @@ the layer records ``activations``, e.g. W4A4), or plain linears holding ``code Â
 (``--keep-outliers``) compute main + 8-bit side product; their plain weight is put back in the original
 column order. Every other tensor comes from
 ``dense/``. Used only when ``compressor.artifact`` has no ``rebuild_model`` of its own.
+
+The artifact is untrusted: its ``model_config`` is built on the meta device first (no memory), its block
+count bounded by the stored layers, and every parameter's shape compared with the stored tensors' declared
+shapes (themselves checked against their files) before anything is allocated.
 """
 
 from __future__ import annotations
@@ -26,16 +30,69 @@ from ..errors import UserError
 
 
 def _config(art: Artifact):
+    """The Hugging Face config the artifact records, checked for sanity (UserError)."""
     from transformers import AutoConfig
 
-    mc = dict(art.attrs.get("model_config") or {})
-    model_type = mc.pop("model_type", None)
-    if not model_type:
+    mc = art.attrs.get("model_config")
+    if not isinstance(mc, dict) or not isinstance(mc.get("model_type"), str):
         raise UserError(f"{art.path}: the artifact does not record the model config (model_config)")
+    mc = dict(mc)
+    model_type = mc.pop("model_type")
     # the source's quantization_config (e.g. GGUF's) describes its checkpoint, not the decoded weights here
-    for k in ("architectures", "transformers_version", "_name_or_path", "quantization_config"):
+    for k in ("architectures", "transformers_version", "_name_or_path", "auto_map", "trust_remote_code",
+              "quantization_config"):
         mc.pop(k, None)
-    return AutoConfig.for_model(model_type, **mc)
+    try:
+        cfg = AutoConfig.for_model(model_type, **mc)
+    except Exception as e:  # unknown model type, values its config class refuses
+        raise UserError(f"{art.path}: model_config is not usable ({type(e).__name__}: {str(e)[:150]})") from None
+    # every block holds compressed linears: more blocks (or experts) than stored layers is a forged config
+    limit = max(1, len(art.layer_names))
+    for key in ("num_hidden_layers", "num_experts", "num_local_experts", "n_routed_experts"):
+        v = getattr(cfg, key, None)
+        if v is not None and (type(v) is not int or not 0 <= v <= limit):
+            raise UserError(f"{art.path}: model_config {key} = {v!r} does not fit the {limit} stored layers")
+    return cfg
+
+
+def _stored_shapes(art: Artifact) -> dict[str, tuple[int, ...]]:
+    """Declared shape of every tensor the artifact would load (nothing read but metadata)."""
+    shapes: dict[str, tuple[int, ...]] = {n: art.dense_meta(n).shape for n in art.dense_names}
+    for alias, src in (art.attrs.get("tied") or {}).items():
+        if src in shapes:
+            shapes[str(alias)] = shapes[src]
+    for layer in art.layer_names:
+        shape = art.layer_attrs(layer).get("shape")
+        if not isinstance(shape, list) or not all(type(v) is int for v in shape):
+            raise UserError(f"{art.path}: layer {layer} has no valid shape")
+        shapes[f"{layer}.weight"] = tuple(shape)
+    return shapes
+
+
+def check_model_fits(art: Artifact, config, dtype: torch.dtype) -> None:
+    """Build ``config`` on the meta device and compare every tensor with the artifact's (UserError)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as e:
+        raise UserError(f"{art.path}: model_config builds no model ({type(e).__name__}: {str(e)[:150]})") from None
+    stored = _stored_shapes(art)
+    params = 0
+    for key, t in meta.state_dict().items():
+        if not t.is_floating_point():
+            continue
+        if key not in stored:
+            raise UserError(f"{art.path}: the artifact lacks tensors of the model: {key}")
+        if tuple(t.shape) != stored[key]:
+            raise UserError(f"{art.path}: model_config gives {key} shape {list(t.shape)}, the artifact stores "
+                            f"{list(stored[key])}")
+        params += t.numel()
+    buffers = sum(b.numel() for b in meta.buffers())  # e.g. rotary tables, causal masks sized by the config
+    if buffers > max(params, 1 << 24):
+        raise UserError(f"{art.path}: model_config asks for {buffers} buffer elements, more than the model's "
+                        f"{params} weights (a forged max_position_embeddings?)")
 
 
 def rebuild_model(path: str | Path, act_quant: bool = True, dtype: torch.dtype = torch.float32,
@@ -47,11 +104,21 @@ def rebuild_model(path: str | Path, act_quant: bool = True, dtype: torch.dtype =
     """
     from transformers import AutoModelForCausalLM
 
+    art = Artifact(path)
+    config = _config(art)
+    check_model_fits(art, config, dtype)
+    try:
+        return _rebuild(art, config, AutoModelForCausalLM, act_quant, dtype, dynamic_pruning)
+    except FormatError as e:
+        raise UserError(f"{path}: {e} (run unionsparse verify)") from None
+
+
+def _rebuild(art: Artifact, config, auto, act_quant: bool, dtype: torch.dtype, dynamic_pruning: bool) -> nn.Module:
     from ..activation_sparsity.linear import TiledCBCLinear
     from ..quantize.fake_quant import FakeQuantLinear, replace_linear
 
-    art = Artifact(path)
-    model = AutoModelForCausalLM.from_config(_config(art), dtype=dtype).eval()
+    path = art.path
+    model = auto.from_config(config, dtype=dtype).eval()
     state: dict[str, torch.Tensor] = {}
     for name in art.dense_names:
         state[name] = torch.from_numpy(np.asarray(art.read_dense(name), dtype=np.float32))

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from ..errors import UserError
-from .tables import COLUMNS, _fmt
+from .tables import COLUMNS, _fmt, summary_lines
 
 CSS = """body{font:14px system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
@@ -60,12 +60,16 @@ def render(data: dict, png: bytes | None) -> str:
     lead = (f"{len(data['layers'])} layers, format {m.get('format')}, "
             f"{_fmt('x', m.get('bits_per_weight'))} bits per weight, CR {cr_text}x vs fp16, "
             f"sparsity {_fmt('sparsity', m.get('sparsity'))}")
+    summary = (f"<pre>{html.escape(chr(10).join(summary_lines(data)))}</pre>" if "summary" in data
+               else f"<p>{html.escape(lead)}</p>")
     return (
         f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-        f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1><p>{html.escape(lead)}</p>"
-        f"<h2>Per layer</h2>{layer_table(data)}"
-        f"<h2>Same masks, other encodings (model level)</h2>{baseline_table(data)}"
+        f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"
+        f"<h2>Summary</h2>{summary}"
         f"<h2>Per-layer figures</h2>{img}"
+        f"<details><summary>Per layer ({len(data['layers'])} layers: {html.escape(lead)})</summary>"
+        f"{layer_table(data)}</details>"
+        f"<h2>Same masks, other encodings (model level)</h2>{baseline_table(data)}"
         f"<h2>Recipe</h2><pre>{html.escape(recipe)}</pre></body></html>\n"
     )
 

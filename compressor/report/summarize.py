@@ -19,6 +19,7 @@ import click
 
 from ...formats import registry
 from ..errors import UserError
+from ..terminal import printable
 
 COLUMNS = ("artifact", "model", "prune", "sparsity_target", "quant", "format", "tile", "reorder", "layers",
            "sparsity", "bits_per_weight", "cr", "pmr", "union_density_before", "union_density_after",
@@ -103,8 +104,9 @@ def _cell(v, markdown: bool = False) -> str:
         if math.isinf(v):
             return "inf"
         return f"{v:.3f}" if markdown else repr(v)  # CSV keeps full precision
-    s = str(v)
-    return s.replace("|", "\\|") if markdown else s
+    if not markdown:
+        return str(v)
+    return printable(v).replace("|", "\\|")  # the table goes to a terminal: control characters escaped
 
 
 def to_csv(rows: list[dict]) -> str:

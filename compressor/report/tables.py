@@ -1,4 +1,8 @@
-"""`inspect`: the PMR/CR table of an artifact, per layer and for the whole model, baselines beside it."""
+"""`inspect`: the PMR/CR table of an artifact, per layer and for the whole model, baselines beside it.
+
+Figures come from the layers' attributes as stored (``verify`` recomputes them from the arrays); their
+types are checked, and every cell is printed as plain text (no rich markup, control characters escaped).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,33 @@ import math
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..artifact.store import Artifact
+from ..errors import UserError
+from ..terminal import printable
+from .figures import read_figures
 
 COLUMNS = ("shape", "sparsity", "union_density", "bits_per_weight", "payload_bytes", "meta_bytes",
            "scale_bytes", "pmr", "cr")
+
+
+NUMBERS = ("nnz", "payload_bytes", "meta_bytes", "scale_bytes", "total_bytes", "sparsity", "bits_per_weight",
+           "pmr", "cr", "union_density", "union_positions", "formula_bytes")
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_figures(where: str, s: object) -> dict:
+    """A layer's (or baseline's) ``stats`` with the types inspect sums and prints, else UserError."""
+    shape = s.get("shape") if isinstance(s, dict) else None
+    ok = (isinstance(shape, list) and len(shape) == 2 and all(type(x) is int and x >= 0 for x in shape)
+          and all(s.get(k) is None or _is_number(s[k]) for k in NUMBERS))
+    if not ok:
+        raise UserError(f"{where}: stats are malformed (run unionsparse verify)")
+    return dict(s)
 
 
 def layer_rows(art: Artifact, layer: str | None = None) -> list[dict]:
@@ -18,13 +44,25 @@ def layer_rows(art: Artifact, layer: str | None = None) -> list[dict]:
     rows = []
     for name in names:
         a = art.layer_attrs(name)
-        s = dict(a.get("stats", {}))
+        s = check_figures(f"layer {printable(name)}", a.get("stats"))
+        if a.get("bits") is not None and type(a.get("bits")) is not int:
+            raise UserError(f"layer {printable(name)}: bits {a.get('bits')!r} is not an integer")
         row = {"layer": name, "format": a.get("format"), "bits": a.get("bits"), **s}
         if "reorder" in a:
-            row["reorder"] = a["reorder"]
-        row["baselines"] = a.get("baselines", {})
+            row["reorder"] = _check_reorder(name, a["reorder"])
+        bl = a.get("baselines", {})
+        if not isinstance(bl, dict):
+            raise UserError(f"layer {printable(name)}: baselines are malformed (run unionsparse verify)")
+        row["baselines"] = {b: check_figures(f"layer {printable(name)} baseline", v) for b, v in bl.items()}
         rows.append(row)
     return rows
+
+
+def _check_reorder(name: str, r: object) -> dict:
+    keys = ("union_positions_before", "union_positions_after", "union_slots", "union_density_before")
+    if not isinstance(r, dict) or not all(_is_number(r.get(k)) for k in keys):
+        raise UserError(f"layer {printable(name)}: reorder figures are malformed (run unionsparse verify)")
+    return r
 
 
 def model_row(rows: list[dict], fmt: str) -> dict:
@@ -62,7 +100,8 @@ def baseline_model_rows(rows: list[dict]) -> dict[str, dict]:
 def inspect_data(path: str, layer: str | None = None, compare: bool = False) -> dict:
     art = Artifact(path)
     rows = layer_rows(art, layer)
-    fmt = rows[0]["format"] if rows else None
+    formats = sorted({str(r["format"]) for r in rows})
+    fmt = formats[0] if len(formats) == 1 else f"mixed: {', '.join(formats)}" if formats else None
     data = {
         "artifact": str(path),
         "source": art.attrs.get("source"),
@@ -72,6 +111,9 @@ def inspect_data(path: str, layer: str | None = None, compare: bool = False) -> 
     }
     if compare:
         data["model_baselines"] = baseline_model_rows(rows)
+    if layer is None:
+        data["summary"] = model_summary(art, rows)
+        data["figures"] = read_figures(path)
     reorder = [r["reorder"] for r in rows if "reorder" in r]
     if reorder:
         before = sum(r["union_positions_before"] for r in reorder)
@@ -80,6 +122,52 @@ def inspect_data(path: str, layer: str | None = None, compare: bool = False) -> 
         data["model"]["union_density_before_reorder"] = before / slots if slots else 0.0
         data["model"]["union_density_after_reorder"] = after / slots if slots else 0.0
     return data
+
+
+def model_summary(art: Artifact, rows: list[dict]) -> dict:
+    """What a user decides from: source, formats and quantization, how many linears are compressed or kept
+    dense, the size against fp16, bits per weight, CR and sparsity (the root summary, kept-dense linears
+    included, when the artifact has one)."""
+    stored = art.attrs.get("summary") if isinstance(art.attrs.get("summary"), dict) else {}
+    m = model_row(rows, "")
+    weights = stored.get("weights") if _is_number(stored.get("weights")) else m["weights"]
+    total = stored.get("total_bytes") if _is_number(stored.get("total_bytes")) else m["total_bytes"]
+    cfg = art.attrs.get("config") if isinstance(art.attrs.get("config"), dict) else {}
+    rules = art.attrs.get("layer_rules") if isinstance(art.attrs.get("layer_rules"), dict) else {}
+    return {
+        "source": (art.attrs.get("source") or {}).get("model") if isinstance(art.attrs.get("source"), dict) else None,
+        "formats": sorted({str(r["format"]) for r in rows}),
+        "quant": sorted({str(art.layer_attrs(r["layer"]).get("quant") or cfg.get("quant")) for r in rows}),
+        "layers": len(rows),
+        "dense_linears": sum(1 for v in rules.values() if v == {"dense": True}),
+        "bytes": total, "fp16_bytes": 2 * weights,
+        "bits_per_weight": total * 8 / max(weights, 1), "cr": 2 * weights / max(total, 1),
+        "sparsity": stored.get("sparsity") if _is_number(stored.get("sparsity")) else m["sparsity"],
+    }
+
+
+def summary_lines(data: dict) -> list[str]:
+    """The summary inspect leads with, as short lines (they fit 80 columns but for long paths)."""
+    s, fig = data["summary"], data.get("figures") or {}
+    mb = 1e6
+    lines = [f"{data['artifact']}: {', '.join(s['formats'])} {'/'.join(s['quant'])} from {s['source']}",
+             f"  layers    {s['layers']} compressed, {s['dense_linears']} kept dense (per-layer rules)",
+             f"  size      {s['bytes'] / mb:.1f} MB (fp16 {s['fp16_bytes'] / mb:.1f} MB): {s['bits_per_weight']:.3f} "
+             f"bits/weight, CR {s['cr']:.2f}x, sparsity {100 * s['sparsity']:.1f}%"]
+    ppl = fig.get("perplexity") or {}
+    if ppl:
+        lines += [f"  fidelity  perplexity {v.get('ppl', float('nan')):.3f} on {k}" for k, v in sorted(ppl.items())]
+    else:
+        lines.append(f"  fidelity  not recorded (unionsparse eval {data['artifact']} --text FILE --record)")
+    for k, v in sorted((fig.get("tasks") or {}).items()):
+        lines.append(f"  tasks     {k}: " + ", ".join(f"{m} {x:.4f}" for m, x in sorted(v.items())
+                                                    if isinstance(x, (int, float)) and not isinstance(x, bool)))
+    speed = fig.get("speed") or {}
+    if speed:
+        lines += [f"  speed     {k}: {v}" for k, v in sorted(speed.items())]
+    else:
+        lines.append("  speed     not measured (unionsparse bench --e2e, on a GPU)")
+    return lines
 
 
 def _fmt(key: str, v) -> str:
@@ -98,20 +186,33 @@ def _fmt(key: str, v) -> str:
     return str(v)
 
 
+def _cell(v: object) -> Text:
+    """Plain text: no markup is interpreted, control characters are shown as escapes."""
+    return Text(printable(v))
+
+
+COMPACT = ("shape", "sparsity", "bits_per_weight", "cr")  # what fits an 80-column terminal
+
+
 def print_tables(data: dict, console: Console, compare: bool) -> None:
-    t = Table(title=f"{data['artifact']}  ({data['model']['format']})", show_lines=False)
+    if "summary" in data:
+        for line in summary_lines(data):
+            console.print(_cell(line))
+        console.print()
+    columns = COLUMNS if console.width >= 140 else COMPACT
+    t = Table(title=_cell(f"per layer ({data['model']['format']})"), show_lines=False)
     t.add_column("layer", overflow="fold")
-    for c in COLUMNS:
+    for c in columns:
         t.add_column(c.replace("_bytes", " B").replace("_", " "), justify="right")
-    if any("reorder" in r for r in data["layers"]):
+    if columns is COLUMNS and any("reorder" in r for r in data["layers"]):
         t.add_column("union before reorder", justify="right")
     for r in data["layers"] + [data["model"]]:
-        cells = [r["layer"]] + [_fmt(c, r.get(c)) for c in COLUMNS]
+        cells = [r["layer"]] + [_fmt(c, r.get(c)) for c in columns]
         if len(t.columns) > len(cells):
             ro = r.get("reorder")
             cells.append(_fmt("union_density", ro["union_density_before"]) if ro else
                          _fmt("union_density", r.get("union_density_before_reorder")))
-        t.add_row(*cells, style="bold" if r["layer"] == "model" else None)
+        t.add_row(*map(_cell, cells), style="bold" if r["layer"] == "model" else None)
     console.print(t)
     if compare:
         b = Table(title="same masks, other encodings (model level)")
@@ -121,6 +222,7 @@ def print_tables(data: dict, console: Console, compare: bool) -> None:
         b.add_column("seed formula B", justify="right")
         rows = [data["model"]] + list(data["model_baselines"].values())
         for r in rows:
-            b.add_row(r["format"], *[_fmt(c, r.get(c)) for c in ("bits_per_weight", "total_bytes", "meta_bytes",
-                                                                 "pmr", "cr")], _fmt("x_bytes", r.get("formula_bytes")))
+            cells = [r["format"], *[_fmt(c, r.get(c)) for c in ("bits_per_weight", "total_bytes", "meta_bytes",
+                                                                "pmr", "cr")], _fmt("x_bytes", r.get("formula_bytes"))]
+            b.add_row(*map(_cell, cells))
         console.print(b)
