@@ -1,4 +1,4 @@
-"""The `unionsparse` command: compress, inspect, verify, eval, export (and the commands other modules add).
+"""The `unionsparse` command: compress, inspect, verify, eval, export, generate (and the commands other modules add).
 
 Exit codes: 0 success, 1 a check failed (verify), 2 bad input (one line on stderr, no traceback), 3 a bug
 (one line, the traceback in a file).
@@ -317,6 +317,30 @@ def export(artifact, output, target, max_shard_size, overwrite, as_json) -> None
     else:
         dense = f", {len(res.dense_layers)} layers dense fp16" if res.dense_layers else ""
         click.echo(f"wrote {output} ({target}): {len(res.files)} files{dense}; details in {output}/unionsparse.json")
+
+
+@cli.command()
+@click.argument("artifact")
+@click.option("--prompt", default=None, help="Prompt text.")
+@click.option("--batch-file", default=None, help="File of prompts, one per line (run one after another).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0: greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1].")
+@click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed (same seed, same tokens).")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="cpu: the kernels' arithmetic, exact; cuda: the artifact's kernels (CuPy and a GPU).")
+@click.option("--chat", is_flag=True, help="Wrap each prompt in the chat template stored in the artifact.")
+@click.option("--act-sparsity/--no-act-sparsity", "act_sparsity", default=True, show_default=True,
+              help="Tiled-CBC artifacts: apply the stored activation-sparsity thresholds at decode.")
+@click.option("--quiet", is_flag=True, help="No load time and speed lines on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of streaming text.")
+def generate(artifact, prompt, batch_file, max_new_tokens, temperature, top_p, seed, device, chat, act_sparsity,
+             quiet, as_json) -> None:
+    """Generate text from ARTIFACT, streaming it to stdout (needs nothing but the artifact)."""
+    from .runtime.command import generate_command
+
+    generate_command(artifact, prompt, batch_file, max_new_tokens, temperature, top_p, seed, device, chat,
+                     act_sparsity, quiet, as_json)
 
 
 cli.add_command(summarize_command)  # compressor/batch.py: one table over a folder of artifacts

@@ -364,8 +364,14 @@ def _source_changed(art: Artifact, src: Path) -> bool:
 
 
 def _copy_tokenizer(art: Artifact, dst: Path) -> list[str]:
-    """Copy the tokenizer (and generation config) of the artifact's local source model; lines saying what
-    happened. Never downloads: a source that is not a local folder or .gguf file gives a note instead."""
+    """Copy the tokenizer (and generation config) stored in the artifact, or for an older artifact without one,
+    its local source model's; lines saying what happened. Never downloads: a source that is not a local folder
+    or .gguf file gives a note instead."""
+    from .artifact.tokenizer import extract_tokenizer, has_tokenizer
+
+    if has_tokenizer(art):  # stored in the artifact by compress: exactly what it was compressed with
+        extract_tokenizer(art, dst)
+        return []
     src_name = (art.attrs.get("source") or {}).get("model")
     src = _source_model(art)
     fix = f"copy the tokenizer files into {dst.name.removesuffix('.partial')} yourself"

@@ -183,10 +183,32 @@ def test_source_quantization_config_is_not_exported(arts, tmp_path, run_cli, mon
         assert (qc and qc["quant_method"]) == want
 
 
-def test_tokenizer_from_a_changed_source_is_flagged(arts, source, tmp_path):
+def test_stored_tokenizer_is_exported_byte_for_byte(arts, tmp_path):
+    """An artifact holding its tokenizer exports exactly those files, whatever its source model says."""
+    from unionsparse.compressor.artifact.tokenizer import has_tokenizer, stored_files
     from unionsparse.compressor.export import export_hf
 
     art = Artifact(arts["w2"])
+    assert has_tokenizer(art)
+    art.attrs["source"] = {"model": "HuggingFaceTB/SmolLM2-135M"}  # never consulted
+    res = export_hf(art, tmp_path / "hf")
+    assert not any("tokenizer" in n for n in res.notes)
+    for name, data in stored_files(art).items():
+        assert (tmp_path / "hf" / name).read_bytes() == data, name
+
+
+def old_artifact(art: Artifact, monkeypatch) -> Artifact:
+    """``art`` as an artifact written before compress stored the tokenizer."""
+    from unionsparse.compressor.artifact import tokenizer
+
+    monkeypatch.setattr(tokenizer, "has_tokenizer", lambda _art: False)
+    return art
+
+
+def test_tokenizer_from_a_changed_source_is_flagged(arts, source, tmp_path, monkeypatch):
+    from unionsparse.compressor.export import export_hf
+
+    art = old_artifact(Artifact(arts["w2"]), monkeypatch)
     assert not any("differ" in n for n in export_hf(art, tmp_path / "a").notes)  # the fingerprint compress stored
     art.attrs["source"] = {**art.attrs["source"], "fingerprint": "0" * 64}
     res = export_hf(art, tmp_path / "b")
@@ -202,7 +224,7 @@ def test_tokenizer_never_downloaded(arts, tmp_path, monkeypatch):
         raise AssertionError("export tried to reach the network")
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
-    art = Artifact(arts["w2"])
+    art = old_artifact(Artifact(arts["w2"]), monkeypatch)
     art.attrs["source"] = {"model": "HuggingFaceTB/SmolLM2-135M"}
     res = export_hf(art, tmp_path / "hf")
     assert any("tokenizer: not copied" in n and "never downloads" in n for n in res.notes)

@@ -33,16 +33,21 @@ class TiledCBCLinear(nn.Module):
         self.skipped = torch.zeros((), dtype=torch.int64)  # inputs pruned so far (counted on the device)
         self.seen = 0  # inputs seen so far
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        xa = sparsify_input(x2, None if self.tau is None else self.tau_t)
-        if self.tau is not None:
+    def matmul_2d(self, x2: torch.Tensor, prune: bool = True) -> torch.Tensor:
+        """float16 [N, M] for input [N, K], every row one spMspV call; ``prune=False``: every input active
+        (the SpMM's arithmetic, e.g. at prefill)."""
+        prune = prune and self.tau is not None
+        xa = sparsify_input(x2, self.tau_t if prune else None)
+        if prune:
             if self.skipped.device != xa.device:
                 self.skipped = self.skipped.to(xa.device)
             self.skipped += (xa == 0).sum()  # |x'| <= tau (tau >= 0), exact zeros included, as calibrated
             self.seen += xa.numel()
-        y = (xa @ self.weight.T).to(torch.float16).to(x.dtype)
+        return (xa @ self.weight.T).to(torch.float16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.matmul_2d(x.reshape(-1, self.in_features)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*lead, self.out_features)

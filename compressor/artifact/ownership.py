@@ -45,10 +45,12 @@ def store_attrs(path: Path) -> dict | None:
 def foreign_entries(path: Path) -> list[str]:
     """Top-level entries of ``path`` that no unionsparse store holds (a user's files, links).
 
-    A store holds its root ``zarr.json``, the manifest and zarr groups (folders with a ``zarr.json``);
-    a new kind of top-level file in the artifact must be added here, or ``--overwrite`` refuses it.
+    A store holds its root ``zarr.json``, the manifest, zarr groups (folders with a ``zarr.json``) and the
+    ``tokenizer/`` folder of plain files; a new kind of top-level file in the artifact must be added here, or
+    ``--overwrite`` refuses it.
     """
     from .store import MANIFEST
+    from .tokenizer import TOKENIZER_DIR
 
     out = []
     try:
@@ -60,9 +62,19 @@ def foreign_entries(path: Path) -> list[str]:
             continue
         if p.is_dir() and not p.is_symlink() and (p / "zarr.json").is_file():
             continue
+        if p.name == TOKENIZER_DIR and p.is_dir() and not p.is_symlink() and _plain_files(p):
+            continue
         out.append(p.name)
     return out
 
+
+
+def _plain_files(folder: Path) -> bool:
+    """True when ``folder`` holds regular files only (no links, no folders)."""
+    try:
+        return all(q.is_file() and not q.is_symlink() for q in folder.iterdir())
+    except OSError:
+        return False
 
 
 def is_unionsparse_store(path: Path) -> bool:

@@ -403,12 +403,6 @@ class Artifact:
         check_name(name, "dense tensor name")
         return self.store.read_array(f"dense/{name}")
 
-    def tokenizer_dir(self) -> Path | None:
-        """The store's ``tokenizer/`` folder (regular files only, checked by the scan), or None."""
-        if any(rel.startswith("tokenizer/") for rel in self.store.files):
-            return self.path / "tokenizer"
-        return None
-
 
 def _int_pair(name: str, attrs: dict, key: str) -> tuple[int, int]:
     v = attrs.get(key)

@@ -113,16 +113,13 @@ def load_artifact_tokenizer(art, tokenizer: str | Path | None = None):
 
     if tokenizer is not None:
         return load_tokenizer(str(tokenizer), flag="--tokenizer", purpose="")
-    stored = art.tokenizer_dir()
-    if stored is None:
+    from ..artifact.tokenizer import has_tokenizer
+    from ..artifact.tokenizer import load_tokenizer as stored_tokenizer
+
+    if not has_tokenizer(art):
         raise UserError(f"{art.path}: the artifact stores no tokenizer; pass --tokenizer (the source model's "
                         "folder, .gguf file or tokenizer folder)")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(stored), local_files_only=True, trust_remote_code=False)
-    except Exception as e:
-        raise UserError(f"{art.path}: the stored tokenizer does not load ({type(e).__name__})") from None
+    return stored_tokenizer(art)
 
 
 def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynamic_pruning: bool = True,

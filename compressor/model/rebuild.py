@@ -25,11 +25,11 @@ from ...formats import registry
 from ...formats.arithmetic.outlier_side import dequantize_layer
 from ...formats.arithmetic.weights import dequantize
 from ...formats.errors import FormatError
-from ..artifact.store import Artifact
+from ..artifact.store import Artifact, LayerRecord
 from ..errors import UserError
 
 
-def _config(art: Artifact):
+def model_config(art: Artifact):
     """The Hugging Face config the artifact records, checked for sanity (UserError)."""
     from transformers import AutoConfig
 
@@ -95,6 +95,43 @@ def check_model_fits(art: Artifact, config, dtype: torch.dtype) -> None:
                         f"{params} weights (a forged max_position_embeddings?)")
 
 
+def empty_model(art: Artifact, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The artifact's architecture with freshly initialised weights, on CPU, in eval mode; the config is checked
+    against the stored tensors before anything is allocated (an untrusted artifact cannot ask for terabytes)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(art)
+    check_model_fits(art, config, dtype)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def dense_state(art: Artifact) -> dict[str, torch.Tensor]:
+    """Every tensor of ``dense/`` as float32, plus the tied aliases (``lm_head.weight`` -> its source)."""
+    state = {name: torch.from_numpy(np.asarray(art.read_dense(name), dtype=np.float32)) for name in art.dense_names}
+    for alias, src in (art.attrs.get("tied") or {}).items():
+        if src in state:
+            state[alias] = state[src]
+    return state
+
+
+def layer_weight(rec: LayerRecord, values: np.ndarray | None = None) -> np.ndarray:
+    """float32 [M, K] weight of a stored layer in the original column order (fp16 values, or code * scale);
+    ``values``: the layer's decoded values or codes, if already at hand."""
+    values = rec.encoding.decode() if values is None else values
+    if rec.attrs.get("bits") is None:
+        return np.ascontiguousarray(values, dtype=np.float32)
+    w = dequantize(np.asarray(values, dtype=np.int8), rec.scales, int(rec.attrs["group_size"]))
+    if rec.outliers is not None:  # main matrix column-permuted + 8-bit side: back to original order
+        w = dequantize_layer(w, rec.outliers)
+    return np.ascontiguousarray(w)
+
+
+def missing_tensors(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) -> list[str]:
+    """Floating-point tensors of ``model`` that ``state`` lacks (names starting with a ``skip`` prefix aside)."""
+    return [k for k, v in model.state_dict().items()
+            if k not in state and v.is_floating_point() and not k.startswith(skip)]
+
+
 def rebuild_model(path: str | Path, act_quant: bool = True, dtype: torch.dtype = torch.float32,
                   dynamic_pruning: bool = True) -> nn.Module:
     """The model stored in artifact ``path``, on CPU, in eval mode.
@@ -102,29 +139,20 @@ def rebuild_model(path: str | Path, act_quant: bool = True, dtype: torch.dtype =
     With ``act_quant``, Tiled-CBC layers with fp16 activations become :class:`~.dp_linear.TiledCBCLinear`
     (the decode kernel's arithmetic), with their stored ``dp_threshold`` when ``dynamic_pruning``.
     """
-    from transformers import AutoModelForCausalLM
-
     art = Artifact(path)
-    config = _config(art)
-    check_model_fits(art, config, dtype)
     try:
-        return _rebuild(art, config, AutoModelForCausalLM, act_quant, dtype, dynamic_pruning)
+        return _rebuild(art, act_quant, dtype, dynamic_pruning)
     except FormatError as e:
         raise UserError(f"{path}: {e} (run unionsparse verify)") from None
 
 
-def _rebuild(art: Artifact, config, auto, act_quant: bool, dtype: torch.dtype, dynamic_pruning: bool) -> nn.Module:
+def _rebuild(art: Artifact, act_quant: bool, dtype: torch.dtype, dynamic_pruning: bool) -> nn.Module:
     from ..activation_sparsity.linear import TiledCBCLinear
     from ..quantize.fake_quant import FakeQuantLinear, replace_linear
 
     path = art.path
-    model = auto.from_config(config, dtype=dtype).eval()
-    state: dict[str, torch.Tensor] = {}
-    for name in art.dense_names:
-        state[name] = torch.from_numpy(np.asarray(art.read_dense(name), dtype=np.float32))
-    for alias, src in (art.attrs.get("tied") or {}).items():
-        if src in state:
-            state[alias] = state[src]
+    model = empty_model(art, dtype)
+    state = dense_state(art)
     quantized: dict[str, tuple] = {}
     cbc_taus: dict[str, float | None] = {}  # fp16-activation Tiled-CBC layers and their thresholds
     for layer in art.layer_names:
@@ -133,17 +161,11 @@ def _rebuild(art: Artifact, config, auto, act_quant: bool, dtype: torch.dtype, d
             cbc_taus[layer] = rec.attrs.get("dp_threshold") if dynamic_pruning else None
         values = rec.encoding.decode()
         bits = rec.attrs.get("bits")
-        if bits is None:
-            w = np.asarray(values, dtype=np.float32)
-        else:
-            gs = int(rec.attrs["group_size"])
-            w = dequantize(np.asarray(values, dtype=np.int8), rec.scales, gs)
-            if rec.outliers is not None:  # main matrix column-permuted + 8-bit side: back to original order
-                w = dequantize_layer(w, rec.outliers)
-            quantized[layer] = (values, rec.scales, int(bits), gs, rec.attrs.get("activations"), rec.outliers)
-        state[f"{layer}.weight"] = torch.from_numpy(np.ascontiguousarray(w))
-    own = model.state_dict()
-    missing = [k for k in own if k not in state and own[k].is_floating_point()]
+        if bits is not None:
+            quantized[layer] = (values, rec.scales, int(bits), int(rec.attrs["group_size"]),
+                                rec.attrs.get("activations"), rec.outliers)
+        state[f"{layer}.weight"] = torch.from_numpy(layer_weight(rec, values))
+    missing = missing_tensors(model, state)
     if missing:
         raise FormatError(f"{path}: the artifact lacks tensors of the model: {missing[:5]}")
     model.load_state_dict(state, strict=False)

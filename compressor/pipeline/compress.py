@@ -13,6 +13,7 @@ from ...formats.errors import UnionsparseError
 from .. import preflight
 from ..activation_sparsity.calibrate import ThresholdCalibrator
 from ..artifact.store import ArtifactWriter, new_root_attrs
+from ..artifact.tokenizer import store_tokenizer
 from ..calibrate import layerwise
 from ..config import CompressConfig, parse_nm
 from ..errors import UserError
@@ -156,6 +157,8 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         )
         compress_blocks(run, plan)
         dense, tied = write_dense(run)
+        with reporter.stage("storing the tokenizer", total=None):  # generate needs nothing but the artifact
+            reporter.note(store_tokenizer(writer.tmp, cfg.model, loaded.config))
         summary = {**totals.summary(), "seconds": time.perf_counter() - t0}
         writer.finalize({"layers": totals.layers, "dense": sorted(dense), "tied": tied, "summary": summary,
                          "block_prefix": prefix, "n_blocks": len(blocks),

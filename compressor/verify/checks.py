@@ -258,10 +258,10 @@ def model_problems(art: Artifact) -> list[str]:
     """``model_config`` builds (on the meta device) a model whose every tensor is stored with its shape."""
     import torch
 
-    from ..model.rebuild import _config, check_model_fits
+    from ..model.rebuild import check_model_fits, model_config
 
     try:
-        check_model_fits(art, _config(art), torch.float32)
+        check_model_fits(art, model_config(art), torch.float32)
     except UserError as e:
         return [str(e)]
     return []

@@ -1,0 +1,95 @@
+"""The body of ``unionsparse generate``: every argument checked before the model loads, text streamed to
+stdout as tokens come, load time and per-prompt speed on stderr (one line each)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ..artifact.store import Artifact
+from ..artifact.tokenizer import has_tokenizer, load_tokenizer
+from ..errors import UserError
+from .generate import DEVICES, Generation
+from .sampling import check_sampling
+
+
+def read_prompts(prompt: str | None, batch_file: str | None) -> list[str]:
+    """The prompts of ``--prompt`` or ``--batch-file`` (one a line, blank lines skipped)."""
+    if (prompt is None) == (batch_file is None):
+        raise UserError("give exactly one of --prompt TEXT and --batch-file FILE")
+    if prompt is not None:
+        if not prompt:
+            raise UserError("--prompt is empty")
+        return [prompt]
+    p = Path(batch_file).expanduser()
+    if not p.is_file():
+        raise UserError(f"--batch-file {batch_file}: file does not exist")
+    try:
+        text = p.read_bytes().decode("utf-8-sig")
+    except PermissionError:
+        raise UserError(f"--batch-file {batch_file}: file is not readable (permission denied)") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--batch-file {batch_file}: not UTF-8 text") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UserError(f"--batch-file {batch_file}: file holds no prompt")
+    return prompts
+
+
+def _speed_line(g: Generation) -> str:
+    rate = f"{g.tokens_per_s:.2f} tokens/s" if g.tokens_per_s is not None else "- tokens/s"
+    seed = f", seed {g.seed}" if g.seed is not None else ""
+    return (f"first token {g.first_token_s:.3f} s, {len(g.ids)} tokens, decode {rate} "
+            f"(stop: {g.stop}{seed})")
+
+
+def generate_command(artifact: str, prompt: str | None, batch_file: str | None, max_new_tokens: int,
+                     temperature: float, top_p: float, seed: int, device: str, chat: bool, dp: bool,
+                     quiet: bool, as_json: bool) -> None:
+    """Run ``generate`` (see the module docstring); library errors propagate as ``UserError``."""
+    from . import load
+
+    prompts = read_prompts(prompt, batch_file)
+    check_sampling(max_new_tokens, temperature, top_p)
+    if device not in DEVICES:
+        raise UserError(f"--device: unknown value {device!r} (choose from {', '.join(DEVICES)})")
+    if device == "cuda":
+        from .cuda import require_cuda
+
+        require_cuda()
+    art = Artifact(artifact)
+    if not has_tokenizer(art):
+        raise UserError(f"{artifact}: the artifact holds no tokenizer (written before unionsparse stored one, or its "
+                        "model had none); compress the model again to store it")
+    tok = load_tokenizer(art)
+    if chat and not getattr(tok, "chat_template", None):
+        raise UserError(f"--chat: the tokenizer stored in {artifact} has no chat template")
+    rt = load(artifact, device=device, dynamic_pruning=dp, tokenizer=tok)
+    if not quiet and not as_json:
+        click.echo(f"loaded {artifact} in {rt.load_s:.2f} s ({rt.n_compressed} compressed linears, "
+                   f"backend {rt.backend})", err=True)
+
+    def echo(_token: int | None, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    results = []
+    for p in prompts:
+        g = rt.generate(p, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                        stream=None if as_json else echo, chat=chat)
+        if as_json:
+            results.append({"prompt": p, "text": g.text, "ids": g.ids, "stop": g.stop, "seed": g.seed,
+                            "prompt_tokens": len(g.prompt_ids), "first_token_s": g.first_token_s,
+                            "tokens_per_s": g.tokens_per_s})
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if not quiet:
+            click.echo(_speed_line(g), err=True)
+    if as_json:
+        click.echo(json.dumps({"artifact": artifact, "device": device, "load_s": rt.load_s, "results": results},
+                              indent=2))

@@ -1,0 +1,48 @@
+"""The runtime's CPU backend: the kernels' arithmetic in torch, through the modules ``eval`` rebuilds with.
+
+Quantized activations: :class:`~..quantize.fake_quant.FakeQuantLinear` (bit-identical to the IE-BME
+reference, outlier side product included). Activation-sparse formats: :class:`~..activation_sparsity.linear.
+TiledCBCLinear` with the threshold applied at N = 1 only (summation order is its only difference from
+``spmspv_reference`` / ``spmm_reference``). Other fp16-activation layers (IE-BME W4A16): ``FakeQuantLinear``
+with fp16 activations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..activation_sparsity.linear import TiledCBCLinear
+from ..artifact.store import LayerRecord
+from ..model.rebuild import layer_weight
+from ..quantize.fake_quant import FakeQuantLinear
+from .linear import LayerPlan
+
+FP16_ACTIVATIONS = {"bits": 16, "scheme": "fp16"}
+
+
+class CpuOp(nn.Module):
+    """``x2 [N, K] -> float16 [N, M]`` of one stored layer on the CPU."""
+
+    def __init__(self, rec: LayerRecord, plan: LayerPlan) -> None:
+        super().__init__()
+        self.plan = plan
+        values = rec.encoding.decode()
+        if plan.sparse_inputs:
+            self.impl: nn.Module = TiledCBCLinear(torch.from_numpy(layer_weight(rec, values)), plan.tau)
+        else:
+            act = rec.attrs.get("activations") if plan.act_bits != 16 else FP16_ACTIVATIONS
+            self.impl = FakeQuantLinear(np.asarray(values, dtype=np.int8), rec.scales, int(plan.bits),
+                                        int(rec.attrs["group_size"]), act, None, rec.outliers)
+
+    def forward(self, x2: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.impl, TiledCBCLinear):  # spMspV with tau at N = 1, the SpMM above
+            return self.impl.matmul_2d(x2, prune=x2.shape[0] == 1)
+        return self.impl.matmul_2d(x2)
+
+    def decode_sparsity(self) -> tuple[int, int] | None:
+        """(inputs skipped, inputs seen) over the N = 1 calls so far; None without a threshold."""
+        if not isinstance(self.impl, TiledCBCLinear) or self.impl.tau is None:
+            return None
+        return int(self.impl.skipped), int(self.impl.seen)

@@ -1,0 +1,248 @@
+"""Load an artifact once, generate many times: :func:`load` and :class:`Runtime`.
+
+A generation is one sequence (batch 1): the prompt runs as one prefill forward, then one token per decode
+step with a KV cache (transformers' ``DynamicCache``). Every compressed linear runs its kernel's arithmetic
+(:mod:`.linear`), so Tiled-CBC thresholds apply at the decode steps (N = 1) and not at prefill, as the
+spMspV and SpMM kernels do. Text in and out goes through the tokenizer stored in the artifact; token ids
+work without one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..artifact.store import Artifact
+from ..artifact.tokenizer import has_tokenizer, load_generation_config, load_tokenizer
+from ..errors import UserError
+from .sampling import check_sampling, next_token
+
+DEVICES = ("cpu", "cuda")
+StreamCallback = Callable[[int | None, str], None]
+
+
+@dataclass
+class Generation:
+    """One finished generation: the new tokens, their text and the timings."""
+
+    prompt_ids: list[int]
+    ids: list[int]                 # new tokens, the stopping token excluded
+    text: str | None               # decoded new tokens (None without a tokenizer)
+    stop: str                      # "eos", "length" (max_new_tokens) or "context" (the model's positions ran out)
+    seed: int | None               # the sampling seed (None when greedy)
+    first_token_s: float           # from the call to the first token chosen (prefill + first choice)
+    decode_s: float                # from the first token to the last
+    steps: int = 0                 # decode forwards run
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode rate after the first token (None with fewer than two tokens)."""
+        return self.steps / self.decode_s if self.steps and self.decode_s > 0 else None
+
+
+class TextStream:
+    """Incremental detokenization: the text each new token adds, holding back an incomplete UTF-8 character."""
+
+    MAX_HELD = 3  # a UTF-8 character has at most 4 bytes: after that many held tokens the text is sent anyway
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+        self.held = 0
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.text()
+        if text.endswith("\ufffd") and self.held < self.MAX_HELD:  # part of a multi-byte character: wait
+            self.held += 1
+            return ""
+        self.held = 0
+        return self._advance(text)
+
+    def flush(self) -> str:
+        return self._advance(self.text())
+
+    def _advance(self, text: str) -> str:
+        delta = text[len(os.path.commonprefix([text, self.sent])):]  # decoding may revise earlier text: not resent
+        self.sent = text
+        return delta
+
+
+class Runtime:
+    """An artifact loaded for generation (see :func:`load`)."""
+
+    def __init__(self, path: Path, model: nn.Module, tokenizer, generation_config, device: torch.device,
+                 backend: str, load_s: float) -> None:
+        self.path = path
+        self.model = model
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config
+        self.device = device
+        self.backend = backend
+        self.load_s = load_s
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.25: cache
+        self._keep_arg = "logits_to_keep" in params
+
+    @property
+    def n_compressed(self) -> int:
+        """Compressed linears in the model."""
+        from .linear import CompressedLinear
+
+        return sum(isinstance(m, CompressedLinear) for m in self.model.modules())
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a generation: the stored generation config's eos, else the model config's, else
+        the tokenizer's."""
+        for owner in (self.generation_config, self.model.config, self.tokenizer):
+            v = getattr(owner, "eos_token_id", None)
+            if v is not None:
+                return {int(v)} if isinstance(v, int) else {int(i) for i in v}
+        return set()
+
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> list[int]:
+        """Token ids of ``prompt`` (text through the stored tokenizer; ``chat``: with its chat template)."""
+        if isinstance(prompt, str):
+            tok = self._need_tokenizer("a text prompt")
+            if chat:
+                if not getattr(tok, "chat_template", None):
+                    raise UserError(f"--chat: the tokenizer stored in {self.path} has no chat template")
+                ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+            else:
+                ids = tok(prompt, verbose=False)["input_ids"]
+        else:
+            if chat:
+                raise UserError("--chat applies to text prompts, not token ids")
+            ids = prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        ids = [int(i) for i in ids]
+        vocab = getattr(self.model.config, "vocab_size", None)
+        if not ids:
+            raise UserError("the prompt is empty (no tokens)")
+        if vocab is not None and not all(0 <= i < vocab for i in ids):
+            raise UserError(f"prompt token ids must lie in [0, {vocab})")
+        if self.max_positions is not None and len(ids) >= self.max_positions:
+            raise UserError(f"the prompt has {len(ids)} tokens; the model holds at most {self.max_positions} positions")
+        return ids
+
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise UserError(f"{what} needs a tokenizer: {self.path} holds none (written before unionsparse stored "
+                            "one, or its model had none); compress the model again, or pass token ids")
+        return self.tokenizer
+
+    def _forward(self, ids: list[int], cache) -> torch.Tensor:
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        kw = {self._cache_arg: cache, **({"logits_to_keep": 1} if self._keep_arg else {})}
+        return self.model(input_ids=x, use_cache=True, **kw).logits[0, -1]
+
+    def new_cache(self):
+        """An empty KV cache for one generation."""
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # transformers before 4.56 takes no config
+            return DynamicCache()
+
+    @torch.inference_mode()
+    def step_logits(self, prompt_ids: Sequence[int], new_ids: Sequence[int] = ()) -> torch.Tensor:
+        """float32 [1 + len(new_ids), V]: the logits a generation sees, from the prefill of ``prompt_ids`` and
+        then one decode step per token of ``new_ids`` (for comparing backends and devices)."""
+        cache = self.new_cache()
+        rows = [self._forward(list(prompt_ids), cache)]
+        rows += [self._forward([int(t)], cache) for t in new_ids]
+        return torch.stack(rows).float().cpu()
+
+    @torch.inference_mode()
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 stream: StreamCallback | None = None, chat: bool = False, ignore_eos: bool = False) -> Generation:
+        """Generate up to ``max_new_tokens`` after ``prompt`` (text or token ids): greedy at ``temperature`` 0,
+        else top-p sampling from ``seed`` (None: a fresh random seed, recorded in the result). ``stream(id,
+        text)`` is called for every new token with the text it adds ("" without a tokenizer) and once more with
+        ``id`` None for text held back at the end. Stops at an eos token unless ``ignore_eos``."""
+        check_sampling(max_new_tokens, temperature, top_p)
+        t0 = time.perf_counter()
+        prompt_ids = self.encode(prompt, chat)
+        gen = None
+        if temperature > 0:
+            seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
+            gen = torch.Generator().manual_seed(seed)
+        else:
+            seed = None
+        text = TextStream(self.tokenizer) if self.tokenizer is not None else None
+        eos = set() if ignore_eos else self.eos_ids
+        cache = self.new_cache()
+        logits = self._forward(prompt_ids, cache)
+        new: list[int] = []
+        stop, t_first, steps = "length", None, 0
+        while True:
+            token = next_token(logits, temperature, top_p, gen)
+            if t_first is None:
+                t_first = time.perf_counter()
+            if token in eos:
+                stop = "eos"
+                break
+            new.append(token)
+            if stream is not None:
+                stream(token, text.push(token) if text is not None else "")
+            if len(new) >= max_new_tokens:
+                break
+            if self.max_positions is not None and len(prompt_ids) + len(new) >= self.max_positions:
+                stop = "context"
+                break
+            logits = self._forward([token], cache)
+            steps += 1
+        t_end = time.perf_counter()
+        if stream is not None and text is not None:
+            rest = text.flush()
+            if rest:
+                stream(None, rest)
+        if text is not None:
+            text.ids = list(new)
+        return Generation(prompt_ids, new, text.text() if text is not None else None, stop, seed,
+                          t_first - t0, t_end - t_first, steps)
+
+
+def load(path: str | Path, device: str = "cpu", backend: str | None = None, dynamic_pruning: bool = True,
+         tokenizer=None) -> Runtime:
+    """Load artifact ``path`` for generation on ``device`` (``"cpu"``: the kernels' arithmetic in torch, exact;
+    ``"cuda"``: the artifact's CuPy kernels, needs CuPy and a GPU). ``backend`` overrides the linears' backend
+    (``"reference"``: the kernels' numba CPU references, slow). The stored tokenizer is loaded when there is
+    one (``tokenizer``: one already loaded from it); token-id prompts work without one. ``dynamic_pruning``
+    False ignores stored activation-sparsity thresholds. ``Runtime.load_s`` holds the load time."""
+    from .linear import BACKENDS
+    from .model import build_model
+
+    t0 = time.perf_counter()
+    if device not in DEVICES:
+        raise UserError(f"--device: unknown value {device!r} (choose from {', '.join(DEVICES)})")
+    backend = backend or device
+    if backend not in BACKENDS:
+        raise UserError(f"backend: unknown value {backend!r} (choose from {', '.join(BACKENDS)})")
+    if (backend == "cuda") != (device == "cuda"):
+        raise UserError(f"backend {backend} does not run on device {device}")
+    if device == "cuda":
+        from .cuda import require_cuda
+
+        require_cuda()
+    art = Artifact(path)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(art) if has_tokenizer(art) else None
+    gen_cfg = load_generation_config(art)
+    model = build_model(art, backend, device, dynamic_pruning=dynamic_pruning)
+    return Runtime(Path(path), model, tok, gen_cfg, torch.device(device), backend, time.perf_counter() - t0)

@@ -1,0 +1,106 @@
+"""The runtime's compressed linear layer: one stored layer computing what the artifact's kernel computes.
+
+What a layer computes follows from how it was stored (:func:`layer_plan`):
+
+* quantized activations (W4A4 / W2A4, the layer's ``activations`` record): every token row is quantized per
+  token and per group (``formats.arithmetic.activations``), the product is the IE-BME SpMM's (exact integer
+  group sums, float32 scaling in group order, one float16 rounding), plus the 8-bit outlier side product
+  where the layer has one;
+* fp16 activations on a format whose decode kernel skips inputs (Tiled-CBC, fp16 values or int codes): a
+  single token row (N = 1, decode) is one spMspV call with the stored threshold tau (input k active iff
+  ``|fp16(x_k)| > tau``); more rows (prefill) are the SpMM, every input active;
+* fp16 activations otherwise (IE-BME W4A16, which has no kernel of its own): the decoded weight,
+  ``fp16(fp16(x) @ W^T)`` with float32 sums.
+
+Backends (``backend``): ``"cpu"`` runs that arithmetic in torch (:mod:`.cpu`, the modules ``eval`` uses),
+``"reference"`` the kernels' numba CPU references on the stored arrays (:mod:`.reference`, slow),
+``"cuda"`` the CuPy kernels on torch's stream (:mod:`.cuda`; it needs CuPy and a GPU). All return float16
+``[N, M]``; the bias is added afterwards in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...formats import registry
+from ..artifact.store import LayerRecord
+from ..errors import UserError
+
+BACKENDS = ("cpu", "reference", "cuda")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one stored layer computes at run time (see the module docstring)."""
+
+    name: str
+    format: str
+    shape: tuple[int, int]
+    bits: int | None               # weight code bits, None for fp16 values
+    act_bits: int                  # 16: fp16 activations
+    sparse_inputs: bool            # the format's decode kernel skips inputs under tau (N = 1)
+    tau: float | None              # the stored threshold (None: every input active)
+    outliers: int                  # 8-bit outlier input channels (0: none)
+
+    @property
+    def label(self) -> str:
+        w = "fp16" if self.bits is None else f"W{self.bits}A{self.act_bits}"
+        extra = f", {self.outliers} outliers" if self.outliers else ""
+        extra += f", tau {self.tau:.4g} at N = 1" if self.tau is not None else ""
+        return f"{self.format} {w}{extra}"
+
+
+def layer_plan(rec: LayerRecord, dynamic_pruning: bool = True) -> LayerPlan:
+    """The :class:`LayerPlan` of a stored layer; ``dynamic_pruning=False`` ignores stored thresholds."""
+    act = rec.attrs.get("activations") or {}
+    act_bits = int(act.get("bits") or 16)
+    sparse = registry.get(rec.format).activation_sparsity and act_bits == 16
+    tau = rec.attrs.get("dp_threshold") if sparse and dynamic_pruning else None
+    if tau is not None and not (isinstance(tau, (int, float)) and tau >= 0):
+        raise UserError(f"layer {rec.name}: stored dp_threshold {tau!r} is not a non-negative number")
+    return LayerPlan(rec.name, rec.format, tuple(int(v) for v in rec.encoding.shape), rec.attrs.get("bits"),
+                     act_bits, sparse, None if tau is None else float(tau),
+                     0 if rec.outliers is None else int(rec.outliers.channels.size))
+
+
+def make_op(rec: LayerRecord, plan: LayerPlan, backend: str, device: torch.device | str | None = None):
+    """The callable ``x2 [N, K] -> float16 [N, M]`` of ``backend`` for one layer."""
+    if backend == "cpu":
+        from .cpu import CpuOp
+
+        return CpuOp(rec, plan)
+    if backend == "reference":
+        from .reference import ReferenceOp
+
+        return ReferenceOp(rec, plan)
+    if backend == "cuda":
+        from .cuda import CudaOp
+
+        return CudaOp(rec, plan, device)
+    raise UserError(f"backend: unknown value {backend!r} (choose from {', '.join(BACKENDS)})")
+
+
+class CompressedLinear(nn.Module):
+    """Drop-in for the ``nn.Linear`` a stored layer came from, running the layer's kernel arithmetic."""
+
+    def __init__(self, rec: LayerRecord, bias: torch.Tensor | None = None, backend: str = "cpu",
+                 dynamic_pruning: bool = True, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.plan = layer_plan(rec, dynamic_pruning)
+        self.out_features, self.in_features = self.plan.shape
+        self.backend = backend
+        self.op = make_op(rec, self.plan, backend, device)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().to(device or "cpu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.op(x.reshape(-1, self.in_features)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.plan.label}, backend={self.backend}"
