@@ -93,6 +93,12 @@ class CompressConfig:
         d["tile"] = list(self.tile_shape)
         d["targets"], d["ignore"] = list(self.targets), list(self.ignore)
         d["layer_overrides"] = [dict(o) for o in self.layer_overrides]
+        if not (self.needs_calibration or self.sparsity_profile == "owl"):  # settings this run never used
+            for k in ("calib", "nsamples", "seqlen", "seed"):
+                d.pop(k)
+        if self.act_sparsity == 0:
+            d.pop("act_sparsity_profile")
+            d.pop("act_sparsity_calib")
         return d
 
     @property

@@ -349,3 +349,16 @@ def check_eval_args(source: str, seqlen: int, max_windows: int | None) -> None:
         attrs = Artifact(source).attrs
     context = model_context(attrs.get("model_config")) if attrs is not None else source_context(str(source))
     check_seqlen("--seqlen", seqlen, context, str(source))
+
+
+def read_user_text(flag: str, path: str | Path) -> str:
+    """The UTF-8 text of a file the user names (``--text``, ``--batch-file``); one line naming what is wrong."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"{flag} {path}: file does not exist")
+    try:
+        return p.read_bytes().decode("utf-8-sig")
+    except PermissionError:
+        raise UserError(f"{flag} {path}: file is not readable (permission denied)") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{flag} {path}: not UTF-8 text") from None

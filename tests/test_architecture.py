@@ -15,36 +15,33 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("compressor", "solvers", "formats", "kernels")
 
 
-def test_import_contracts_hold(tmp_path):
-    """import-linter's contracts in pyproject.toml (layers; only the CLI imports the CLI)."""
+def lint_imports(tmp_path: Path, extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """import-linter on a plain copy of the package (pyproject's package-dir mapping assembles it from four
+    folders, which the linter cannot follow), with ``extra`` files added to the copy."""
     lint = Path(sys.executable).with_name("lint-imports")
     if not lint.exists():
         pytest.skip("import-linter is not installed (pip install -e '.[dev]')")
-    # the package is assembled from four folders by pyproject's package-dir mapping: give the linter a plain copy
     pkg = tmp_path / "unionsparse"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     for name in PACKAGES:
         shutil.copytree(ROOT / name, pkg / name, ignore=shutil.ignore_patterns("__pycache__", "*.cu", "*.cuh"))
-    res = subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=tmp_path, capture_output=True,
-                         text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=300)
+    for rel, text in (extra or {}).items():
+        (pkg / rel).write_text(text)
+    return subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=tmp_path, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=300)
+
+
+def test_import_contracts_hold(tmp_path):
+    """import-linter's contracts in pyproject.toml (layers; only the CLI imports the CLI)."""
+    res = lint_imports(tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert "BROKEN" not in res.stdout and "KEPT" in res.stdout
 
 
 def test_contract_catches_an_upward_import(tmp_path):
     """The contract is live: a formats module importing the compressor breaks it."""
-    lint = Path(sys.executable).with_name("lint-imports")
-    if not lint.exists():
-        pytest.skip("import-linter is not installed")
-    pkg = tmp_path / "unionsparse"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    for name in PACKAGES:
-        shutil.copytree(ROOT / name, pkg / name, ignore=shutil.ignore_patterns("__pycache__", "*.cu", "*.cuh"))
-    (pkg / "formats" / "upward.py").write_text("from ..compressor import errors  # noqa\n")
-    res = subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=tmp_path, capture_output=True,
-                         text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=300)
+    res = lint_imports(tmp_path, {"formats/upward.py": "from ..compressor import errors  # noqa\n"})
     assert res.returncode != 0 and "unionsparse.formats.upward" in res.stdout
 
 

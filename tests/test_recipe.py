@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import yaml
+from conftest import assert_same_artifacts
 from unionsparse.compressor.artifact.store import Artifact
 
 
@@ -96,3 +97,22 @@ def test_recipe_keys_follow_the_compress_options():
     stored = CompressConfig(model="m", output="o.zarr").to_dict()
     assert set(stored) <= set(keys), set(stored) - set(keys)
     assert "output" not in keys and "config" not in keys
+
+
+def test_stored_recipe_lists_only_settings_the_run_used(tmp_path, model_dirs, llama_with_tokenizer, run_cli):
+    """Calibration settings appear in the stored recipe only when the run calibrated (issue 27: a magnitude run
+    listed c4 / 128 x 2048 tokens it never read); activation-sparsity settings only with a target."""
+    out = tmp_path / "m.zarr"
+    assert run_cli("compress", model_dirs["llama"], "-o", out, "--quiet", "--reorder", "none").code == 0
+    cfg = Artifact(out).attrs["config"]
+    assert not {"calib", "nsamples", "seqlen", "seed", "act_sparsity_profile", "act_sparsity_calib"} & set(cfg)
+    model, calib = llama_with_tokenizer
+    out = tmp_path / "w.zarr"
+    r = run_cli("compress", model, "-o", out, "--quiet", "--reorder", "none", "--prune", "wanda", "--calib", calib,
+                "--nsamples", "2", "--seqlen", "32")
+    assert r.code == 0, r.err
+    cfg = Artifact(out).attrs["config"]
+    assert (cfg["nsamples"], cfg["seqlen"], cfg["calib"]) == (2, 32, str(calib))
+    again = tmp_path / "again.zarr"  # the shorter recipe still rebuilds the same bytes
+    assert run_cli("compress", model_dirs["llama"], "-o", again, "--config", tmp_path / "m.zarr", "--quiet").code == 0
+    assert_same_artifacts(tmp_path / "m.zarr", again)

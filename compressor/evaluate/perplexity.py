@@ -25,15 +25,9 @@ __all__ = ["load_eval_text", "tokenize_eval_text", "perplexity", "window_nlls"]
 
 def load_eval_text(text_path: str | Path) -> str:
     """The evaluation text of ``text_path``: its lines (line ends normalised) joined with ``"\\n\\n"``."""
-    p = Path(text_path).expanduser()
-    if not p.is_file():
-        raise UserError(f"--text {text_path}: file does not exist")
-    try:
-        raw = p.read_bytes().decode("utf-8-sig")
-    except PermissionError:
-        raise UserError(f"--text {text_path}: file is not readable (permission denied)") from None
-    except UnicodeDecodeError:
-        raise UserError(f"--text {text_path}: not UTF-8 text") from None
+    from ..preflight import read_user_text
+
+    raw = read_user_text("--text", text_path)
     rows = raw.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True)
     rows = [r if r.endswith("\n") else r + "\n" for r in rows if r.strip()]
     if not rows:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
 from ..artifact.store import Artifact
 from ..artifact.tokenizer import has_tokenizer, load_tokenizer
 from ..errors import UserError
+from ..preflight import read_user_text
 from .generate import DEVICES, Generation
 from .sampling import check_sampling
 
@@ -24,15 +24,7 @@ def read_prompts(prompt: str | None, batch_file: str | None) -> list[str]:
         if not prompt:
             raise UserError("--prompt is empty")
         return [prompt]
-    p = Path(batch_file).expanduser()
-    if not p.is_file():
-        raise UserError(f"--batch-file {batch_file}: file does not exist")
-    try:
-        text = p.read_bytes().decode("utf-8-sig")
-    except PermissionError:
-        raise UserError(f"--batch-file {batch_file}: file is not readable (permission denied)") from None
-    except UnicodeDecodeError:
-        raise UserError(f"--batch-file {batch_file}: not UTF-8 text") from None
+    text = read_user_text("--batch-file", batch_file)
     prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise UserError(f"--batch-file {batch_file}: file holds no prompt")
