@@ -261,6 +261,21 @@ def test_tasks_table_batches_and_hellaswag(art, data, expected, run_cli, no_netw
 
 
 @needs_lm_eval
+def test_the_sample_task_data_of_the_docs_fits_the_tasks(no_network, tmp_path, monkeypatch):
+    """examples/tasks-data (docs/cli.md's worked example) is in the layout and columns lm-eval's tasks read:
+    every row renders to the task's prompt, target and choices (the checks eval makes before the model)."""
+    import datasets.config
+    from unionsparse.compressor.evaluate import tasks
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    sample = Path(__file__).resolve().parents[1] / "examples" / "tasks-data"
+    with tasks.offline():
+        _, loaded = tasks.load_tasks(tasks.task_plan(["arc_easy", "hellaswag"], sample), limit=None)
+    assert [len(t.eval_docs) for t in loaded] == [16, 8]
+    assert no_network == []
+
+
+@needs_lm_eval
 @pytest.mark.parametrize("present,task,missing", [
     (None, "hellaswag", "hellaswag/validation.jsonl"),  # no folder for the task
     ("validation.jsonl", "arc_easy", "arc_easy/test.jsonl"),  # a folder without the split the task scores
