@@ -263,9 +263,13 @@ def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
 
 @cli.command(name="eval")
 @click.argument("source", metavar="MODEL_OR_ARTIFACT")
-@click.option("--text", "text_path", required=True, help="Evaluation text file (one row a line).")
+@click.option("--text", "text_path", default=None, help="Evaluation text file (one row a line): perplexity.")
 @click.option("--seqlen", default=2048, show_default=True, type=int, help="Window length in tokens.")
 @click.option("--max-windows", default=None, type=int, help="Evaluate only the first N windows.")
+@click.option("--tasks", default=None, help="lm-eval tasks instead of perplexity, e.g. arc_easy,hellaswag.")
+@click.option("--tasks-data", default=None, help="Folder of local task data: DIR/<task>/<split>.jsonl.")
+@click.option("--limit", default=None, type=int, help="--tasks: score only the first N items of each task.")
+@click.option("--batch-size", default=None, type=int, help="--tasks: requests per forward pass (default 1).")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--act-sparsity/--no-act-sparsity", "--dp/--no-dp", "dp", default=True, show_default=True,
               help="Tiled-CBC artifacts: apply the stored dynamic-pruning thresholds to every token.")
@@ -274,17 +278,28 @@ def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
 @click.option("--record", is_flag=True,
               help="Keep the result beside the artifact (OUT.zarr.figures.json, outside the store) for inspect.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_cmd(source, text_path, seqlen, max_windows, device, dp, tokenizer, record, as_json) -> None:
-    """WikiText-2-style perplexity of a model or of an artifact (rebuilt with its stored weights)."""
+def eval_cmd(source, text_path, seqlen, max_windows, tasks, tasks_data, limit, batch_size, device, dp, tokenizer,
+             record, as_json) -> None:
+    """Perplexity (--text) or lm-eval task accuracy (--tasks) of a model or of an artifact (rebuilt)."""
     from .artifact.ownership import store_attrs
     from .evaluate.perplexity import evaluate_source
+    from .evaluate.tasks import check_eval_mode, evaluate_tasks, format_table
 
     if record and store_attrs(Path(source)) is None:
         raise UserError(f"--record: {source} is not a unionsparse artifact (figures are kept beside artifacts)")
+    from .report.figures import record as keep
+
+    if check_eval_mode(text_path, max_windows, tasks, limit, batch_size):
+        res = evaluate_tasks(source, tasks, tasks_data, limit, batch_size, device, dynamic_pruning=dp,
+                             tokenizer=tokenizer)
+        if record:
+            for name, t in res["tasks"].items():
+                keep(source, "tasks", name + (f", {limit} items" if limit else ""),
+                     {m: v["value"] for m, v in t["metrics"].items()})
+        click.echo(json.dumps(res, indent=2) if as_json else format_table(res))
+        return
     res = evaluate_source(source, text_path, seqlen, max_windows, device, dynamic_pruning=dp, tokenizer=tokenizer)
     if record:
-        from .report.figures import record as keep
-
         key = f"{Path(text_path).name}, seqlen {seqlen}" + (f", {max_windows} windows" if max_windows else "")
         keep(source, "perplexity", key + ("" if dp else ", no activation sparsity"),
              {"ppl": res["ppl"], "windows": res["windows"], "text": str(Path(text_path).resolve())})
