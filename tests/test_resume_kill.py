@@ -77,3 +77,36 @@ def test_resume_refuses_a_different_configuration(tmp_path, model_dirs, run_cli)
     r = run_cli("compress", model_dirs["llama"], "-o", out, "--quiet", "--sparsity", "0.6", "--resume")
     assert r.code == 2 and "different configuration" in r.err and "Traceback" not in r.err
     assert partial.exists()  # the interrupted run's work is the user's: not deleted
+
+
+def test_resume_after_a_kill_mid_write_of_zarr(tmp_path, model_dirs, run_cli, monkeypatch):
+    """A kill while zarr writes a file leaves its temporary ``zarr.<uuid hex>.partial``; the partial is still this
+    run's: --resume continues it (the leftover removed, the artifact verifies) and another configuration is told
+    'different configuration', not 'not a partial artifact'."""
+    from unionsparse.compressor.artifact.store import ArtifactWriter
+
+    out, partial = tmp_path / "t.zarr", tmp_path / "t.zarr.partial"
+    real = ArtifactWriter.write_layer
+    calls = {"n": 0}
+
+    def interrupted(self, rec):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, rec)
+
+    monkeypatch.setattr(ArtifactWriter, "write_layer", interrupted)
+    assert run_cli("compress", model_dirs["llama"], "-o", out, *COMMON).code == 130
+    monkeypatch.setattr(ArtifactWriter, "write_layer", real)
+    leftovers = [partial / "zarr.0123456789abcdef0123456789abcdef.partial",
+                 partial / "dense" / "zarr.fedcba9876543210fedcba9876543210.partial"]
+    for f in leftovers:
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(b"half a zarr.json")
+    r = run_cli("compress", model_dirs["llama"], "-o", out, "--quiet", "--sparsity", "0.6", "--resume")
+    assert r.code == 2 and "different configuration" in r.err, r.err
+    assert all(f.exists() for f in leftovers)  # refused: nothing touched
+    r = run_cli("compress", model_dirs["llama"], "-o", out, *COMMON, "--resume")
+    assert r.code == 0, r.err
+    assert not list(out.rglob("zarr.*.partial"))
+    assert run_cli("verify", out, "--n", "1", "--quiet").code == 0

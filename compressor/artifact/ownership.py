@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import UserError
+
+ZARR_TEMP = re.compile(r"zarr\.[0-9a-f]{32}\.partial")  # zarr's atomic-write temporary file
 
 MAX_ROOT_META = 64 << 20  # a root zarr.json larger than this is not ours
 
@@ -64,8 +67,23 @@ def foreign_entries(path: Path) -> list[str]:
             continue
         if p.name == TOKENIZER_DIR and p.is_dir() and not p.is_symlink() and _plain_files(p):
             continue
+        if ZARR_TEMP.fullmatch(p.name) and p.is_file() and not p.is_symlink():  # zarr's, left by a killed write
+            continue
         out.append(p.name)
     return out
+
+
+def remove_zarr_temporaries(store: Path) -> int:
+    """Delete the temporary files zarr writes (``zarr.<uuid hex>.partial``, renamed into place when a write
+    completes) that a killed run left in our own partial store; links are never followed. Returns how many."""
+    n = 0
+    for dirpath, _, files in os.walk(store):
+        for f in files:
+            q = Path(dirpath) / f
+            if ZARR_TEMP.fullmatch(f) and q.is_file() and not q.is_symlink():
+                q.unlink()  # zarr's own temporary file inside this run's partial
+                n += 1
+    return n
 
 
 

@@ -110,6 +110,7 @@ class ArtifactWriter:
             ownership.check_partial(self.tmp, root_attrs.get("config"), (root_attrs.get("source") or {}).get(
                 "fingerprint"), resume)
         if self.tmp.exists() and resume:
+            ownership.remove_zarr_temporaries(self.tmp)  # a write the kill interrupted
             self.root = zarr.open_group(str(self.tmp), mode="r+")
             self._drop_incomplete()
         else:
