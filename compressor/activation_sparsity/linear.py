@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..quantize.fake_quant import RowwiseLinear
 from .calibrate import sparsify_input
 
 
-class TiledCBCLinear(nn.Module):
+class TiledCBCLinear(RowwiseLinear):
     """Tiled-CBC layer with fp16 activations (``--quant none`` or ``w4a16``) and optional threshold tau."""
 
     def __init__(self, weight: torch.Tensor, tau: float | None = None, bias: torch.Tensor | None = None) -> None:
@@ -44,13 +45,6 @@ class TiledCBCLinear(nn.Module):
             self.skipped += (xa == 0).sum()  # |x'| <= tau (tau >= 0), exact zeros included, as calibrated
             self.seen += xa.numel()
         return (xa @ self.weight.T).to(torch.float16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = self.matmul_2d(x.reshape(-1, self.in_features)).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*lead, self.out_features)
 
     def measured_sparsity(self) -> float | None:
         """Fraction of the inputs seen that the kernel skips (``|x'| <= tau``, the calibration's measure)."""

@@ -58,7 +58,26 @@ def grouped_int_matmul(
     return out
 
 
-class FakeQuantLinear(nn.Module):
+class RowwiseLinear(nn.Module):
+    """A linear layer defined by ``matmul_2d`` on a [tokens, in_features] input: ``forward`` flattens the leading
+    dimensions, adds the bias (``self.bias``, may be None) and restores them. The fake-quant, Tiled-CBC and
+    runtime linears share it."""
+
+    in_features: int
+    out_features: int
+
+    def matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.matmul_2d(x.reshape(-1, self.in_features)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+
+class FakeQuantLinear(RowwiseLinear):
     """A linear layer holding integer weight codes and computing the kernels' arithmetic."""
 
     def __init__(
@@ -125,13 +144,6 @@ class FakeQuantLinear(nn.Module):
         xq, sx, oq, osx = quantize_inputs_torch(x, self.perm, self.side_codes.shape[1], self.act)
         y = grouped_int_matmul(xq, sx, self.w_codes, self.w_scales, self.group_size)
         return grouped_int_matmul(oq, osx, self.side_codes, self.side_scales, self.side_group, out=y).half()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = self.matmul_2d(x.reshape(-1, self.in_features)).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         o = 0 if self.outliers is None else self.side_codes.shape[1]

@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ...formats import registry
 from ..artifact.store import LayerRecord
 from ..errors import UserError
+from ..quantize.fake_quant import RowwiseLinear
 
 BACKENDS = ("cpu", "reference", "cuda")
 
@@ -83,7 +83,7 @@ def make_op(rec: LayerRecord, plan: LayerPlan, backend: str, device: torch.devic
     raise UserError(f"backend: unknown value {backend!r} (choose from {', '.join(BACKENDS)})")
 
 
-class CompressedLinear(nn.Module):
+class CompressedLinear(RowwiseLinear):
     """Drop-in for the ``nn.Linear`` a stored layer came from, running the layer's kernel arithmetic."""
 
     def __init__(self, rec: LayerRecord, bias: torch.Tensor | None = None, backend: str = "cpu",
@@ -95,12 +95,8 @@ class CompressedLinear(nn.Module):
         self.op = make_op(rec, self.plan, backend, device)
         self.register_buffer("bias", None if bias is None else bias.detach().float().to(device or "cpu"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = self.op(x.reshape(-1, self.in_features)).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*lead, self.out_features)
+    def matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.plan.label}, backend={self.backend}"
