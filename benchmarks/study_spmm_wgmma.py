@@ -53,13 +53,11 @@ def _skip_build(skip: int):
 def _study_shape(cp, torch, M, K, static, ns, reps, seed, limit, parts=()):
     """Rows of one shape: cuBLAS, auto, dense path, v4 default and VARIANTS for each N (one weight matrix)."""
     from unionsparse.compressor.bench.tiled_cbc import (
-        _clone,
-        copies_for,
         random_weights,
+        rotated_copies,
         time_graph_cupy,
         time_graph_torch,
     )
-    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device
     from unionsparse.kernels.tiled_cbc_spmm import (
         V5_CONFIGS,
         spmm,
@@ -71,14 +69,8 @@ def _study_shape(cp, torch, M, K, static, ns, reps, seed, limit, parts=()):
         v5_splits,
     )
 
-    W = random_weights(cp, M, K, static, seed)
-    Wt = torch.from_dlpack(W)
-    nd = copies_for(2 * M * K)
-    Wd = [Wt] + [Wt.clone() for _ in range(nd - 1)]
-    arrays = encode_on_device(W)
-    dev0 = DeviceTiledCBC(arrays=arrays)
-    nc = copies_for(dev0.nbytes())
-    devs = [dev0] + [DeviceTiledCBC(arrays=_clone(cp, arrays)) for _ in range(nc - 1)]
+    Wd, devs = rotated_copies(cp, torch, random_weights(cp, M, K, static, seed))
+    Wt, dev0, nd, nc = Wd[0], devs[0], len(Wd), len(devs)
     rows = []
     for n in ns:
         rs = cp.random.RandomState(n)

@@ -175,6 +175,19 @@ def _clone(cp, arrays):
     return {k: (v.copy() if isinstance(v, cp.ndarray) else v) for k, v in arrays.items()}
 
 
+def rotated_copies(cp, torch, W):
+    """fp16 weights ``W`` as enough copies to rotate beyond L2: torch tensors for cuBLAS and Tiled-CBC device
+    layers (encoded once on the GPU). Returns (torch copies, device layers); the first of each is ``W``'s."""
+    from ...kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device
+
+    Wt = torch.from_dlpack(W)
+    Wd = [Wt] + [Wt.clone() for _ in range(copies_for(W.nbytes) - 1)]
+    arrays = encode_on_device(W)
+    dev0 = DeviceTiledCBC(arrays=arrays)
+    devs = [dev0] + [DeviceTiledCBC(arrays=_clone(cp, arrays)) for _ in range(copies_for(dev0.nbytes()) - 1)]
+    return Wd, devs
+
+
 def random_weights(cp, M, K, sparsity, seed):
     rs = cp.random.RandomState(seed)
     W = (rs.standard_normal((M, K), dtype=cp.float32) * 0.02).astype(cp.float16)
@@ -388,7 +401,6 @@ def spmm_candidates(n: int) -> list[tuple[int, int, int]]:
 
 
 def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5):
-    from ...kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device
     from ...kernels.tiled_cbc_spmm import (
         V3_CONFIGS,
         V3_MAX_N,
@@ -408,14 +420,8 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
         if time.time() > deadline:
             log(f"time limit: SpMM stopped after {si} of {len(shapes)} shapes")
             break
-        W = random_weights(cp, M, K, static, 2000 + si)
-        Wt = torch.from_dlpack(W)
-        nd = copies_for(2 * M * K)
-        Wd = [Wt] + [Wt.clone() for _ in range(nd - 1)]
-        arrays = encode_on_device(W)
-        dev0 = DeviceTiledCBC(arrays=arrays)
-        nc = copies_for(dev0.nbytes())
-        devs = [dev0] + [DeviceTiledCBC(arrays=_clone(cp, arrays)) for _ in range(nc - 1)]
+        Wd, devs = rotated_copies(cp, torch, random_weights(cp, M, K, static, 2000 + si))
+        Wt, dev0, nd, nc = Wd[0], devs[0], len(Wd), len(devs)
         ws = cp.empty((M, dev0.grid[1] * 16), dtype=cp.float16)
         t_decode = time_graph_cupy(cp, lambda i, devs=devs, ws=ws: decode_dense(devs[i % len(devs)], ws), nc, reps)
         t_decode_v1 = time_graph_cupy(
@@ -542,7 +548,7 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                 f"({best[1]}) x{t_cublas / best[0]:.2f} (v1 x{t_cublas / t_v1:.2f}) dense-path {t_dense * 1e6:.1f}us "
                 f"x{t_cublas / t_dense:.2f} rel {rel:.1e}/{rel_dense:.1e}"
             )
-        del devs, dev0, arrays, Wd, Wt, W
+        del devs, dev0, Wd, Wt
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
     return rows
