@@ -1,0 +1,200 @@
+"""The linear kinds `unionsparse bench --e2e` puts in a model's decoder blocks, each in the same step code.
+
+Every kind maps ``[..., K] -> [..., M]`` and is built per block group (Q/K/V stacked, O, gate/up stacked,
+down; ``e2e_models.ModelSpec.groups``):
+
+* ``fp16``: ``nn.Linear`` in float16 (cuBLAS on a GPU);
+* ``w4a16``: dense int4 weights, fp16 scales and zeros per group of 128, ``torch._weight_int4pack_mm``
+  (torchao's int4 weight-only kernel, tinygemm; bfloat16 activations, so the input is cast to bf16 and the
+  output back); the CPU runs ``torch._weight_int4pack_mm_for_cpu`` on the same codes;
+* ``iebme-w4a4-50`` / ``iebme-w4a4-0``: the runtime's ``CompressedLinear`` (what ``runtime.load`` builds)
+  on a synthetic layer record of random nonzero 4-bit codes under a uniformly random 50% (0%: the dense
+  control) mask, group 128, tile 16x64, no row reordering, and the per-token W4A4 activation record
+  ``compress`` writes;
+* ``tcbc-fp16-30+30``: ``CompressedLinear`` on random fp16 values with 30% zeros (static) and a stored
+  threshold tau at which 30% of the layer's decode inputs are inactive (dynamic; the spMspV kernel at N = 1).
+
+Encoding a 7B block on the CPU takes seconds, all 32 blocks minutes: a kind encodes ONE record per group and
+builds every block's module from it (each an upload of its own, so no block reads another's weights from L2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...formats import iebme, tiled_cbc
+from ...formats.arithmetic.activations import activation_scheme
+from ..artifact.store import LayerRecord
+
+GROUP_SIZE = 128
+INNER_K_TILES = 8
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A linear kind of the benchmark."""
+
+    name: str
+    label: str
+    sparsity: float = 0.0            # static (weights)
+    dynamic: float = 0.0             # dynamic (activations at decode, N = 1)
+    runtime: bool = False            # built through the runtime's CompressedLinear
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "label": self.label, "sparsity": self.sparsity, "dynamic_sparsity": self.dynamic,
+                "through_runtime": self.runtime}
+
+
+KINDS = {k.name: k for k in (
+    Kind("fp16", "dense fp16 (nn.Linear, cuBLAS)"),
+    Kind("w4a16", "dense W4A16 (torch._weight_int4pack_mm, tinygemm)"),
+    Kind("iebme-w4a4-50", "IE-BME W4A4, 50% sparse (runtime CompressedLinear)", sparsity=0.5, runtime=True),
+    Kind("iebme-w4a4-0", "IE-BME W4A4, 0% sparse: the control (runtime CompressedLinear)", runtime=True),
+    Kind("tcbc-fp16-30+30", "Tiled-CBC fp16, 30% static + 30% dynamic (runtime CompressedLinear)", sparsity=0.3,
+         dynamic=0.3, runtime=True),
+)}
+BASELINES = ("fp16", "w4a16")
+
+
+# ---------------------------------------------------------------------------------------------------- fp16
+
+
+def fp16_linear(m: int, k: int, device, gen: torch.Generator | None = None) -> nn.Linear:
+    """A bias-free float16 ``nn.Linear`` [m, k] with N(0, 0.02²) weights made on ``device``."""
+    lin = nn.Linear(k, m, bias=False, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        lin.weight.normal_(0.0, 0.02, generator=gen)
+    return lin.requires_grad_(False)
+
+
+# --------------------------------------------------------------------------------------------------- W4A16
+
+
+class W4A16Linear(nn.Module):
+    """Dense int4 weight-only linear through ``torch._weight_int4pack_mm`` (CUDA, tinygemm) or
+    ``torch._weight_int4pack_mm_for_cpu``: ``W[m, k] = (q[m, k] - 8) * scale[g, m] + zero[g, m]``, q in 0..15,
+    groups of ``group_size`` inputs. Activations run in bfloat16 (the CUDA kernel's only input type)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = GROUP_SIZE,
+                 inner_k_tiles: int = INNER_K_TILES) -> None:
+        super().__init__()
+        m, k = q.shape
+        self.out_features, self.in_features = int(m), int(k)
+        check_w4a16_shape(m, k, group_size, inner_k_tiles)
+        self.group_size = int(group_size)
+        q32 = q.to(torch.int32).contiguous()
+        if q32.device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, inner_k_tiles)
+        else:  # even input in the high nibble (torchao's packing)
+            packed = torch.ops.aten._convert_weight_to_int4pack(
+                ((q32[:, ::2] << 4) | q32[:, 1::2]).to(torch.uint8).contiguous(), inner_k_tiles)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous())  # [G, m, 2]
+
+    @classmethod
+    def random(cls, m: int, k: int, device, gen: torch.Generator | None = None, **kw) -> W4A16Linear:
+        """Random codes, scales and zeros made on ``device``."""
+        g = -(-k // kw.get("group_size", GROUP_SIZE))
+        q = torch.randint(0, 16, (m, k), device=device, dtype=torch.int32, generator=gen)
+        scales = torch.rand(g, m, device=device, generator=gen) * 0.004 + 0.002
+        zeros = (torch.rand(g, m, device=device, generator=gen) - 0.5) * 0.002
+        return cls(q, scales, zeros, **kw)
+
+    def weight_bytes(self) -> int:
+        return self.out_features * self.in_features // 2 + self.scales_and_zeros.numel() * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.packed.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}"
+
+
+def check_w4a16_shape(m: int, k: int, group_size: int = GROUP_SIZE, inner_k_tiles: int = INNER_K_TILES) -> None:
+    if m % 8 or k % (inner_k_tiles * 16) or k % group_size or group_size not in (32, 64, 128, 256):
+        raise ValueError(f"W4A16 (tinygemm) needs M % 8 == 0, K % {inner_k_tiles * 16} == 0 and K % group == 0, "
+                         f"group in 32/64/128/256; got M={m}, K={k}, group {group_size}")
+
+
+def w4a16_dequantized(lin: W4A16Linear, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """float32 [m, k] weight the kernel computes with: (q - 8) * scale + zero, scales and zeros as stored (bf16)."""
+    sz = lin.scales_and_zeros.float()
+    s = sz[..., 0].t().repeat_interleave(lin.group_size, dim=1)
+    z = sz[..., 1].t().repeat_interleave(lin.group_size, dim=1)
+    return (q.float() - 8.0) * s.to(q.device) + z.to(q.device)
+
+
+# -------------------------------------------------------------------------------------------- IE-BME, Tiled-CBC
+
+
+def random_codes(m: int, k: int, sparsity: float, rng: np.random.Generator, bits: int = 4) -> np.ndarray:
+    """Nonzero signed ``bits``-bit codes (int8 [m, k]) under a uniformly random mask at ``sparsity``."""
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = rng.integers(lo, hi, size=(m, k), dtype=np.int8)  # lo .. hi-1, then nonnegative ones shifted up: nonzero
+    q += (q >= 0).astype(np.int8)
+    if sparsity > 0:
+        q[rng.random((m, k), dtype=np.float32) < sparsity] = 0
+    return q
+
+
+def iebme_record(name: str, m: int, k: int, sparsity: float, rng: np.random.Generator, bits: int = 4,
+                 group_size: int = GROUP_SIZE) -> LayerRecord:
+    """A stored IE-BME W4A4 layer as ``compress`` writes one (no reordering, no outlier channels): random codes,
+    fp16 scales per (row, group of 128), the per-token activation record."""
+    codes = random_codes(m, k, sparsity, rng, bits)
+    enc = iebme.encode(codes, bits=bits, tile=(16, 64), areas=(2, 2))
+    g = -(-k // group_size)
+    scales = (rng.random((m, g), dtype=np.float32) * 0.004 + 0.002).astype(np.float16)
+    attrs = {"prune": "synthetic", "quant": f"w{bits}a4", "bits": bits, "group_size": group_size,
+             "activations": activation_scheme(4, group_size)}
+    return LayerRecord(name, enc, scales, attrs)
+
+
+def tcbc_record(name: str, m: int, k: int, sparsity: float, tau: float | None, rng: np.random.Generator) -> LayerRecord:
+    """A stored Tiled-CBC fp16 layer: random N(0, 0.02²) values with a uniformly random ``sparsity`` of zeros,
+    tile 256x16, the threshold ``tau`` stored as ``dp_threshold``."""
+    w = (rng.standard_normal((m, k), dtype=np.float32) * 0.02).astype(np.float16)
+    if sparsity > 0:
+        w[rng.random((m, k), dtype=np.float32) < sparsity] = 0
+    enc = tiled_cbc.encode(w, tile=tiled_cbc.DEFAULT_TILE, bits=None)
+    attrs = {"prune": "synthetic", "quant": "none", "bits": None, "dp_threshold": None if tau is None else float(tau)}
+    return LayerRecord(name, enc, None, attrs)
+
+
+def with_tau(rec: LayerRecord, tau: float | None) -> LayerRecord:
+    """The same stored arrays with another ``dp_threshold``."""
+    return replace(rec, attrs={**rec.attrs, "dp_threshold": None if tau is None else float(tau)})
+
+
+def record_bytes(rec: LayerRecord) -> int:
+    """Bytes of a stored layer's arrays (encoding, scales, side matrix): what a kernel reads at most."""
+    return int(sum(np.asarray(a).nbytes for a in rec.arrays().values()))
+
+
+def record_read_bytes(rec: LayerRecord, inactive: float = 0.0) -> int:
+    """Bytes one product must read: every array, less the values of inactive inputs (a fraction ``inactive``
+    of the columns; the spMspV kernel skips their values, not their bitmaps or column info)."""
+    arrays = rec.arrays()
+    total = sum(np.asarray(a).nbytes for a in arrays.values())
+    if inactive > 0 and "values" in arrays:
+        total -= int(np.asarray(arrays["values"]).nbytes * inactive)
+    return int(total)
+
+
+def normal_tau(dynamic: float) -> float:
+    """The ``dynamic`` quantile of |x| for x ~ N(0, 1) (the input of a block's first linears, after RMSNorm):
+    the threshold before calibration on the step's own inputs."""
+    from statistics import NormalDist
+
+    return float(NormalDist().inv_cdf(0.5 + dynamic / 2))
