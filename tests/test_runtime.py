@@ -416,3 +416,40 @@ def test_smollm2_gguf_tokenizer_and_greedy_tokens(tmp_path, run_cli, monkeypatch
         want = rebuild_model(out, act_quant=False).generate(torch.tensor([g.prompt_ids]), max_new_tokens=16,
                                                             do_sample=False)[0, len(g.prompt_ids):].tolist()
     assert g.ids == want[: len(g.ids)] and len(g.ids) >= 4 and g.text.strip()
+
+
+@pytest.mark.parametrize("case", ["w4a4-outliers", "cbc-dp"])
+def test_static_generation_equals_the_transformers_cache_path(loaded, case):
+    """The same artifact, generated through the static decoder and through the model's own forward with
+    transformers' DynamicCache: the same 24 greedy tokens and the same logits along them (Tiled-CBC thresholds
+    at the decode steps in both)."""
+    rt = loaded(case)
+    assert rt.static_unsupported is None
+    g = rt.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+    assert g.stats["decoder"] == "static" and len(g.ids) == 24
+    static_logits = rt.step_logits(PROMPT, g.ids[:-1])
+    rt.static_unsupported = "forced for the comparison"
+    try:
+        h = rt.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+        cache_logits = rt.step_logits(PROMPT, g.ids[:-1])
+    finally:
+        rt.static_unsupported = None
+    assert h.stats["decoder"] == "transformers"
+    assert h.ids == g.ids
+    torch.testing.assert_close(static_logits, cache_logits, rtol=0, atol=1e-4)
+    assert not torch.equal(static_logits[1], static_logits[2])  # the steps really differ
+
+
+def test_static_cache_is_reused_and_grown(loaded):
+    rt = loaded("w4a16")
+    rt.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
+    dec = rt._decoder
+    assert dec.max_len == rt.decoder_length(len(PROMPT) + 4) == 256
+    rt.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    assert rt._decoder is dec  # fits: one cache (and on a GPU one captured graph) for both
+    rt.max_positions, saved = 1024, rt.max_positions
+    try:
+        rt.generate(PROMPT, max_new_tokens=300, ignore_eos=True)
+        assert rt._decoder is not dec and rt._decoder.max_len == 512
+    finally:
+        rt.max_positions = saved

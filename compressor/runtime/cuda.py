@@ -1,7 +1,9 @@
 """The runtime's CUDA backend: the artifact's CuPy kernels on the stored arrays, on torch's current stream.
 
-Not yet run on a GPU (docs/runtime.md says what that still needs). Per layer, at load, the stored arrays are
-uploaded once as they are (``kernels.iebme_spmm.prepare_layer``, ``kernels.tiled_cbc_device.DeviceTiledCBC``).
+Not yet run on a GPU (docs/runtime.md says what that still needs). CuPy allocates through torch's caching
+allocator (:func:`share_torch_allocator`), so that a decode step captured as a CUDA graph keeps its buffers.
+Per layer, at load, the stored arrays are uploaded once as they are (``kernels.iebme_spmm.prepare_layer``,
+``kernels.tiled_cbc_device.DeviceTiledCBC``).
 Per call, tensors cross between torch and CuPy through DLPack (no copies) and every launch goes to torch's
 current stream (a CuPy ``ExternalStream`` over it), so nothing is copied to the host inside a step:
 
@@ -44,6 +46,31 @@ def cuda_problem() -> str | None:
     return None
 
 
+_SHARED_ALLOCATOR = False
+
+
+def share_torch_allocator() -> None:
+    """Route CuPy's device allocations through torch's caching allocator (once per process).
+
+    The kernels' launchers allocate outputs, padded inputs and workspaces with CuPy. Inside a CUDA-graph
+    capture those must come from the graph's private memory pool, which only torch's allocator knows about:
+    CuPy's own pool would hand the captured addresses to later, unrelated arrays. Through torch, an allocation
+    on the capturing stream lands in the graph's pool and stays reserved for its replays."""
+    global _SHARED_ALLOCATOR
+    if _SHARED_ALLOCATOR:
+        return
+    import cupy as cp
+
+    def malloc(size: int, device: int) -> int:
+        return torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device))
+
+    def free(ptr: int, _device: int) -> None:
+        torch.cuda.caching_allocator_delete(ptr)
+
+    cp.cuda.set_allocator(cp.cuda.PythonFunctionAllocator(malloc, free).malloc)
+    _SHARED_ALLOCATOR = True
+
+
 def require_cuda() -> None:
     """Raise one ``UserError`` unless the CUDA backend can run here."""
     why = cuda_problem()
@@ -57,6 +84,7 @@ class CudaOp(nn.Module):
     def __init__(self, rec: LayerRecord, plan: LayerPlan, device: torch.device | str | None = None) -> None:
         super().__init__()
         require_cuda()
+        share_torch_allocator()
         import cupy as cp
 
         self.plan = plan

@@ -1,7 +1,9 @@
 """Load an artifact once, generate many times: :func:`load` and :class:`Runtime`.
 
 A generation is one sequence (batch 1): the prompt runs as one prefill forward, then one token per decode
-step with a KV cache (transformers' ``DynamicCache``). Every compressed linear runs its kernel's arithmetic
+step. LLaMA-family models run on :class:`~.decoder.StaticDecoder` (a static KV cache; on a GPU every step is
+one replay of a captured CUDA graph and the token is chosen on the device); other architectures run the
+model's own forward with transformers' ``DynamicCache``. Every compressed linear runs its kernel's arithmetic
 (:mod:`.linear`), so Tiled-CBC thresholds apply at the decode steps (N = 1) and not at prefill, as the
 spMspV and SpMM kernels do. Text in and out goes through the tokenizer stored in the artifact; token ids
 work without one.
@@ -22,7 +24,8 @@ from torch import nn
 from ..artifact.store import Artifact
 from ..artifact.tokenizer import has_tokenizer, load_generation_config, load_tokenizer
 from ..errors import UserError
-from .sampling import check_sampling, next_token
+from .decoder import GraphedStep, StaticDecoder
+from .sampling import check_sampling, choose
 
 DEVICES = ("cpu", "cuda")
 StreamCallback = Callable[[int | None, str], None]
@@ -83,6 +86,8 @@ class TextStream:
 class Runtime:
     """An artifact loaded for generation (see :func:`load`)."""
 
+    LENGTH_STEP = 256
+
     def __init__(self, path: Path, model: nn.Module, tokenizer, generation_config, device: torch.device,
                  backend: str, load_s: float) -> None:
         self.path = path
@@ -96,6 +101,9 @@ class Runtime:
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.25: cache
         self._keep_arg = "logits_to_keep" in params
+        self.static_unsupported = StaticDecoder.unsupported(model)  # None: the static decoder runs this model
+        self._decoder: StaticDecoder | None = None
+        self._graph: GraphedStep | None = None
 
     @property
     def n_compressed(self) -> int:
@@ -148,10 +156,10 @@ class Runtime:
     def _forward(self, ids: list[int], cache) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         kw = {self._cache_arg: cache, **({"logits_to_keep": 1} if self._keep_arg else {})}
-        return self.model(input_ids=x, use_cache=True, **kw).logits[0, -1]
+        return self.model(input_ids=x, use_cache=True, **kw).logits[:, -1]
 
     def new_cache(self):
-        """An empty KV cache for one generation."""
+        """An empty transformers KV cache (the path of models the static decoder does not run)."""
         from transformers import DynamicCache
 
         try:
@@ -159,14 +167,33 @@ class Runtime:
         except TypeError:  # transformers before 4.56 takes no config
             return DynamicCache()
 
+    def decoder_length(self, need: int) -> int:
+        """The static cache length for ``need`` positions: rounded up to whole 256s (one cache and one captured
+        graph serve every later generation that fits), at most the model's positions."""
+        length = -(-need // self.LENGTH_STEP) * self.LENGTH_STEP
+        return min(length, self.max_positions) if self.max_positions else length
+
+    def session(self, prompt_ids: Sequence[int], need: int) -> _StaticSession | _CacheSession:
+        """A decoding session for one sequence: prefill ``prompt_ids`` with room for ``need`` positions."""
+        if self.static_unsupported is None:
+            if self._decoder is None or self._decoder.max_len < need:
+                self._decoder = self._graph = None
+                self._decoder = StaticDecoder(self.model, 1, self.decoder_length(need))
+            if self._graph is None:
+                self._graph = GraphedStep(self._decoder, greedy=False)
+            return _StaticSession(self._decoder, self._graph, prompt_ids)
+        return _CacheSession(self, prompt_ids)
+
     @torch.inference_mode()
     def step_logits(self, prompt_ids: Sequence[int], new_ids: Sequence[int] = ()) -> torch.Tensor:
         """float32 [1 + len(new_ids), V]: the logits a generation sees, from the prefill of ``prompt_ids`` and
         then one decode step per token of ``new_ids`` (for comparing backends and devices)."""
-        cache = self.new_cache()
-        rows = [self._forward(list(prompt_ids), cache)]
-        rows += [self._forward([int(t)], cache) for t in new_ids]
-        return torch.stack(rows).float().cpu()
+        s = self.session(list(prompt_ids), len(prompt_ids) + len(new_ids) + 1)
+        rows = [s.logits]
+        for t in new_ids:
+            s.feed(torch.tensor([int(t)], device=self.device))
+            rows.append(s.advance())
+        return torch.cat(rows).float().cpu()
 
     @torch.inference_mode()
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
@@ -182,17 +209,29 @@ class Runtime:
         gen = None
         if temperature > 0:
             seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
-            gen = torch.Generator().manual_seed(seed)
+            gen = torch.Generator(device=self.device).manual_seed(seed)
         else:
             seed = None
         text = TextStream(self.tokenizer) if self.tokenizer is not None else None
         eos = set() if ignore_eos else self.eos_ids
-        cache = self.new_cache()
-        logits = self._forward(prompt_ids, cache)
+        limit = len(prompt_ids) + max_new_tokens
+        if self.max_positions is not None:
+            limit = min(limit, self.max_positions)
+        s = self.session(prompt_ids, limit)
+        logits = s.logits
         new: list[int] = []
         stop, t_first, steps = "length", None, 0
         while True:
-            token = next_token(logits, temperature, top_p, gen)
+            chosen = choose(logits, temperature, top_p, gen)  # on the device
+            s.feed(chosen)
+            n_after = len(prompt_ids) + len(new) + 1  # positions used once this token is fed
+            ahead = s.overlaps and len(new) + 1 < max_new_tokens and n_after < limit
+            if ahead:  # the GPU runs the next step while the host reads, checks and streams this token
+                host = s.to_host(chosen)
+                logits = s.advance()
+                token = s.read(host)
+            else:
+                token = int(chosen[0])
             if t_first is None:
                 t_first = time.perf_counter()
             if token in eos:
@@ -203,10 +242,11 @@ class Runtime:
                 stream(token, text.push(token) if text is not None else "")
             if len(new) >= max_new_tokens:
                 break
-            if self.max_positions is not None and len(prompt_ids) + len(new) >= self.max_positions:
+            if self.max_positions is not None and n_after >= self.max_positions:
                 stop = "context"
                 break
-            logits = self._forward([token], cache)
+            if not ahead:
+                logits = s.advance()
             steps += 1
         t_end = time.perf_counter()
         if stream is not None and text is not None:
@@ -216,7 +256,53 @@ class Runtime:
         if text is not None:
             text.ids = list(new)
         return Generation(prompt_ids, new, text.text() if text is not None else None, stop, seed,
-                          t_first - t0, t_end - t_first, steps)
+                          t_first - t0, t_end - t_first, steps,
+                          {"decoder": "static" if self.static_unsupported is None else "transformers"})
+
+
+class _StaticSession:
+    """One sequence on the static decoder: prefill, then captured steps (``overlaps``: on a GPU the next step
+    is launched before the host reads the current token)."""
+
+    def __init__(self, decoder: StaticDecoder, graph: GraphedStep, prompt_ids: Sequence[int]) -> None:
+        self.decoder, self.graph = decoder, graph
+        self.overlaps = decoder.device.type == "cuda"
+        self.logits = decoder.prefill(torch.tensor([list(prompt_ids)], dtype=torch.long))
+        self._host = torch.empty(1, dtype=torch.long, pin_memory=self.overlaps)
+
+    def feed(self, token: torch.Tensor) -> None:
+        self.decoder.tokens.copy_(token)
+
+    def advance(self) -> torch.Tensor:
+        return self.graph()
+
+    def to_host(self, token: torch.Tensor) -> torch.cuda.Event:
+        self._host.copy_(token, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    def read(self, done: torch.cuda.Event) -> int:
+        done.synchronize()
+        return int(self._host[0])
+
+
+class _CacheSession:
+    """One sequence through the model's own forward and transformers' DynamicCache (other architectures)."""
+
+    overlaps = False
+
+    def __init__(self, rt: Runtime, prompt_ids: Sequence[int]) -> None:
+        self.rt = rt
+        self.cache = rt.new_cache()
+        self.logits = rt._forward(list(prompt_ids), self.cache)
+        self.token: list[int] = []
+
+    def feed(self, token: torch.Tensor) -> None:
+        self.token = [int(token.reshape(-1)[0])]
+
+    def advance(self) -> torch.Tensor:
+        return self.rt._forward(self.token, self.cache)
 
 
 def load(path: str | Path, device: str = "cpu", backend: str | None = None, dynamic_pruning: bool = True,

@@ -1,0 +1,185 @@
+"""A LLaMA-family decode step with a static KV cache, fixed shapes and no host synchronisation, so that one
+CUDA graph can hold the whole step (docs/runtime.md, "The decode step").
+
+:class:`StaticDecoder` runs the blocks of a transformers LLaMA-style model (LLaMA, Mistral without a sliding
+window, Qwen2 without one; SmolLM2 is LLaMA) with its own modules: the embeddings, norms, MLPs and lm_head
+are the model's, every linear is whatever module sits there (``nn.Linear``, ``CompressedLinear``, a fused
+member), and only attention is its own: rotary tables precomputed for all positions, keys and values written
+into preallocated ``[B, H_kv, max_len, D]`` caches at the step's position (a device tensor), and SDPA over the
+whole cache with a position mask. Every step has the same shapes and launches the same kernels, so
+:class:`GraphedStep` captures it once and replays it per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UserError
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static inverse frequencies: a table holds them all
+
+
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(params.get("rope_type") or params.get("type") or "default")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class StaticDecoder(nn.Module):
+    """Batched decoding of ``model`` with a static KV cache of ``max_len`` positions (see the module docstring).
+
+    ``tokens`` ([B] long) holds the next step's input and ``position`` (a long scalar) its position, both on
+    the model's device; :meth:`step` reads them, writes the logits into a static buffer and advances
+    ``position`` in place, so replaying a captured step needs no host work.
+    """
+
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int) -> None:
+        super().__init__()
+        why = self.unsupported(model, max_len)
+        if why is not None:
+            raise UserError(f"the static decoder cannot run this model: {why}")
+        if batch_size < 1 or max_len < 2:
+            raise UserError(f"static decoder: batch size {batch_size} and length {max_len} must be >= 1 and >= 2")
+        cfg = model.config
+        inner = model.model
+        self.model = model
+        self.batch_size, self.max_len = int(batch_size), int(max_len)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        emb = inner.embed_tokens.weight
+        device, dtype = emb.device, emb.dtype
+        n_layers = len(inner.layers)
+        shape = (n_layers, self.batch_size, self.n_kv, self.max_len, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        rot = inner.rotary_emb  # transformers' own frequencies and scaling (llama3 / yarn included)
+        freqs = torch.arange(self.max_len, device=device).float()[:, None] * rot.inv_freq.float().to(device)[None]
+        emb_f = torch.cat((freqs, freqs), dim=-1)  # the arithmetic of LlamaRotaryEmbedding.forward, per position
+        scaling = float(getattr(rot, "attention_scaling", 1.0))
+        self.register_buffer("cos", (emb_f.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb_f.sin() * scaling).to(dtype), persistent=False)
+        self.register_buffer("arange", torch.arange(self.max_len, device=device), persistent=False)
+        self.register_buffer("tokens", torch.zeros(self.batch_size, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("position", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+        self.logits: torch.Tensor | None = None
+
+    @staticmethod
+    def unsupported(model: nn.Module, max_len: int | None = None) -> str | None:
+        """Why ``model`` cannot run here (one line), or None."""
+        cfg = getattr(model, "config", None)
+        kind = getattr(cfg, "model_type", None)
+        if kind not in ARCHITECTURES:
+            return f"architecture {kind!r} (supported: {', '.join(ARCHITECTURES)})"
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+            return "the model has no LLaMA-style decoder (model.layers, model.rotary_emb)"
+        rope = _rope_type(cfg)
+        if rope not in ROPE_TYPES:
+            return f"rotary type {rope!r} (supported: {', '.join(ROPE_TYPES)})"
+        window = getattr(cfg, "sliding_window", None)
+        uses_window = window is not None and getattr(cfg, "use_sliding_window", kind == "mistral")
+        if uses_window and (max_len is None or max_len > int(window)):
+            return f"a sliding attention window of {window} positions"
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def reset(self) -> None:
+        """Forget every cached position (the caches are masked by position; they are not cleared)."""
+        self.position.zero_()
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run the prompt ``ids`` [B, T] from position 0: fills the cache, sets ``position`` to T and returns
+        the last position's logits [B, V]."""
+        if ids.ndim != 2 or ids.shape[0] != self.batch_size:
+            raise UserError(f"prefill: ids must be [{self.batch_size}, T], got {tuple(ids.shape)}")
+        t = ids.shape[1]
+        if not 1 <= t < self.max_len:
+            raise UserError(f"prefill: {t} prompt tokens do not fit a cache of {self.max_len} positions")
+        self.reset()
+        logits = self._forward(ids.to(self.device), self.arange[:t])
+        self.position.fill_(t)
+        return logits
+
+    def step(self) -> torch.Tensor:
+        """One decode step on ``tokens`` at ``position``: logits [B, V] (a static buffer when captured)."""
+        logits = self._forward(self.tokens[:, None], self.position.view(1))
+        self.position.add_(1)
+        self.logits = logits
+        return logits
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of the last of the rows ``ids`` [B, T] at positions ``pos`` [T] (device tensors)."""
+        inner = self.model.model
+        b, t = ids.shape
+        x = inner.embed_tokens(ids)
+        cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]  # [1, 1, T, D]
+        mask = (self.arange[None, :] <= pos[:, None])[None, None]  # key j visible to row i iff j <= pos_i
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.k_cache[i].index_copy_(2, pos, k.to(self.k_cache.dtype))
+            self.v_cache[i].index_copy_(2, pos, v.to(self.v_cache.dtype))
+            o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
+                                               scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = inner.norm(x[:, -1])
+        return self.model.lm_head(x).float()
+
+
+class GraphedStep:
+    """:meth:`StaticDecoder.step`, plus the greedy choice into ``decoder.tokens`` when ``greedy``, captured
+    once as a CUDA graph and replayed per call; on the CPU it runs eagerly (same code, same arithmetic)."""
+
+    WARMUP = 2  # eager runs before capture: lazy initialisation (kernel modules, workspaces) happens outside it
+
+    def __init__(self, decoder: StaticDecoder, greedy: bool = True) -> None:
+        self.decoder = decoder
+        self.greedy = greedy
+        self.graph = None
+        self.out: torch.Tensor | None = None
+        if decoder.device.type == "cuda":
+            self._capture()
+
+    def _run(self) -> torch.Tensor:
+        logits = self.decoder.step()
+        if self.greedy:
+            self.decoder.tokens.copy_(torch.argmax(logits, dim=-1))
+        return logits
+
+    def _capture(self) -> None:
+        d = self.decoder
+        position, tokens = d.position.clone(), d.tokens.clone()
+        side = torch.cuda.Stream(d.device)
+        side.wait_stream(torch.cuda.current_stream(d.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP):
+                self._run()
+                d.position.copy_(position)  # the warm-up steps rewrite the same cache slot the real step will
+                d.tokens.copy_(tokens)
+        torch.cuda.current_stream(d.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # recorded, not run: position and tokens are as they were
+            self.out = self._run()
+
+    def __call__(self) -> torch.Tensor:
+        if self.graph is None:
+            return self._run()
+        self.graph.replay()
+        return self.out

@@ -1,0 +1,105 @@
+"""The static decode step (compressor/runtime/decoder.py) against transformers' own forward, and choosing tokens on
+the device (the static generation path on compressed artifacts: tests/test_runtime.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from unionsparse.compressor.errors import UserError
+from unionsparse.compressor.runtime.decoder import GraphedStep, StaticDecoder
+from unionsparse.compressor.runtime.sampling import choose, next_token
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+MODELS = {  # name -> (config class, extra config)
+    "llama-mha": (transformers.LlamaConfig, {"num_key_value_heads": 4}),
+    "llama3-gqa": (transformers.LlamaConfig, {"num_key_value_heads": 2, "rope_scaling": LLAMA3_ROPE,
+                                              "rope_theta": 500000.0}),
+    "qwen2-bias": (transformers.Qwen2Config, {"num_key_value_heads": 2}),
+    "mistral": (transformers.MistralConfig, {"num_key_value_heads": 2, "sliding_window": None}),
+}
+
+
+def _model(name: str) -> torch.nn.Module:
+    cls, extra = MODELS[name]
+    cfg = cls(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=128, **extra)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if name == "qwen2-bias":  # q/k/v biases exist: make them matter
+        for layer in m.model.layers:
+            assert layer.self_attn.q_proj.bias is not None
+            torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
+    return m
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@torch.inference_mode()
+def test_static_steps_equal_transformers_forward(name):
+    """Prefill and 6 greedy steps at batch 2: the logits of every step equal those of transformers' forward on
+    the whole sequence (float32, up to summation order), and the greedy tokens are the same."""
+    m = _model(name)
+    assert StaticDecoder.unsupported(m) is None
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    dec = StaticDecoder(m, 2, 24)
+    logits = dec.prefill(ids)
+    seq = ids
+    step = GraphedStep(dec, greedy=True)
+    for i in range(6):
+        ref = m(seq).logits[:, -1].float()
+        torch.testing.assert_close(logits, ref, rtol=0, atol=2e-5)
+        if i == 0:
+            dec.tokens.copy_(logits.argmax(-1))
+        assert torch.equal(dec.tokens if i else logits.argmax(-1), ref.argmax(-1))
+        seq = torch.cat([seq, dec.tokens[:, None]], 1)
+        assert int(dec.position) == seq.shape[1] - 1
+        logits = step()  # greedy: the next tokens are already in dec.tokens
+    assert int(dec.position) == seq.shape[1]
+
+
+@torch.inference_mode()
+def test_prefill_resets_and_refuses_what_does_not_fit():
+    m = _model("llama-mha")
+    dec = StaticDecoder(m, 1, 16)
+    ids = torch.tensor([[3, 4, 5]])
+    a = dec.prefill(ids)
+    dec.tokens.fill_(7)
+    dec.step()
+    b = dec.prefill(ids)  # a second sequence starts from position 0: the stale cache slots are masked
+    assert torch.equal(a, b) and int(dec.position) == 3
+    with pytest.raises(UserError, match="do not fit"):
+        dec.prefill(torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(UserError, match=r"ids must be \[1, T\]"):
+        dec.prefill(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_unsupported_models_are_named():
+    gpt2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=32))
+    assert "architecture 'gpt2'" in StaticDecoder.unsupported(gpt2)
+    cfg = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    mistral = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert "sliding attention window of 8" in StaticDecoder.unsupported(mistral, 32)
+    assert StaticDecoder.unsupported(mistral, 8) is None
+    with pytest.raises(UserError, match="cannot run this model"):
+        StaticDecoder(gpt2, 1, 8)
+
+
+def test_choose_rows_independently_on_the_device():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    logits[1, 7] = logits[1, 9] = 100.0  # a tie: the first index wins
+    assert choose(logits, 0.0, 1.0, None).tolist() == [int(logits[0].argmax()), 7, int(logits[2].argmax())]
+    # one row of a batch draws as the same row alone (same generator state)
+    a = choose(logits[:1], 0.8, 0.9, torch.Generator().manual_seed(5))
+    assert int(a[0]) == next_token(logits[0], 0.8, 0.9, torch.Generator().manual_seed(5))
+    # top-p keeps only the most likely tokens whose mass reaches p: one dominant token per row
+    peaked = torch.full((4, 50), -10.0)
+    peaked[torch.arange(4), torch.tensor([3, 11, 29, 41])] = 10.0
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        assert choose(peaked, 1.0, 0.5, g).tolist() == [3, 11, 29, 41]
+    drawn = {tuple(choose(torch.zeros(2, 6), 1.0, 1.0, g).tolist()) for _ in range(60)}
+    assert len(drawn) > 10  # uniform rows: many different pairs
