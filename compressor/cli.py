@@ -243,11 +243,46 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
 @click.option("--sparsity", default=0.5, show_default=True, type=float)
 @click.option("--format", "fmt", default=registry.names()[0], show_default=True,
               type=click.Choice(registry.names()), help="Kernels to time.")
+@click.option("--e2e", is_flag=True,
+              help="Time per output token of whole decode steps (one CUDA graph per step) for every linear kind "
+                   "beside dense fp16 and W4A16, with the breakdown and the byte floor (docs/cli.md).")
+@click.option("--spec", default=None, help="--e2e: synthetic models, comma-separated: llama2-7b, llama3-8b, tiny "
+                                           "(default llama2-7b,llama3-8b; tiny with --device cpu).")
+@click.option("--batch", "batches", default=None, help="--e2e: batch sizes (default 1,4,8).")
+@click.option("--context", "contexts", default=None, help="--e2e: context lengths (default 512,2048).")
+@click.option("--kinds", default=None, help="--e2e: linear kinds (default all: fp16, w4a16, iebme-w4a4-50, "
+                                            "iebme-w4a4-0, tcbc-fp16-30+30; fp16 always runs).")
+@click.option("--steps", default=None, type=int, help="--e2e: replays per timed repeat (default 16).")
+@click.option("--device", default=None, type=click.Choice(["cuda", "cpu"]),
+              help="--e2e: cuda (default), or cpu: a smoke run of --spec tiny, not a performance figure.")
+@click.option("--time-budget", default=None, type=float,
+              help="--e2e: seconds; cases not started by then are listed as skipped.")
+@click.option("--out", "out_dir", default=None, help="--e2e: write DIR/e2e-<machine>-<date>.json (and .md).")
 @click.option("--json", "as_json", is_flag=True)
-def bench(artifact, shapes, ns, sparsity, fmt, as_json) -> None:
-    """Time the project's kernels beside cuBLAS fp16 (and int8) on the same shapes (needs a GPU)."""
-    from .bench.kernels import bench_command
+def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kinds, steps, device, time_budget,
+          out_dir, as_json) -> None:
+    """Time the project's kernels beside cuBLAS fp16 (and int8) on the same shapes (needs a GPU); --e2e: whole
+    decode steps."""
     from .config import choice
+
+    e2e_only = {"--spec": spec, "--batch": batches, "--context": contexts, "--kinds": kinds, "--steps": steps,
+                "--device": device, "--time-budget": time_budget, "--out": out_dir}
+    if e2e:
+        from .bench.e2e import e2e_command, format_table
+
+        if time_budget is not None and not time_budget > 0:
+            raise UserError(f"--time-budget must be a positive number of seconds, got {time_budget}")
+        log = None if as_json else (lambda msg: click.echo(printable(msg), err=True))
+        data = e2e_command(artifact, spec, batches, contexts, kinds, steps, device or "cuda", out_dir, time_budget,
+                           log=log)
+        click.echo(json.dumps(data, indent=2, default=str) if as_json else printable(format_table(data)))
+        if not as_json and data.get("written_to"):
+            click.echo(printable(f"results: {data['written_to']}"))
+        return
+    given = [k for k, v in e2e_only.items() if v is not None]
+    if given:
+        raise UserError(f"{given[0]} applies to bench --e2e only")
+    from .bench.kernels import bench_command
 
     if not 0.0 <= sparsity < 1.0:
         raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")

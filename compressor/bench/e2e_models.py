@@ -73,8 +73,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 SPECS = {
     "llama2-7b": ModelSpec("llama2-7b", 4096, 11008, 32, 32, 32, 32000, max_positions=4096),
-    "llama3-8b": ModelSpec("llama3-8b", 4096, 14336, 32, 32, 8, 128256, max_positions=8192, rope_theta=500000.0,
-                           rope_scaling=LLAMA3_ROPE),
+    # Llama-3.1-8B's config: llama3 rotary scaling of an 8192-position original to 131072 positions
+    "llama3-8b": ModelSpec("llama3-8b", 4096, 14336, 32, 32, 8, 128256, max_positions=131072,
+                           rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
     # for CPU tests and the CPU smoke mode: K multiples of 128 (W4A16's int4 packing, IE-BME groups of 128)
     "tiny": ModelSpec("tiny", 256, 512, 2, 4, 2, 512, max_positions=1024),
 }
@@ -152,7 +153,11 @@ class SharedProduct(nn.Module):
         return self.inner(x)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        key = (id(x), x._version, x.data_ptr(), tuple(x.shape))
+        try:
+            version = x._version
+        except RuntimeError:  # inference tensors keep no version counter
+            version = -1
+        key = (id(x), version, x.data_ptr(), tuple(x.shape))
         if self._key != key or self._out is None:
             self._out = self.inner(x)
             self._key = key

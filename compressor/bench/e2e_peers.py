@@ -58,14 +58,32 @@ KINDS = {k.name: k for k in (
          dynamic=0.3, runtime=True),
 )}
 BASELINES = ("fp16", "w4a16")
+CONTROLS = {"iebme-w4a4-50": "iebme-w4a4-0"}  # kind -> its 0%-sparsity control
 
 
 # ---------------------------------------------------------------------------------------------------- fp16
 
 
-def fp16_linear(m: int, k: int, device, gen: torch.Generator | None = None) -> nn.Linear:
-    """A bias-free float16 ``nn.Linear`` [m, k] with N(0, 0.02²) weights made on ``device``."""
-    lin = nn.Linear(k, m, bias=False, device=device, dtype=torch.float16)
+class HalfLinear(nn.Linear):
+    """A float16 ``nn.Linear`` whose input and output take the caller's dtype (no conversion on a float16 model,
+    so on a GPU it is cuBLAS alone; a float32 model on the CPU gets float16 arithmetic all the same)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> HalfLinear:
+        """The layer of weight [m, k] (copied, in float16, on the weight's device)."""
+        m, k = weight.shape
+        lin = cls(k, m, bias=False, device=weight.device, dtype=torch.float16)
+        with torch.no_grad():
+            lin.weight.copy_(weight)
+        return lin.requires_grad_(False)
+
+
+def fp16_linear(m: int, k: int, device, gen: torch.Generator | None = None) -> HalfLinear:
+    """A bias-free float16 linear [m, k] with N(0, 0.02²) weights made on ``device``."""
+    lin = HalfLinear(k, m, bias=False, device=device, dtype=torch.float16)
     with torch.no_grad():
         lin.weight.normal_(0.0, 0.02, generator=gen)
     return lin.requires_grad_(False)
@@ -104,6 +122,18 @@ class W4A16Linear(nn.Module):
         scales = torch.rand(g, m, device=device, generator=gen) * 0.004 + 0.002
         zeros = (torch.rand(g, m, device=device, generator=gen) - 0.5) * 0.002
         return cls(q, scales, zeros, **kw)
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, **kw) -> W4A16Linear:
+        """Round-to-nearest asymmetric int4 of weight ``w`` [m, k] per group (min and max on the grid's ends)."""
+        gs = kw.get("group_size", GROUP_SIZE)
+        m, k = w.shape
+        wg = w.float().reshape(m, k // gs, gs)
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scales = ((hi - lo) / 15).clamp(min=1e-8)
+        zeros = lo + 8 * scales  # w = (q - 8) * s + zero: q = 0 at lo, 15 at hi
+        q = torch.clamp(torch.round((wg - lo[..., None]) / scales[..., None]), 0, 15).reshape(m, k)
+        return cls(q.to(torch.int32), scales.t().contiguous(), zeros.t().contiguous(), **kw)
 
     def weight_bytes(self) -> int:
         return self.out_features * self.in_features // 2 + self.scales_and_zeros.numel() * 2
@@ -161,12 +191,17 @@ def iebme_record(name: str, m: int, k: int, sparsity: float, rng: np.random.Gene
     return LayerRecord(name, enc, scales, attrs)
 
 
-def tcbc_record(name: str, m: int, k: int, sparsity: float, tau: float | None, rng: np.random.Generator) -> LayerRecord:
-    """A stored Tiled-CBC fp16 layer: random N(0, 0.02²) values with a uniformly random ``sparsity`` of zeros,
-    tile 256x16, the threshold ``tau`` stored as ``dp_threshold``."""
+def sparse_fp16(m: int, k: int, sparsity: float, rng: np.random.Generator) -> np.ndarray:
+    """Random N(0, 0.02²) float16 weights [m, k] with a uniformly random ``sparsity`` of zeros."""
     w = (rng.standard_normal((m, k), dtype=np.float32) * 0.02).astype(np.float16)
     if sparsity > 0:
         w[rng.random((m, k), dtype=np.float32) < sparsity] = 0
+    return w
+
+
+def tcbc_record(name: str, w: np.ndarray, tau: float | None = None) -> LayerRecord:
+    """A stored Tiled-CBC fp16 layer of weights ``w`` (float16 [m, k], zeros where pruned), tile 256x16, the
+    threshold ``tau`` stored as ``dp_threshold``."""
     enc = tiled_cbc.encode(w, tile=tiled_cbc.DEFAULT_TILE, bits=None)
     attrs = {"prune": "synthetic", "quant": "none", "bits": None, "dp_threshold": None if tau is None else float(tau)}
     return LayerRecord(name, enc, None, attrs)

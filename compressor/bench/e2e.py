@@ -1,0 +1,922 @@
+"""`unionsparse bench --e2e [ARTIFACT]`: time per output token of whole decode steps (issue 28, item 5).
+
+For each model (synthetic LLaMA-2-7B and Llama-3-8B shapes with random weights made on the device, or an
+artifact's own model), each linear kind (``e2e_peers.KINDS``: dense fp16, dense W4A16, IE-BME W4A4 at 50% and
+at 0% as the control, Tiled-CBC fp16 30% + 30%), each batch and each context, the same step code runs:
+``runtime.decoder.StaticDecoder`` (static KV cache) prefilled with ``context`` random tokens, its step captured
+in ONE CUDA graph (``GraphedStep``, greedy choice included) and replayed; CUDA events around ``steps``
+replays, median over repeats, the position reset to ``context`` before each repeat. A step yields one token per
+sequence: ``step_ms`` is the time per output token of each sequence, ``tokens_per_s`` counts all ``batch``.
+
+Breakdown: the decoder linears alone, one CUDA graph per group (Q/K/V stacked, O, gate/up stacked, down) running
+that group's module of every block on the inputs an eager step of the same case gave it (so Tiled-CBC's
+thresholds skip what they skip in the step), and the lm_head alone; ``outside`` is the step less the decoder
+linears (attention, norms, rotary, cache writes, the lm_head, the greedy choice).
+
+Byte floor: the bytes a step must read (every decoder linear's stored arrays, less the values of inputs the
+spMspV kernel skips at batch 1; the lm_head; the embedding rows; the norms; K and V of ``context`` positions),
+over ``PEAK_BW`` (4.16 TB/s, the H200 copy bandwidth the targets are stated against); ``floor_pct`` is how much
+of it the step reaches (floor time / step time).
+
+Ratios are within one process: every kind runs in the same process on the same model and the same step code.
+Hugging Face eager ``generate`` (DynamicCache, no graph) on the fp16 peers at batch 1 is reported beside it,
+labelled as such. ``device="cpu"`` (tiny spec) runs the same code eagerly, for tests: not a performance figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import UserError
+from .e2e_models import GPU_SPECS, GROUP_MEMBERS, GROUPS, SPECS, ModelSpec, build_model, clear_groups, install_group
+from .e2e_peers import (
+    BASELINES,
+    CONTROLS,
+    GROUP_SIZE,
+    KINDS,
+    HalfLinear,
+    W4A16Linear,
+    check_w4a16_shape,
+    fp16_linear,
+    iebme_record,
+    normal_tau,
+    record_read_bytes,
+    sparse_fp16,
+    tcbc_record,
+    with_tau,
+)
+from .kernels import PEAK_BW
+
+CPU_LABEL = "CPU, not a performance figure"
+HF_LABEL = "Hugging Face eager generate (DynamicCache, no CUDA graph), fp16 peers"
+ARTIFACT_KIND = "artifact"
+CALIB_TOKENS = 64
+DEFAULTS = {  # device -> (batches, contexts, steps, repeats)
+    "cuda": ((1, 4, 8), (512, 2048), 16, 5),
+    "cpu": ((1, 2), (16, 32), 3, 3),
+}
+TARGETS = (  # (spec, context, kind, against, batches, at least x) -- issue 28 item 5
+    ("llama2-7b", 512, "iebme-w4a4-50", "fp16", (1,), 2.5),
+    ("llama2-7b", 512, "iebme-w4a4-50", "w4a16", (1, 4, 8), 1.0),
+    ("llama2-7b", 512, "tcbc-fp16-30+30", "fp16", (1,), 1.5),
+)
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+
+
+def parse_ints(text: str | None, option: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    if text is None:
+        return default
+    try:
+        vals = tuple(int(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        raise UserError(f"{option}: expected comma-separated positive integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise UserError(f"{option}: expected comma-separated positive integers, got {text!r}")
+    return vals
+
+
+def parse_names(text: str | None, option: str, known, default: tuple[str, ...]) -> tuple[str, ...]:
+    if text is None:
+        return default
+    vals = tuple(v.strip() for v in str(text).split(",") if v.strip())
+    bad = [v for v in vals if v not in known]
+    if not vals or bad:
+        raise UserError(f"{option}: unknown value {bad[0] if bad else text!r} (choose from {', '.join(known)})")
+    return tuple(dict.fromkeys(vals))
+
+
+def gpu_problem() -> str | None:
+    """Why the GPU benchmark cannot run here (one line), or None."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    from ...kernels import available
+
+    if not available():
+        return "CuPy is not installed or sees no CUDA device"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[], object], n: int, repeats: int, device: torch.device,
+               before: Callable[[], None] | None = None) -> float:
+    """Median over ``repeats`` of the milliseconds per call of ``n`` back-to-back calls of ``fn`` (CUDA events on
+    a GPU, the wall clock on the CPU); ``before()`` runs before each repeat, outside the timed span."""
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        if device.type == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(n):
+                fn()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) / n)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / n)
+    return float(statistics.median(times))
+
+
+def graphed(fn: Callable[[], object], device: torch.device, warmup: int = 2) -> Callable[[], object]:
+    """``fn`` captured in one CUDA graph (after ``warmup`` eager runs on the capture's side stream), returned as
+    its replay; on the CPU ``fn`` itself."""
+    if device.type != "cuda":
+        return fn
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+# ----------------------------------------------------------------------------------------- model structure
+
+
+def group_modules(model: nn.Module, layer: int, group: str) -> list[nn.Module]:
+    """The modules that compute block ``layer``'s ``group``: the stacked product, or the separate linears."""
+    block = model.get_submodule(f"model.layers.{layer}")
+    shared = getattr(block, f"shared_{group}", None)
+    if shared is not None:
+        return [shared.inner]
+    return [block.get_submodule(name) for name in GROUP_MEMBERS[group]]
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module, n_layers: int, store: dict):
+    """Record the input of every group module (``store[(layer, group, j)]`` = a copy) while inside."""
+    handles = []
+    for layer in range(n_layers):
+        for group in GROUPS:
+            for j, mod in enumerate(group_modules(model, layer, group)):
+                def hook(_m, args, key=(layer, group, j)):
+                    store[key] = args[0].detach().reshape(-1, args[0].shape[-1]).clone()
+                handles.append(mod.register_forward_pre_hook(hook))
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def module_read_bytes(mod: nn.Module, inactive: float = 0.0) -> int:
+    """Bytes one call of a linear must read: its weights as stored (a runtime layer: its record's arrays)."""
+    rec = getattr(mod, "_bench_record", None)
+    if rec is not None:
+        return record_read_bytes(rec, inactive)
+    if isinstance(mod, W4A16Linear):
+        return mod.weight_bytes()
+    if isinstance(mod, nn.Linear):
+        return mod.weight.numel() * mod.weight.element_size()
+    return sum(t.numel() * t.element_size() for t in list(mod.parameters()) + list(mod.buffers()))
+
+
+def dense_read_bytes(model: nn.Module, batch: int) -> dict[str, int]:
+    """Bytes a step reads outside the decoder linears, KV cache aside: lm_head, embedding rows, norms."""
+    inner = model.model
+    emb = inner.embed_tokens.weight
+    head = model.lm_head
+    head_b = module_read_bytes(head)
+    norms = sum(p.numel() * p.element_size() for n, p in inner.named_parameters() if "norm" in n)
+    return {"lm_head": int(head_b), "embedding_rows": int(batch * emb.shape[1] * emb.element_size()),
+            "norms": int(norms)}
+
+
+# ---------------------------------------------------------------------------------------------- the peers
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        with contextlib.suppress(Exception):
+            import cupy as cp
+
+            cp.get_default_memory_pool().free_all_blocks()
+
+
+def _runtime_linear(rec, device: torch.device) -> nn.Module:
+    from ..runtime.linear import CompressedLinear
+
+    backend = "cuda" if device.type == "cuda" else "cpu"
+    lin = CompressedLinear(rec, None, backend, device=device)
+    lin._bench_record = rec  # for the byte floor (not a submodule: a plain attribute)
+    return lin
+
+
+def calibrate_taus(model: nn.Module, spec: ModelSpec, dynamic: float, device: torch.device, seed: int) -> dict:
+    """Per (layer, group): the threshold at which a fraction ``dynamic`` of the group's inputs is inactive, from
+    a prefill of ``CALIB_TOKENS`` random tokens through the model's current linears."""
+    from ..activation_sparsity.thresholds import tau_from_samples
+    from ..runtime.decoder import StaticDecoder
+
+    ids = torch.randint(0, spec.vocab, (1, CALIB_TOKENS), generator=torch.Generator().manual_seed(seed + 7))
+    dec = StaticDecoder(model, 1, CALIB_TOKENS + 2)
+    store: dict = {}
+    with recording(model, spec.layers, store):
+        dec.prefill(ids.to(device))
+    del dec
+    return {(layer, group): tau_from_samples(x.abs().float().cpu().numpy(), dynamic)
+            for (layer, group, _j), x in store.items()}
+
+
+def install_kind(model: nn.Module, spec: ModelSpec, kind: str, device: torch.device, seed: int = 0,
+                 log: Callable[[str], None] | None = None) -> dict:
+    """Replace every decoder linear of ``model`` by ``kind``'s (one module per block and group, each its own
+    weights); returns build facts (seconds, taus)."""
+    k = KINDS[kind]
+    groups, splits = spec.groups(), spec.splits()
+    t0 = time.perf_counter()
+    info: dict = {"kind": kind, "label": k.label}
+    clear_groups(model, spec)
+    _free(device)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    rng = np.random.default_rng(seed + 2)
+    if kind == "fp16":
+        for layer in range(spec.layers):
+            for g, (m, kk) in groups.items():
+                install_group(model, layer, g, fp16_linear(m, kk, device, gen), splits[g])
+    elif kind == "w4a16":
+        for m, kk in groups.values():
+            check_w4a16_shape(m, kk)
+        for layer in range(spec.layers):
+            for g, (m, kk) in groups.items():
+                install_group(model, layer, g, W4A16Linear.random(m, kk, device, gen), splits[g])
+    elif kind.startswith("iebme"):
+        te = time.perf_counter()
+        recs = {g: iebme_record(f"synthetic.{g}", m, kk, k.sparsity, rng) for g, (m, kk) in groups.items()}
+        info["encode_s"] = time.perf_counter() - te
+        if log:
+            log(f"  {kind}: encoded one block on the CPU in {info['encode_s']:.1f} s")
+        for layer in range(spec.layers):  # one upload per block: no block reads another's weights from L2
+            for g in groups:
+                install_group(model, layer, g, _runtime_linear(recs[g], device), splits[g])
+    elif kind.startswith("tcbc"):
+        weights = {g: sparse_fp16(m, kk, k.sparsity, rng) for g, (m, kk) in groups.items()}
+        te = time.perf_counter()
+        recs = {g: tcbc_record(f"synthetic.{g}", w) for g, w in weights.items()}
+        info["encode_s"] = time.perf_counter() - te
+        if log:
+            log(f"  {kind}: encoded one block on the CPU in {info['encode_s']:.1f} s")
+        # thresholds from the step's own inputs: the same weights dense (fp16), a prefill of random tokens
+        for layer in range(spec.layers):
+            for g, w in weights.items():
+                install_group(model, layer, g, HalfLinear.of(torch.from_numpy(w).to(device)), splits[g])
+        taus = calibrate_taus(model, spec, k.dynamic, device, seed)
+        del weights
+        clear_groups(model, spec)
+        _free(device)
+        info["tau"] = {g: [taus[(layer, g)] for layer in range(spec.layers)] for g in groups}
+        info["tau_normal_input"] = normal_tau(k.dynamic)
+        for layer in range(spec.layers):
+            for g in groups:
+                install_group(model, layer, g, _runtime_linear(with_tau(recs[g], taus[(layer, g)]), device),
+                              splits[g])
+    else:
+        raise UserError(f"--kinds: unknown kind {kind!r} (choose from {', '.join(KINDS)})")
+    _sync(device)
+    info["build_s"] = time.perf_counter() - t0
+    return info
+
+
+def install_artifact_peer(model: nn.Module, spec: ModelSpec, kind: str, weights: dict, device: torch.device) -> dict:
+    """fp16 / W4A16 peers of an artifact's own model: each block's groups from its decoded layers (stacked)."""
+    t0 = time.perf_counter()
+    clear_groups(model, spec)
+    _free(device)
+    splits = spec.splits()
+    for layer in range(spec.layers):
+        for g in GROUPS:
+            w = torch.cat([weights[(layer, name)] for name in GROUP_MEMBERS[g]], 0).to(device)
+            mod = HalfLinear.of(w) if kind == "fp16" else W4A16Linear.from_weight(w)
+            install_group(model, layer, g, mod, splits[g])
+    _sync(device)
+    return {"kind": kind, "label": KINDS[kind].label + ", from the artifact's decoded layers",
+            "build_s": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------------------------------- one case
+
+
+def layer_tau(mod: nn.Module) -> float | None:
+    """The threshold a runtime layer applies at decode (its plan's), else None."""
+    plan = getattr(mod, "plan", None)
+    return getattr(plan, "tau", None) if getattr(plan, "sparse_inputs", False) else None
+
+
+def run_case(model: nn.Module, spec: ModelSpec, kind: str, batch: int, context: int, steps: int, repeats: int,
+             device: torch.device, seed: int = 0) -> dict:
+    """Time one (model, kind, batch, context): the graphed step, each group's linears alone, the lm_head alone."""
+    from ..runtime.decoder import GraphedStep, StaticDecoder
+
+    max_len = context + steps + 4
+    dec = StaticDecoder(model, batch, max_len)
+    ids = torch.randint(0, spec.vocab, (batch, context), generator=torch.Generator().manual_seed(seed + context))
+    t0 = time.perf_counter()
+    logits = dec.prefill(ids.to(device))
+    dec.tokens.copy_(logits.argmax(-1))
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    start_tokens = dec.tokens.clone()
+    # one eager step records every group's inputs (for the linears alone and the measured dynamic sparsity)
+    inputs: dict = {}
+    with recording(model, spec.layers, inputs):
+        dec.step()
+    dec.position.fill_(context)
+    dec.tokens.copy_(start_tokens)
+    _sync(device)
+    t0 = time.perf_counter()
+    step = GraphedStep(dec, greedy=True)
+    _sync(device)
+    capture_s = time.perf_counter() - t0
+
+    def reset() -> None:
+        dec.position.fill_(context)
+
+    step()  # a first replay (graph upload) outside the timed repeats
+    step_ms = time_calls(step, steps, repeats, device, before=reset)
+    del step
+
+    # the decoder linears alone, one graph per group; then the lm_head alone
+    linears: dict[str, float] = {}
+    read: dict[str, int] = {}
+    dyn: dict[str, float] = {}
+    for g in GROUPS:
+        calls = [(mod, inputs[(layer, g, j)]) for layer in range(spec.layers)
+                 for j, mod in enumerate(group_modules(model, layer, g))]
+
+        def run_group(calls=calls) -> None:
+            for mod, x in calls:
+                mod(x)
+
+        linears[g] = time_calls(graphed(run_group, device), max(2, steps // 2), repeats, device)
+        del run_group
+        read[g], skipped = 0, []
+        for mod, x in calls:
+            tau = layer_tau(mod)
+            inactive = 0.0
+            if tau is not None and batch == 1:  # the spMspV kernel skips inputs with |x| <= tau (N = 1 only)
+                inactive = float((x.abs().float() <= tau).float().mean())
+                skipped.append(inactive)
+            read[g] += module_read_bytes(mod, inactive)
+        if skipped:
+            dyn[g] = float(np.mean(skipped))
+    xh = torch.randn(batch, spec.hidden, device=device, generator=torch.Generator(device).manual_seed(seed + 3))
+    xh = xh.to(model.lm_head.weight.dtype)
+
+    def run_head() -> None:
+        model.lm_head(xh)
+
+    head_ms = time_calls(graphed(run_head, device), max(2, steps // 2), repeats, device)
+    lin_ms = sum(linears.values())
+    dense = dense_read_bytes(model, batch)
+    kv = spec.kv_bytes(batch, context, dec.k_cache.element_size())
+    total = sum(read.values()) + sum(dense.values()) + kv
+    floor_ms = total / PEAK_BW * 1e3
+    row = {
+        "spec": spec.name, "kind": kind, "batch": batch, "context": context,
+        "step_ms": step_ms, "ms_per_token": step_ms / batch, "tokens_per_s": batch * 1e3 / step_ms,
+        "linears_ms": {**linears, "total": lin_ms}, "lm_head_ms": head_ms,
+        "outside_ms": step_ms - lin_ms, "outside_share": 1.0 - lin_ms / step_ms,
+        "bytes": {"linears": read, "linears_total": sum(read.values()), **dense, "kv_cache": kv, "total": total},
+        "floor_ms": floor_ms, "floor_pct": 100.0 * floor_ms / step_ms,
+        "prefill_s": prefill_s, "capture_s": capture_s, "cache_positions": max_len,
+    }
+    if dyn:
+        row["dynamic_sparsity_measured"] = dyn
+    return row
+
+
+def hf_generate_ms(model: nn.Module, spec: ModelSpec, context: int, new: int, device: torch.device,
+                   seed: int = 0) -> float:
+    """Milliseconds per output token of transformers' eager ``generate`` (greedy, DynamicCache) at batch 1:
+    (time for 1 + ``new`` tokens - time for 1) / ``new``, so the prompt's prefill cancels."""
+    ids = torch.randint(0, spec.vocab, (1, context), generator=torch.Generator().manual_seed(seed + 11)).to(device)
+
+    def gen(n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, use_cache=True, pad_token_id=0)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    gen(2)  # warm-up
+    one = statistics.median(gen(1) for _ in range(3))
+    many = statistics.median(gen(1 + new) for _ in range(3))
+    return max(0.0, (many - one) * 1e3 / new)
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+
+def check_peers(device: torch.device, seed: int = 0) -> list[dict]:
+    """Each kind's linear against the product of its own weights, on small shapes: fp16 exactly as F.linear;
+    W4A16 against its dequantized weights (bf16 activations); IE-BME through the runtime against quantized
+    activations times the record's decoded weights; Tiled-CBC against the decoded weights with |x| <= tau
+    zeroed at one row, every input at four. Returns [{'check', 'ok', 'err', 'tol'}]."""
+    from ...formats.arithmetic.activations import dequantize_activations, quantize_activations
+    from ..model.rebuild import layer_weight
+
+    out = []
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    m, k = 384, 512
+    for n in (1, 4):
+        x = torch.randn(n, k, device=device, generator=gen).half()
+        # W4A16
+        q = torch.randint(0, 16, (m, k), device=device, dtype=torch.int32, generator=gen)
+        s = torch.rand(k // GROUP_SIZE, m, device=device, generator=gen) * 0.01 + 0.005
+        z = (torch.rand(k // GROUP_SIZE, m, device=device, generator=gen) - 0.5) * 0.01
+        lin = W4A16Linear(q, s, z)
+        from .e2e_peers import w4a16_dequantized
+
+        ref = (x.to(torch.bfloat16).float() @ w4a16_dequantized(lin, q, s, z).t()).half().float()
+        out.append(_close(f"w4a16 N={n}", lin(x).float(), ref, 0.01))
+        # IE-BME W4A4 50%, through the runtime's CompressedLinear
+        rec = iebme_record("check.iebme", m, k, 0.5, rng)
+        lin = _runtime_linear(rec, device)
+        xq, sx = quantize_activations(x.float().cpu().numpy(), 4, GROUP_SIZE)
+        xd = torch.from_numpy(dequantize_activations(xq, sx, GROUP_SIZE))
+        ref = (xd @ torch.from_numpy(layer_weight(rec)).t()).half().float()
+        out.append(_close(f"iebme-w4a4-50 N={n}", lin(x).float().cpu(), ref, 2e-3))
+        # Tiled-CBC fp16 30% + tau at the 30% quantile of |x|
+        w = sparse_fp16(m, k, 0.3, rng)
+        tau = float(np.quantile(np.abs(x[0].float().cpu().numpy()), 0.3))
+        lin = _runtime_linear(tcbc_record("check.tcbc", w, tau), device)
+        xr = x.float().cpu()
+        if n == 1:
+            xr = torch.where(xr.abs() > tau, xr, torch.zeros_like(xr))
+        ref = (xr @ torch.from_numpy(w.astype(np.float32)).t()).half().float()
+        out.append(_close(f"tcbc-fp16-30+30 N={n}", lin(x).float().cpu(), ref, 2e-3))
+    return out
+
+
+def _close(name: str, got: torch.Tensor, ref: torch.Tensor, rel: float) -> dict:
+    got, ref = got.float().cpu(), ref.float().cpu()
+    err = float((got - ref).abs().max())
+    tol = rel * max(float(ref.abs().max()), 1e-6)
+    return {"check": name, "ok": bool(torch.isfinite(got).all()) and err <= tol, "err": err, "tol": tol}
+
+
+def check_steps(device: torch.device, kinds: tuple[str, ...], seed: int = 0) -> list[dict]:
+    """On the tiny spec: (1) for every kind, the graphed step's logits equal an eager step's from the same state
+    (the capture runs what eager runs); (2) with fp16 peers, 4 greedy tokens of the static decoder equal those
+    of transformers' forward on the whole sequence (where its top two logits differ by more than the
+    tolerance)."""
+    from ..runtime.decoder import GraphedStep, StaticDecoder
+
+    spec = SPECS["tiny"]
+    out = []
+    model = build_model(spec, device, seed=seed, linears=False)
+    ids = torch.randint(0, spec.vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(device)
+    for kind in kinds:
+        install_kind(model, spec, kind, device, seed)
+        dec = StaticDecoder(model, 2, 24)
+        dec.tokens.copy_(dec.prefill(ids).argmax(-1))
+        pos, tok = dec.position.clone(), dec.tokens.clone()
+        eager = dec.step().clone()
+        dec.position.copy_(pos)
+        dec.tokens.copy_(tok)
+        g = GraphedStep(dec, greedy=False)
+        replay = g().clone()
+        out.append(_close(f"graphed step = eager step, {kind}", replay, eager, 1e-2))
+        if kind == "fp16":
+            logits = dec.prefill(ids)
+            dec.tokens.copy_(logits.argmax(-1))
+            step = GraphedStep(dec, greedy=True)
+            seq = ids
+            tokens_ok, logits_err = True, 0.0
+            for _ in range(4):
+                ref = model(seq).logits[:, -1].float()
+                top2 = ref.topk(2, dim=-1).values
+                sure = (top2[:, 0] - top2[:, 1]) > 1e-2
+                tokens_ok &= bool(torch.equal(logits.argmax(-1)[sure], ref.argmax(-1)[sure]))
+                logits_err = max(logits_err, float((logits.float() - ref).abs().max()))
+                seq = torch.cat([seq, dec.tokens[:, None]], 1)
+                logits = step()
+            out.append({"check": "static decoder greedy tokens = transformers forward, fp16", "ok": tokens_ok,
+                        "err": logits_err, "tol": None})
+        del dec, g
+    clear_groups(model, spec)
+    del model
+    _free(device)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- reporting
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """speedup_vs_<baseline> = baseline step / this step, for rows of the same spec, batch and context."""
+    by = {(r["spec"], r["kind"], r["batch"], r["context"]): r for r in rows if "step_ms" in r}
+    for r in rows:
+        if "step_ms" not in r:
+            continue
+        for base in BASELINES:
+            b = by.get((r["spec"], base, r["batch"], r["context"]))
+            r[f"speedup_vs_{base}"] = None if b is None else b["step_ms"] / r["step_ms"]
+            r[f"linears_speedup_vs_{base}"] = (None if b is None else
+                                               b["linears_ms"]["total"] / r["linears_ms"]["total"])
+        c = by.get((r["spec"], CONTROLS.get(r["kind"]), r["batch"], r["context"]))
+        if c is not None:  # what the sparsity buys: the same kind at 0% / this step
+            r["speedup_vs_control"] = c["step_ms"] / r["step_ms"]
+            r["control"] = c["kind"]
+
+
+def evaluate_targets(rows: list[dict], device: torch.device) -> list[dict]:
+    by = {(r["spec"], r["kind"], r["batch"], r["context"]): r for r in rows if "step_ms" in r}
+    out = []
+    for spec, ctx, kind, base, batches, need in TARGETS:
+        for b in batches:
+            r = by.get((spec, kind, b, ctx))
+            what = (f"{kind} {spec} batch {b} context {ctx}: step "
+                    + (f">= {need}x {base}" if need != 1.0 else f"faster than {base}"))
+            got = None if r is None else r.get(f"speedup_vs_{base}")
+            status = ("not measured" if got is None else "not a GPU figure" if device.type != "cuda"
+                      else "met" if (got >= need if need != 1.0 else got > 1.0) else "missed")
+            out.append({"target": what, "speedup": got, "needed": need, "status": status})
+    return out
+
+
+def explain(rows: list[dict]) -> list[str]:
+    """One line per (kind, case) that is slower than a baseline or below a target: where the time goes."""
+    by = {(r["spec"], r["kind"], r["batch"], r["context"]): r for r in rows if "step_ms" in r}
+    need = {(s, c, k, base, b): x for s, c, k, base, bs, x in TARGETS for b in bs}
+    lines = []
+    controls = set(CONTROLS.values())
+    for r in rows:
+        if "step_ms" not in r or r["kind"] in BASELINES or r["kind"] in controls:
+            continue
+        c = r.get("control")
+        if c is not None and r["speedup_vs_control"] < 1.5:
+            cr = by[(r["spec"], c, r["batch"], r["context"])]
+            lines.append(f"{r['kind']} {r['spec']} B={r['batch']} ctx={r['context']}: only "
+                         f"{r['speedup_vs_control']:.2f}x its 0% control {c} "
+                         f"(linears {r['linears_ms']['total']:.3f} vs "
+                         f"{cr['linears_ms']['total']:.3f} ms, {r['bytes']['linears_total'] / 1e9:.2f} vs "
+                         f"{cr['bytes']['linears_total'] / 1e9:.2f} GB): the sparsity is not turned into time.")
+        for base in BASELINES:
+            b = by.get((r["spec"], base, r["batch"], r["context"]))
+            if b is None:
+                continue
+            sp = b["step_ms"] / r["step_ms"]
+            want = need.get((r["spec"], r["context"], r["kind"], base, r["batch"]), 1.0)
+            if sp >= want and not (want == 1.0 and sp <= 1.0):
+                continue
+            lin, blin = r["linears_ms"], b["linears_ms"]
+            worst = max(GROUPS, key=lambda g, lin=lin, blin=blin: lin[g] / max(blin[g], 1e-9))
+            line = (f"{r['kind']} {r['spec']} B={r['batch']} ctx={r['context']}: {sp:.2f}x {base} "
+                    f"(wanted {'>' if want == 1.0 else '>='} {want}x). Linears {lin['total']:.3f} ms vs "
+                    f"{blin['total']:.3f} ms ({blin['total'] / lin['total']:.2f}x); outside the linears "
+                    f"{r['outside_ms']:.3f} ms ({100 * r['outside_share']:.0f}% of the step) vs {b['outside_ms']:.3f}"
+                    f" ms; worst group {worst}: {lin[worst]:.3f} ms vs {blin[worst]:.3f} ms.")
+            if want > 1.0:
+                allowed = b["step_ms"] / want - r["outside_ms"]
+                line += (f" To reach {want}x with this outside part the linears must take <= {allowed:.3f} ms"
+                         + (" (impossible: the outside part alone is too slow)." if allowed <= 0 else "."))
+            lines.append(line)
+    return lines
+
+
+def format_table(res: dict) -> str:
+    rows = [r for r in res["rows"] if "step_ms" in r]
+    head = (f"{'spec':<10} {'ctx':>5} {'B':>2} {'kind':<16} {'step ms':>8} {'tok/s':>8} {'vs fp16':>7} "
+            f"{'vs w4a16':>8} {'vs 0%':>6} {'qkv':>7} {'o':>7} {'gateup':>7} {'down':>7} {'outside':>7} "
+            f"{'floor ms':>8} {'%floor':>6}")
+    out = [f"unionsparse bench --e2e: {res['label']}", head, "-" * len(head)]
+    rows.sort(key=lambda r: (r["spec"], r["context"], r["batch"], list(res["kinds"]).index(r["kind"])
+                             if r["kind"] in res["kinds"] else -1))
+
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
+    for r in rows:
+        lin = r["linears_ms"]
+        out.append(f"{r['spec']:<10} {r['context']:>5} {r['batch']:>2} {r['kind']:<16} {r['step_ms']:>8.3f} "
+                   f"{r['tokens_per_s']:>8.1f} {x(r.get('speedup_vs_fp16')):>7} {x(r.get('speedup_vs_w4a16')):>8} "
+                   f"{x(r.get('speedup_vs_control')):>6} "
+                   f"{lin['qkv']:>7.3f} {lin['o']:>7.3f} {lin['gateup']:>7.3f} {lin['down']:>7.3f} "
+                   f"{100 * r['outside_share']:>6.0f}% {r['floor_ms']:>8.3f} {r['floor_pct']:>5.0f}%")
+    for h in res.get("hf_generate", []):
+        out.append(f"{h['spec']:<10} {h['context']:>5} {1:>2} {'HF generate':<16} {h['ms_per_token']:>8.3f} "
+                   f"{1e3 / h['ms_per_token'] if h['ms_per_token'] else float('nan'):>8.1f}  ({h['label']})")
+    out.append("linears: each group's modules of every block alone, ms per step; outside: the step less them "
+               "(attention, norms, lm_head, greedy choice); floor: bytes read / 4.16 TB/s")
+    for e in res.get("errors", []):
+        out.append(f"ERROR {e['where']}: {e['error']}")
+    for s in res.get("skipped", []):
+        out.append(f"skipped {s}")
+    for c in res.get("checks", []):
+        if not c["ok"]:
+            out.append(f"CHECK FAILED {c['check']}: err {c['err']} > tol {c['tol']}")
+    if res.get("targets"):
+        out.append("targets (issue 28, item 5):")
+        for t in res["targets"]:
+            sp = "-" if t["speedup"] is None else f"{t['speedup']:.2f}x"
+            out.append(f"  {t['status']:<16} {t['target']}: {sp}")
+    if res.get("analysis"):
+        out.append("where it loses, from the breakdown:")
+        out.extend(f"  {line}" for line in res["analysis"])
+    return "\n".join(out)
+
+
+def machine_info(device: torch.device) -> dict:
+    import transformers
+
+    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "numpy": np.__version__, "device": device.type}
+    try:
+        import cupy as cp
+
+        info["cupy"] = cp.__version__
+    except Exception:  # no CuPy here
+        info["cupy"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, sms=props.multi_processor_count, gpu_memory_gib=props.total_memory / 2**30,
+                    cuda=torch.version.cuda)
+        try:
+            import subprocess
+
+            info["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.mem", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20).stdout.strip()
+        except Exception as e:  # no nvidia-smi
+            info["nvidia_smi"] = f"unavailable: {type(e).__name__}"
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def machine_slug(info: dict) -> str:
+    if info.get("gpu"):
+        name = info["gpu"].lower()
+        for known in ("h200", "h100", "a100", "l40s", "b200"):
+            if known in name:
+                return known
+        return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+    return "cpu"
+
+
+def write_results(res: dict, out_dir: str | Path) -> Path:
+    """``out_dir/e2e-<machine>-<date>.json`` (a -2, -3... suffix rather than overwrite) and the table beside it."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"e2e-{machine_slug(res['machine'])}-{res['date'][:10]}"
+    path, i = out_dir / f"{stem}.json", 1
+    while path.exists():
+        i += 1
+        path = out_dir / f"{stem}-{i}.json"
+    path.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    path.with_suffix(".md").write_text("```\n" + format_table(res) + "\n```\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------- the command
+
+
+def e2e_command(artifact: str | None = None, specs: str | None = None, batches: str | None = None,
+                contexts: str | None = None, kinds: str | None = None, steps: int | None = None,
+                device: str = "cuda", out_dir: str | None = None, time_budget: float | None = None,
+                hf_generate: bool = True, checks: bool = True, seed: int = 0,
+                log: Callable[[str], None] | None = None) -> dict:
+    """What `unionsparse bench --e2e` runs; returns the result (see the module docstring)."""
+    if device not in ("cuda", "cpu"):
+        raise UserError(f"--device: unknown value {device!r} (choose from cuda, cpu)")
+    if device == "cuda":
+        why = gpu_problem()
+        if why is not None:
+            raise UserError(f"bench --e2e needs a CUDA GPU: {why}; --device cpu runs the CPU smoke mode "
+                            "(--spec tiny, not a performance figure)")
+    dev = torch.device(device)
+    d_batches, d_contexts, d_steps, repeats = DEFAULTS[device]
+    batch_list = parse_ints(batches, "--batch", d_batches)
+    context_list = parse_ints(contexts, "--context", d_contexts)
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise UserError(f"--steps must be a positive integer, got {steps!r}")
+    steps = steps or d_steps
+    kind_list = parse_names(kinds, "--kinds", tuple(KINDS), tuple(KINDS))
+    if artifact is None:
+        spec_list = parse_names(specs, "--spec", tuple(SPECS), GPU_SPECS if device == "cuda" else ("tiny",))
+        if device == "cpu" and spec_list != ("tiny",):
+            raise UserError("--device cpu is a smoke mode for --spec tiny only (not a performance figure); "
+                            "the 7B/8B specs need a GPU")
+    else:
+        if specs is not None:
+            raise UserError("--spec: an ARTIFACT brings its own model (leave --spec out)")
+        bad = [k for k in kind_list if k not in BASELINES]
+        if kinds is not None and bad:
+            raise UserError(f"--kinds: with an ARTIFACT the peers are {', '.join(BASELINES)}, got {bad[0]!r}")
+        spec_list = ()
+    kind_list = tuple(dict.fromkeys(("fp16", *kind_list)))  # fp16 first: every ratio needs it
+    say = log or (lambda _m: None)
+    t_start = time.perf_counter()
+    deadline = None if time_budget is None else t_start + float(time_budget)
+    res: dict = {
+        "benchmark": "e2e", "label": CPU_LABEL if device == "cpu" else "GPU, CUDA-graph decode steps",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "command": " ".join(sys.argv),
+        "machine": machine_info(dev), "peak_bw": PEAK_BW,
+        "settings": {"batches": batch_list, "contexts": context_list, "steps": steps, "repeats": repeats,
+                     "seed": seed, "time_budget_s": time_budget, "group_size": GROUP_SIZE},
+        "kinds": [ARTIFACT_KIND, *BASELINES] if artifact else list(kind_list),
+        "kind_labels": {k: KINDS[k].as_dict() for k in (BASELINES if artifact else kind_list)},
+        "models": [], "rows": [], "hf_generate": [], "checks": [], "errors": [], "skipped": [],
+    }
+    with torch.no_grad():
+        if checks:
+            t0 = time.perf_counter()
+            try:
+                res["checks"] = check_peers(dev, seed) + check_steps(dev, tuple(KINDS), seed)
+            except Exception as e:  # recorded: a failing check must not hide the timings
+                res["errors"].append({"where": "checks", "error": f"{type(e).__name__}: {e}"})
+            bad = [c["check"] for c in res["checks"] if not c["ok"]]
+            say(f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} passed in "
+                f"{time.perf_counter() - t0:.1f} s" + (f"; FAILED: {', '.join(bad)}" if bad else ""))
+        if artifact is not None:
+            _run_artifact(res, artifact, dev, batch_list, context_list, steps, repeats, hf_generate, seed, deadline,
+                          say)
+        for name in spec_list:
+            _run_spec(res, SPECS[name], kind_list, dev, batch_list, context_list, steps, repeats, hf_generate, seed,
+                      deadline, say)
+    add_ratios(res["rows"])
+    res["targets"] = evaluate_targets(res["rows"], dev) if artifact is None else []
+    res["analysis"] = explain(res["rows"]) if dev.type == "cuda" else [f"not analysed: {CPU_LABEL}"]
+    res["wall_s"] = time.perf_counter() - t_start
+    if out_dir is not None:
+        res["written_to"] = str(write_results(res, out_dir))
+    return res
+
+
+def _over(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() > deadline
+
+
+def _cases(res, model, spec, kind, dev, batch_list, context_list, steps, repeats, seed, deadline, say) -> None:
+    for context in context_list:
+        for batch in batch_list:
+            where = f"{spec.name} {kind} batch {batch} context {context}"
+            if _over(deadline):
+                res["skipped"].append(f"{where}: time budget spent")
+                continue
+            try:
+                row = run_case(model, spec, kind, batch, context, steps, repeats, dev, seed)
+            except UserError:
+                raise
+            except Exception as e:  # one case failing must not lose the others
+                res["errors"].append({"where": where, "error": f"{type(e).__name__}: {e}"})
+                say(f"  {where}: ERROR {type(e).__name__}: {e}")
+                _free(dev)
+                continue
+            res["rows"].append(row)
+            say(f"  {where}: step {row['step_ms']:.3f} ms, linears {row['linears_ms']['total']:.3f} ms, "
+                f"outside {100 * row['outside_share']:.0f}%, floor {row['floor_pct']:.0f}%")
+
+
+def _run_spec(res, spec, kind_list, dev, batch_list, context_list, steps, repeats, hf_generate, seed, deadline,
+              say) -> None:
+    t0 = time.perf_counter()
+    model = build_model(spec, dev, seed=seed, linears=False)
+    _sync(dev)
+    facts = {"spec": spec.as_dict(), "build_s": time.perf_counter() - t0, "kinds": {}}
+    res["models"].append(facts)
+    say(f"{spec.name}: model built in {facts['build_s']:.1f} s")
+    for kind in kind_list:
+        if _over(deadline):
+            res["skipped"].append(f"{spec.name} {kind}: time budget spent")
+            continue
+        try:
+            info = install_kind(model, spec, kind, dev, seed, say)
+        except UserError:
+            raise
+        except Exception as e:
+            res["errors"].append({"where": f"{spec.name} {kind} build", "error": f"{type(e).__name__}: {e}"})
+            say(f"{spec.name} {kind}: build ERROR {type(e).__name__}: {e}")
+            continue
+        facts["kinds"][kind] = info
+        say(f"{spec.name} {kind}: built in {info['build_s']:.1f} s")
+        _cases(res, model, spec, kind, dev, batch_list, context_list, steps, repeats, seed, deadline, say)
+        if kind == "fp16" and hf_generate:
+            for context in context_list:
+                if _over(deadline):
+                    res["skipped"].append(f"{spec.name} HF generate context {context}: time budget spent")
+                    continue
+                try:
+                    ms = hf_generate_ms(model, spec, context, max(2, steps), dev, seed)
+                    res["hf_generate"].append({"spec": spec.name, "kind": "fp16", "batch": 1, "context": context,
+                                               "ms_per_token": ms, "label": HF_LABEL})
+                except Exception as e:
+                    res["errors"].append({"where": f"{spec.name} HF generate context {context}",
+                                          "error": f"{type(e).__name__}: {e}"})
+    clear_groups(model, spec)
+    del model
+    _free(dev)
+
+
+def artifact_spec(model: nn.Module, name: str) -> ModelSpec:
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    return ModelSpec(name, int(cfg.hidden_size), int(cfg.intermediate_size), int(cfg.num_hidden_layers), heads,
+                     int(getattr(cfg, "num_key_value_heads", None) or heads), int(cfg.vocab_size))
+
+
+def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_generate, seed, deadline,
+                  say) -> None:
+    """The artifact's own model (its stored layers as the runtime runs them: one launch per stored linear), then
+    fp16 and W4A16 peers built from its decoded layers (Q/K/V and gate/up stacked)."""
+    from ..artifact.store import Artifact
+    from ..model.rebuild import layer_weight
+    from ..runtime import load
+    from ..runtime.decoder import StaticDecoder
+    from ..runtime.linear import CompressedLinear
+
+    t0 = time.perf_counter()
+    rt = load(path, device=dev.type)
+    model = rt.model
+    why = StaticDecoder.unsupported(model)
+    if why is not None:
+        raise UserError(f"{path}: the static decoder cannot run this model: {why}")
+    spec = artifact_spec(model, Path(str(path)).name)
+    if spec.head_dim * spec.heads != spec.hidden or getattr(model.config, "head_dim", spec.head_dim) != spec.head_dim:
+        raise UserError(f"{path}: head_dim differs from hidden / heads; bench --e2e needs the LLaMA layout")
+    art = Artifact(path)
+    stored = set(art.layer_names)
+    weights: dict = {}
+    for layer in range(spec.layers):
+        for names in GROUP_MEMBERS.values():
+            for name in names:
+                full = f"model.layers.{layer}.{name}"
+                mod = model.get_submodule(full)
+                if full in stored:
+                    rec = art.read_layer(full)
+                    if isinstance(mod, CompressedLinear):
+                        mod._bench_record = rec
+                    weights[(layer, name)] = torch.from_numpy(layer_weight(rec)).half()
+                else:
+                    weights[(layer, name)] = mod.weight.detach().half().cpu()
+    facts = {"spec": spec.as_dict(), "artifact": str(path), "load_s": time.perf_counter() - t0,
+             "kinds": {ARTIFACT_KIND: {"label": "the artifact as the runtime loads it (each stored linear alone)"}}}
+    res["models"].append(facts)
+    say(f"{spec.name}: artifact loaded and decoded in {facts['load_s']:.1f} s")
+    _cases(res, model, spec, ARTIFACT_KIND, dev, batch_list, context_list, steps, repeats, seed, deadline, say)
+    for kind in BASELINES:
+        if _over(deadline):
+            res["skipped"].append(f"{spec.name} {kind}: time budget spent")
+            continue
+        if kind == "w4a16":
+            try:
+                for m, k in spec.groups().values():
+                    check_w4a16_shape(m, k)
+            except ValueError as e:
+                res["skipped"].append(f"{spec.name} w4a16: {e}")
+                continue
+        info = install_artifact_peer(model, spec, kind, weights, dev)
+        facts["kinds"][kind] = info
+        _cases(res, model, spec, kind, dev, batch_list, context_list, steps, repeats, seed, deadline, say)
+        if kind == "fp16" and hf_generate and not _over(deadline):
+            for context in context_list:
+                try:
+                    ms = hf_generate_ms(model, spec, context, max(2, steps), dev, seed)
+                    res["hf_generate"].append({"spec": spec.name, "kind": "fp16", "batch": 1, "context": context,
+                                               "ms_per_token": ms, "label": HF_LABEL})
+                except Exception as e:
+                    res["errors"].append({"where": f"{spec.name} HF generate context {context}",
+                                          "error": f"{type(e).__name__}: {e}"})
+    # the artifact's rows compare with its peers under the artifact's kind name
+    for r in res["rows"]:
+        if r["spec"] == spec.name and r["kind"] == ARTIFACT_KIND:
+            r["label"] = facts["kinds"][ARTIFACT_KIND]["label"]
+    del model, rt
+    _free(dev)
+
