@@ -275,7 +275,10 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
         log = None if as_json else (lambda msg: click.echo(printable(msg), err=True))
         data = e2e_command(artifact, spec, batches, contexts, kinds, steps, device or "cuda", out_dir, time_budget,
                            log=log)
-        click.echo(json.dumps(data, indent=2, default=str) if as_json else printable(format_table(data)))
+        if as_json:
+            click.echo(json.dumps(data, indent=2, default=str))
+        else:
+            click.echo("\n".join(printable(line) for line in format_table(data).splitlines()))
         if not as_json and data.get("written_to"):
             click.echo(printable(f"results: {data['written_to']}"))
         return

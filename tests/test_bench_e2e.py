@@ -1,0 +1,336 @@
+"""`unionsparse bench --e2e` on the CPU: the tiny spec end to end through the command line, each linear kind
+against the product of its own weights, the static decoder on the stacked peers against transformers' forward,
+the byte floor by hand, refusals in one line (the timings themselves need a GPU: benchmarks/e2e_h200.sh)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from unionsparse.compressor.bench import e2e
+from unionsparse.compressor.bench.e2e_models import GROUPS, SPECS, build_model, install_group
+from unionsparse.compressor.bench.e2e_peers import (
+    KINDS,
+    W4A16Linear,
+    iebme_record,
+    record_read_bytes,
+    sparse_fp16,
+    tcbc_record,
+    w4a16_dequantized,
+)
+from unionsparse.compressor.runtime.decoder import GraphedStep, StaticDecoder
+from unionsparse.formats.arithmetic.activations import dequantize_activations, quantize_activations
+
+CPU = torch.device("cpu")
+
+
+def _main(*args: str) -> tuple[int, str, str]:
+    from unionsparse.compressor.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = int(e.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One CPU smoke run of every kind through the command line, JSON out and a results file."""
+    out = tmp_path_factory.mktemp("e2e")
+    code, stdout, err = _main("bench", "--e2e", "--device", "cpu", "--spec", "tiny", "--batch", "1,2", "--context",
+                              "8", "--steps", "2", "--json", "--out", out)
+    assert code == 0, err
+    return json.loads(stdout), out
+
+
+def test_cli_tiny_runs_every_kind_end_to_end(tiny_run):
+    res, out = tiny_run
+    assert res["label"] == e2e.CPU_LABEL and res["machine"]["device"] == "cpu"
+    assert res["kinds"] == list(KINDS)
+    assert not res["errors"] and not res["skipped"]
+    rows = {(r["kind"], r["batch"]): r for r in res["rows"]}
+    assert set(rows) == {(k, b) for k in KINDS for b in (1, 2)}
+    for r in rows.values():
+        assert r["spec"] == "tiny" and r["context"] == 8
+        assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["step_ms"])
+        assert set(r["linears_ms"]) == {*GROUPS, "total"}
+        assert r["linears_ms"]["total"] == pytest.approx(sum(r["linears_ms"][g] for g in GROUPS))
+        assert r["outside_share"] == pytest.approx(1 - r["linears_ms"]["total"] / r["step_ms"])
+        assert r["floor_ms"] == pytest.approx(r["bytes"]["total"] / e2e.PEAK_BW * 1e3)
+        assert r["speedup_vs_fp16"] == pytest.approx(rows[("fp16", r["batch"])]["step_ms"] / r["step_ms"])
+        assert r["speedup_vs_w4a16"] is not None
+    assert rows[("iebme-w4a4-50", 1)]["speedup_vs_control"] is not None
+    # stored bytes follow the kinds: IE-BME 50% < IE-BME 0% < fp16 linears; W4A16 a quarter of fp16 and a bit
+    lin = {k: rows[(k, 1)]["bytes"]["linears_total"] for k in KINDS}
+    assert lin["iebme-w4a4-50"] < lin["iebme-w4a4-0"] < lin["fp16"]
+    assert lin["fp16"] / 4 < lin["w4a16"] < lin["fp16"] / 3.5
+    # Tiled-CBC's thresholds: measured at batch 1 on the step's own inputs (calibrated at 30%), none at batch 2
+    dyn = rows[("tcbc-fp16-30+30", 1)]["dynamic_sparsity_measured"]
+    assert set(dyn) == set(GROUPS) and all(0.05 < v < 0.7 for v in dyn.values())
+    assert "dynamic_sparsity_measured" not in rows[("tcbc-fp16-30+30", 2)]
+    assert rows[("tcbc-fp16-30+30", 1)]["bytes"]["linears_total"] < rows[("tcbc-fp16-30+30", 2)]["bytes"][
+        "linears_total"]
+    assert [h["label"] for h in res["hf_generate"]] == [e2e.HF_LABEL]
+    assert res["checks"] and all(c["ok"] for c in res["checks"]), res["checks"]
+    assert {t["status"] for t in res["targets"]} == {"not measured"}
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["e2e-cpu-" + res["date"][:10] + ".json", "e2e-cpu-" + res["date"][:10] + ".md"]
+    assert json.loads((out / files[0]).read_text())["rows"] == res["rows"]
+
+
+def test_cli_table_is_printed_without_json(tmp_path):
+    code, out, err = _main("bench", "--e2e", "--device", "cpu", "--batch", "1", "--context", "4", "--steps", "1",
+                           "--kinds", "w4a16")
+    assert code == 0, err
+    assert "CPU, not a performance figure" in out.splitlines()[0]
+    kinds = [line.split()[3] for line in out.splitlines() if line.startswith("tiny ")]
+    assert kinds[:2] == ["fp16", "w4a16"]  # fp16 always runs: every ratio needs it
+    assert "HF generate" in out
+    assert "checks:" in err  # progress on stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--e2e",), "needs a CUDA GPU"),
+    (("--e2e", "--device", "cpu", "--spec", "llama2-7b"), "--spec tiny only"),
+    (("--e2e", "--device", "cpu", "--spec", "llama9"), "--spec: unknown value 'llama9'"),
+    (("--e2e", "--device", "cpu", "--batch", "0"), "--batch: expected comma-separated positive integers"),
+    (("--e2e", "--device", "cpu", "--context", "a,b"), "--context: expected comma-separated positive integers"),
+    (("--e2e", "--device", "cpu", "--kinds", "fp32"), "--kinds: unknown value 'fp32'"),
+    (("--e2e", "--device", "cpu", "--steps", "0"), "--steps must be a positive integer"),
+    (("--e2e", "--device", "cpu", "--time-budget", "-1"), "--time-budget must be a positive number"),
+    (("--e2e", "--device", "tpu"), "'tpu' is not one of"),
+    (("--spec", "tiny"), "--spec applies to bench --e2e only"),
+    (("--device", "cpu"), "--device applies to bench --e2e only"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, message):
+    if args == ("--e2e",) and torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    code, out, err = _main("bench", *args)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_artifact_refusals(reference_artifact):
+    code, _, err = _main("bench", "--e2e", str(reference_artifact), "--device", "cpu", "--spec", "tiny")
+    assert code == 2 and "brings its own model" in err
+    code, _, err = _main("bench", "--e2e", str(reference_artifact), "--device", "cpu", "--kinds", "iebme-w4a4-50")
+    assert code == 2 and "with an ARTIFACT the peers are fp16, w4a16" in err
+
+
+def test_artifact_runs_beside_its_fp16_and_w4a16_peers(reference_artifact):
+    res = e2e.e2e_command(str(reference_artifact), None, "1", "6", None, 1, "cpu", checks=False, hf_generate=False)
+    assert res["kinds"] == ["artifact", "fp16", "w4a16"] and not res["errors"]
+    rows = {r["kind"]: r for r in res["rows"]}
+    assert set(rows) == {"artifact", "fp16", "w4a16"}
+    art = rows["artifact"]
+    assert art["spec"] == reference_artifact.name and art["label"].startswith("the artifact")
+    # the artifact's linears are its stored IE-BME layers (one module each): fewer bytes than its fp16 peers
+    assert art["bytes"]["linears_total"] < rows["fp16"]["bytes"]["linears_total"] / 3
+    assert art["speedup_vs_fp16"] is not None and art["speedup_vs_w4a16"] is not None
+
+
+# ----------------------------------------------------------------------------------- each peer's arithmetic
+
+
+def test_w4a16_matches_its_dequantized_weights():
+    g = torch.Generator().manual_seed(0)
+    m, k = 64, 256
+    q = torch.randint(0, 16, (m, k), dtype=torch.int32, generator=g)
+    s = torch.rand(2, m, generator=g) * 0.01 + 0.005
+    z = (torch.rand(2, m, generator=g) - 0.5) * 0.01
+    lin = W4A16Linear(q, s, z)
+    w = w4a16_dequantized(lin, q, s, z)
+    x = torch.randn(3, 5, k, generator=g).half()
+    ref = (x.to(torch.bfloat16).float() @ w.t()).half()
+    y = lin(x)
+    assert y.dtype == torch.float16 and y.shape == (3, 5, m)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=0.01 * float(ref.abs().max()))
+    # the comparison is not vacuous: the midpoint code 8 is zero weight, another code is not
+    q2 = q.clone()
+    q2[:, :128] = 8
+    y2 = W4A16Linear(q2, s, torch.zeros_like(z))(x)
+    assert (y2 - y).abs().max() > 0.1 * ref.abs().max()
+    # from a weight: round to nearest on 16 levels per group of 128
+    wt = torch.randn(m, k, generator=g) * 0.02
+    lin = W4A16Linear.from_weight(wt)
+    err = (lin(torch.eye(k).half()).float().t() - wt).abs().max()
+    assert err < 0.6 * float((wt.amax() - wt.amin()) / 15)
+
+
+def test_iebme_runtime_linear_matches_quantized_activations_times_decoded_weights():
+    from unionsparse.compressor.model.rebuild import layer_weight
+    from unionsparse.compressor.runtime.linear import CompressedLinear
+
+    rng = np.random.default_rng(0)
+    rec = iebme_record("t", 96, 256, 0.5, rng)
+    assert rec.attrs["activations"]["bits"] == 4 and rec.encoding.perm is None
+    codes = rec.encoding.decode()
+    assert 0.45 < (codes == 0).mean() < 0.55 and np.abs(codes).max() <= 8
+    lin = CompressedLinear(rec, None, "cpu")
+    assert lin.plan.act_bits == 4 and lin.plan.bits == 4
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).half()
+    xq, sx = quantize_activations(x.float().numpy(), 4, 128)
+    ref = torch.from_numpy(dequantize_activations(xq, sx, 128)) @ torch.from_numpy(layer_weight(rec)).t()
+    torch.testing.assert_close(lin(x).float(), ref.half().float(), rtol=0, atol=2e-3 * float(ref.abs().max()))
+    # activation quantization matters: fp16 inputs differ from the W4A4 product by far more than that
+    assert (x.float() @ torch.from_numpy(layer_weight(rec)).t() - ref).abs().max() > 1e-2 * ref.abs().max()
+    zero = iebme_record("t0", 96, 256, 0.0, rng)
+    assert (zero.encoding.decode() == 0).mean() == 0
+    assert record_read_bytes(zero) > record_read_bytes(rec)
+
+
+def test_tcbc_runtime_linear_applies_tau_at_one_row_only():
+    from unionsparse.compressor.runtime.linear import CompressedLinear
+
+    rng = np.random.default_rng(0)
+    w = sparse_fp16(512, 256, 0.3, rng)
+    assert 0.27 < (w == 0).mean() < 0.33
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2)).half()
+    tau = float(np.quantile(np.abs(x.float().numpy()), 0.3))
+    lin = CompressedLinear(tcbc_record("t", w, tau), None, "cpu")
+    assert lin.plan.tau == pytest.approx(tau) and lin.plan.sparse_inputs
+    wt = torch.from_numpy(w.astype(np.float32))
+    masked = torch.where(x.float().abs() > tau, x.float(), torch.zeros(()))
+    torch.testing.assert_close(lin(x).float(), (masked @ wt.t()).half().float(), rtol=0, atol=1e-3)
+    assert (lin(x).float() - (x.float() @ wt.t())).abs().max() > 1e-2  # tau changes the decode step
+    x4 = torch.cat([x, x, x, x])
+    torch.testing.assert_close(lin(x4).float(), (x4.float() @ wt.t()).half().float(), rtol=0, atol=1e-3)
+
+
+def test_check_peers_pass_here():
+    checks = e2e.check_peers(CPU)
+    assert len(checks) == 6 and all(c["ok"] for c in checks), checks
+
+
+# ------------------------------------------------------------------------ the model and the step code
+
+
+@torch.no_grad()
+def test_static_decoder_on_stacked_fp16_peers_gives_transformers_tokens():
+    """The tiny spec with Q/K/V and gate/up stacked: the graphed static step's greedy tokens and logits equal
+    transformers' forward of the same model on the whole sequence, and each stacked product runs once."""
+    spec = SPECS["tiny"]
+    model = build_model(spec, CPU, seed=3, linears=False)
+    e2e.install_kind(model, spec, "fp16", CPU, seed=3)
+    calls = {g: 0 for g in GROUPS}
+    for layer in range(spec.layers):
+        for g in GROUPS:
+            for mod in e2e.group_modules(model, layer, g):
+                mod.register_forward_hook(lambda *_a, g=g: calls.__setitem__(g, calls[g] + 1))
+    ids = torch.randint(0, spec.vocab, (2, 10), generator=torch.Generator().manual_seed(4))
+    dec = StaticDecoder(model, 2, 20)
+    logits = dec.prefill(ids)
+    dec.tokens.copy_(logits.argmax(-1))
+    step = GraphedStep(dec, greedy=True)
+    seq = ids
+    for _ in range(5):
+        ref = model(seq).logits[:, -1].float()
+        torch.testing.assert_close(logits, ref, rtol=0, atol=2e-3)
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+        seq = torch.cat([seq, dec.tokens[:, None]], 1)
+        for g in GROUPS:
+            calls[g] = 0
+        logits = step()
+        assert calls == {g: spec.layers for g in GROUPS}  # one product per group and block per step
+    # each stacked member is a slice of the product: q, k, v of the one [qkv, K] weight
+    shared = model.model.layers[0].shared_qkv
+    h = torch.randn(3, spec.hidden).half()
+    w = shared.inner.weight
+    attn = model.model.layers[0].self_attn
+    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    torch.testing.assert_close(torch.cat([q, k, v], -1), torch.nn.functional.linear(h, w))
+
+
+def test_install_group_single_and_stacked():
+    spec = SPECS["tiny"]
+    model = build_model(spec, CPU, linears=False)
+    lin = torch.nn.Linear(spec.hidden, spec.hidden, bias=False).half()
+    install_group(model, 1, "o", lin, spec.splits()["o"])
+    assert model.model.layers[1].self_attn.o_proj is lin
+    assert e2e.group_modules(model, 1, "o") == [lin]
+    stacked = torch.nn.Linear(spec.hidden, 2 * spec.intermediate, bias=False).half()
+    install_group(model, 1, "gateup", stacked, spec.splits()["gateup"])
+    assert e2e.group_modules(model, 1, "gateup") == [stacked]
+    assert model.model.layers[1].mlp.up_proj.out_features == spec.intermediate
+
+
+def test_specs_have_the_real_shapes():
+    s7, s8 = SPECS["llama2-7b"], SPECS["llama3-8b"]
+    assert s7.groups() == {"qkv": (12288, 4096), "o": (4096, 4096), "gateup": (22016, 4096), "down": (4096, 11008)}
+    assert s8.groups() == {"qkv": (6144, 4096), "o": (4096, 4096), "gateup": (28672, 4096), "down": (4096, 14336)}
+    assert s7.linear_params() == 32 * (12288 + 4096 + 22016) * 4096 + 32 * 4096 * 11008  # 6.48e9
+    assert s8.kv_bytes(1, 2048) == 2 * 32 * 2048 * 8 * 128 * 2  # GQA: 8 KV heads
+    from unionsparse.compressor.bench.e2e_models import llama_config
+
+    cfg = llama_config(s8)
+    params = getattr(cfg, "rope_parameters", None) or cfg.rope_scaling
+    assert params["rope_type"] == "llama3" and float(params.get("rope_theta", getattr(cfg, "rope_theta", 0))) == 5e5
+
+
+# -------------------------------------------------------------------------------------------- byte floor
+
+
+@torch.no_grad()
+def test_byte_floor_by_hand():
+    """fp16 peers of the tiny spec at batch 2, context 8: every decoder weight, the lm_head, two embedding rows,
+    the norms and K and V of 8 positions, in bytes, over 4.16 TB/s."""
+    spec = SPECS["tiny"]  # hidden 256, intermediate 512, 2 blocks, 4 heads of 64, 2 KV heads, vocab 512
+    model = build_model(spec, CPU, linears=False)
+    e2e.install_kind(model, spec, "fp16", CPU)
+    row = e2e.run_case(model, spec, "fp16", 2, 8, 1, 1, CPU)
+    weights = 2 * 2 * (512 * 256 + 256 * 256 + 1024 * 256 + 256 * 512)  # blocks x fp16 bytes x (qkv, o, gateup, down)
+    head, rows, norms = 512 * 256 * 2, 2 * 256 * 2, (2 * 2 + 1) * 256 * 2
+    kv = 2 * 2 * 2 * 8 * 2 * 64 * 2  # K and V x blocks x batch x positions x KV heads x head dim x fp16
+    assert row["bytes"]["linears_total"] == weights
+    assert (row["bytes"]["lm_head"], row["bytes"]["embedding_rows"], row["bytes"]["norms"]) == (head, rows, norms)
+    assert row["bytes"]["kv_cache"] == kv
+    assert row["floor_ms"] == pytest.approx((weights + head + rows + norms + kv) / 4.16e12 * 1e3)
+    assert row["floor_pct"] == pytest.approx(100 * row["floor_ms"] / row["step_ms"])
+
+
+def test_tcbc_read_bytes_skip_the_values_of_inactive_inputs():
+    rec = tcbc_record("t", sparse_fp16(256, 128, 0.3, np.random.default_rng(0)), 0.5)
+    arrays = rec.arrays()
+    values = arrays["values"].nbytes
+    rest = sum(a.nbytes for k, a in arrays.items() if k != "values")
+    assert record_read_bytes(rec) == values + rest
+    assert record_read_bytes(rec, 0.25) == rest + values - int(values * 0.25)
+
+
+# ---------------------------------------------------------------------------------- targets and analysis
+
+
+def _row(kind, step, lin, batch=1, spec="llama2-7b", ctx=512):
+    parts = dict(zip(GROUPS, (0.25 * lin,) * 4, strict=True))
+    return {"spec": spec, "kind": kind, "batch": batch, "context": ctx, "step_ms": step,
+            "linears_ms": {**parts, "total": lin}, "outside_ms": step - lin, "outside_share": 1 - lin / step,
+            "bytes": {"linears_total": 1e9}}
+
+
+def test_targets_and_where_it_loses():
+    rows = [_row("fp16", 3.6, 3.0), _row("w4a16", 2.0, 1.4), _row("iebme-w4a4-50", 1.8, 1.2),
+            _row("iebme-w4a4-0", 1.9, 1.3), _row("tcbc-fp16-30+30", 2.2, 1.6)]
+    for b in (4, 8):
+        rows += [_row("fp16", 3.7, 3.1, b), _row("w4a16", 4.5, 3.9, b), _row("iebme-w4a4-50", 2.4, 1.8, b)]
+    e2e.add_ratios(rows)
+    gpu = torch.device("cuda")  # a device object only: nothing runs on it
+    t = {x["target"]: x for x in e2e.evaluate_targets(rows, gpu)}
+    assert t["iebme-w4a4-50 llama2-7b batch 1 context 512: step >= 2.5x fp16"]["status"] == "missed"
+    assert t["iebme-w4a4-50 llama2-7b batch 1 context 512: step faster than w4a16"]["status"] == "met"
+    assert t["iebme-w4a4-50 llama2-7b batch 8 context 512: step faster than w4a16"]["status"] == "met"
+    assert t["tcbc-fp16-30+30 llama2-7b batch 1 context 512: step >= 1.5x fp16"]["status"] == "met"
+    assert {x["status"] for x in e2e.evaluate_targets(rows, CPU)} == {"not a GPU figure"}
+    lines = e2e.explain(rows)
+    miss = [x for x in lines if x.startswith("iebme-w4a4-50 llama2-7b B=1") and "fp16" in x]
+    assert len(miss) == 1 and "2.00x fp16 (wanted >= 2.5x)" in miss[0]
+    assert "the linears must take <= 0.840 ms" in miss[0]  # 3.6 / 2.5 - (1.8 - 1.2)
+    assert any("only 1.06x its 0% control" in x for x in lines)
+    assert not any(x.startswith("iebme-w4a4-0 ") for x in lines)  # the control is not a contender
