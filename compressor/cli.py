@@ -258,15 +258,17 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
 @click.option("--time-budget", default=None, type=float,
               help="--e2e: seconds; cases not started by then are listed as skipped.")
 @click.option("--out", "out_dir", default=None, help="--e2e: write DIR/e2e-<machine>-<date>.json (and .md).")
+@click.option("--record", is_flag=True, default=None,
+              help="--e2e ARTIFACT: keep its time per token beside it (OUT.zarr.figures.json) for inspect.")
 @click.option("--json", "as_json", is_flag=True)
 def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kinds, steps, device, time_budget,
-          out_dir, as_json) -> None:
+          out_dir, record, as_json) -> None:
     """Time the project's kernels beside cuBLAS fp16 (and int8) on the same shapes (needs a GPU); --e2e: whole
     decode steps."""
     from .config import choice
 
     e2e_only = {"--spec": spec, "--batch": batches, "--context": contexts, "--kinds": kinds, "--steps": steps,
-                "--device": device, "--time-budget": time_budget, "--out": out_dir}
+                "--device": device, "--time-budget": time_budget, "--out": out_dir, "--record": record or None}
     if e2e:
         from .bench.e2e import e2e_command, format_table
 
@@ -274,7 +276,7 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
             raise UserError(f"--time-budget must be a positive number of seconds, got {time_budget}")
         log = None if as_json else (lambda msg: click.echo(printable(msg), err=True))
         data = e2e_command(artifact, spec, batches, contexts, kinds, steps, device or "cuda", out_dir, time_budget,
-                           log=log)
+                           record=bool(record), log=log)
         if as_json:
             click.echo(json.dumps(data, indent=2, default=str))
         else:

@@ -334,3 +334,39 @@ def test_targets_and_where_it_loses():
     assert "the linears must take <= 0.840 ms" in miss[0]  # 3.6 / 2.5 - (1.8 - 1.2)
     assert any("only 1.06x its 0% control" in x for x in lines)
     assert not any(x.startswith("iebme-w4a4-0 ") for x in lines)  # the control is not a contender
+
+
+# ------------------------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(e2e.gpu_problem() is not None, reason="needs CuPy and a CUDA device")
+@torch.no_grad()
+def test_gpu_peers_and_graphed_steps():
+    """What `bench --e2e` checks before timing, as a test: each kind's CUDA linear against its own weights, and
+    for every kind the CUDA-graph replay of a step equals the eager step (the capture runs what eager runs)."""
+    gpu = torch.device("cuda")
+    checks = e2e.check_peers(gpu) + e2e.check_steps(gpu, tuple(KINDS))
+    assert all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+
+
+def test_record_keeps_the_artifacts_speed_for_inspect(reference_artifact, tmp_path, run_cli):
+    import shutil
+
+    art = tmp_path / "a.zarr"
+    shutil.copytree(reference_artifact, art)
+    res = {"machine": {"gpu": "NVIDIA H200"}, "rows": [
+        {"kind": "artifact", "batch": 1, "context": 512, "step_ms": 2.0, "tokens_per_s": 500.0,
+         "speedup_vs_fp16": 1.8, "speedup_vs_w4a16": 1.1},
+        {"kind": "fp16", "batch": 1, "context": 512, "step_ms": 3.6, "tokens_per_s": 277.8}]}
+    path = e2e.record_speed(str(art), res)
+    assert path.name == "a.zarr.figures.json"
+    r = run_cli("inspect", str(art))
+    assert r.code == 0
+    speed = [line for line in r.out.splitlines() if line.strip().startswith("speed")]
+    assert len(speed) == 1 and "bench --e2e, NVIDIA H200, batch 1, context 512" in speed[0]
+    assert "'vs_fp16': 1.8" in speed[0] and "'ms_per_step': 2.0" in speed[0]
+    with pytest.raises(e2e.UserError, match="not a unionsparse artifact"):
+        e2e.record_speed(str(tmp_path), res)
+    code, _, err = _main("bench", "--e2e", str(art), "--device", "cpu", "--record")
+    assert code == 2 and "not recorded; run on a GPU" in err

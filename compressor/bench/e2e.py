@@ -289,11 +289,13 @@ def install_kind(model: nn.Module, spec: ModelSpec, kind: str, device: torch.dev
         if log:
             log(f"  {kind}: encoded one block on the CPU in {info['encode_s']:.1f} s")
         # thresholds from the step's own inputs: the same weights dense (fp16), a prefill of random tokens
-        for layer in range(spec.layers):
-            for g, w in weights.items():
-                install_group(model, layer, g, HalfLinear.of(torch.from_numpy(w).to(device)), splits[g])
-        taus = calibrate_taus(model, spec, k.dynamic, device, seed)
+        dense = {g: torch.from_numpy(w).to(device) for g, w in weights.items()}  # one upload, a copy per block
         del weights
+        for layer in range(spec.layers):
+            for g, w in dense.items():
+                install_group(model, layer, g, HalfLinear.of(w), splits[g])
+        del dense
+        taus = calibrate_taus(model, spec, k.dynamic, device, seed)
         clear_groups(model, spec)
         _free(device)
         info["tau"] = {g: [taus[(layer, g)] for layer in range(spec.layers)] for g in groups}
@@ -652,6 +654,26 @@ def format_table(res: dict) -> str:
     return "\n".join(out)
 
 
+def record_speed(artifact: str, res: dict):
+    """The artifact's step times, and its ratios to its fp16 and W4A16 peers, beside it (``inspect`` shows them)."""
+    from ..artifact.ownership import store_attrs
+    from ..report.figures import record
+
+    if store_attrs(Path(artifact)) is None:
+        raise UserError(f"--record: {artifact} is not a unionsparse artifact (figures are kept beside artifacts)")
+    gpu = res["machine"].get("gpu") or "GPU"
+    path = None
+    for r in res["rows"]:
+        if r["kind"] != ARTIFACT_KIND:
+            continue
+        value = {"ms_per_step": round(r["step_ms"], 4), "tokens_per_s": round(r["tokens_per_s"], 1)}
+        for base in BASELINES:
+            if r.get(f"speedup_vs_{base}") is not None:
+                value[f"vs_{base}"] = round(r[f"speedup_vs_{base}"], 3)
+        path = record(artifact, "speed", f"bench --e2e, {gpu}, batch {r['batch']}, context {r['context']}", value)
+    return path
+
+
 def machine_info(device: torch.device) -> dict:
     import transformers
 
@@ -710,11 +732,16 @@ def write_results(res: dict, out_dir: str | Path) -> Path:
 def e2e_command(artifact: str | None = None, specs: str | None = None, batches: str | None = None,
                 contexts: str | None = None, kinds: str | None = None, steps: int | None = None,
                 device: str = "cuda", out_dir: str | None = None, time_budget: float | None = None,
-                hf_generate: bool = True, checks: bool = True, seed: int = 0,
+                hf_generate: bool = True, checks: bool = True, seed: int = 0, record: bool = False,
                 log: Callable[[str], None] | None = None) -> dict:
-    """What `unionsparse bench --e2e` runs; returns the result (see the module docstring)."""
+    """What `unionsparse bench --e2e` runs; returns the result (see the module docstring). ``record``: keep the
+    artifact's time per token beside it (``OUT.zarr.figures.json``, shown by ``inspect``; GPU only)."""
     if device not in ("cuda", "cpu"):
         raise UserError(f"--device: unknown value {device!r} (choose from cuda, cpu)")
+    if record and artifact is None:
+        raise UserError("--record: keeps an ARTIFACT's figures beside it; give the artifact")
+    if record and device != "cuda":
+        raise UserError("--record: CPU timings are not performance figures and are not recorded; run on a GPU")
     if device == "cuda":
         why = gpu_problem()
         if why is not None:
@@ -754,6 +781,12 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
         "kind_labels": {k: KINDS[k].as_dict() for k in (BASELINES if artifact else kind_list)},
         "models": [], "rows": [], "hf_generate": [], "checks": [], "errors": [], "skipped": [],
     }
+    partial = None
+    if out_dir is not None:  # rows so far, rewritten after every case: a killed run keeps what it measured
+        partial = Path(out_dir) / "e2e-partial.json"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        res["_save"] = lambda: partial.write_text(json.dumps({k: v for k, v in res.items() if k != "_save"},
+                                                             indent=2, default=str) + "\n")
     with torch.no_grad():
         if checks:
             t0 = time.perf_counter()
@@ -762,6 +795,8 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
             except Exception as e:  # recorded: a failing check must not hide the timings
                 res["errors"].append({"where": "checks", "error": f"{type(e).__name__}: {e}"})
             bad = [c["check"] for c in res["checks"] if not c["ok"]]
+            if res.get("_save"):
+                res["_save"]()
             say(f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} passed in "
                 f"{time.perf_counter() - t0:.1f} s" + (f"; FAILED: {', '.join(bad)}" if bad else ""))
         if artifact is not None:
@@ -774,8 +809,12 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
     res["targets"] = evaluate_targets(res["rows"], dev) if artifact is None else []
     res["analysis"] = explain(res["rows"]) if dev.type == "cuda" else [f"not analysed: {CPU_LABEL}"]
     res["wall_s"] = time.perf_counter() - t_start
+    res.pop("_save", None)
+    if record:
+        res["recorded_to"] = str(record_speed(artifact, res))
     if out_dir is not None:
         res["written_to"] = str(write_results(res, out_dir))
+        partial.unlink(missing_ok=True)
     return res
 
 
@@ -784,6 +823,7 @@ def _over(deadline: float | None) -> bool:
 
 
 def _cases(res, model, spec, kind, dev, batch_list, context_list, steps, repeats, seed, deadline, say) -> None:
+    save = res.get("_save") or (lambda: None)
     for context in context_list:
         for batch in batch_list:
             where = f"{spec.name} {kind} batch {batch} context {context}"
@@ -798,8 +838,10 @@ def _cases(res, model, spec, kind, dev, batch_list, context_list, steps, repeats
                 res["errors"].append({"where": where, "error": f"{type(e).__name__}: {e}"})
                 say(f"  {where}: ERROR {type(e).__name__}: {e}")
                 _free(dev)
+                save()
                 continue
             res["rows"].append(row)
+            save()
             say(f"  {where}: step {row['step_ms']:.3f} ms, linears {row['linears_ms']['total']:.3f} ms, "
                 f"outside {100 * row['outside_share']:.0f}%, floor {row['floor_pct']:.0f}%")
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# `unionsparse bench --e2e` on the H200 in ONE device call (issue 28, item 5): time per output token of whole
+# CUDA-graph decode steps, synthetic LLaMA-2-7B then Llama-3-8B, batch 1/4/8, context 512/2048, every linear
+# kind beside dense fp16 and W4A16, breakdown and byte floor, HF eager generate beside it.
+#
+#   device tool:  run(command="bash benchmarks/e2e_h200.sh", carry=[".whl"], timeout_s=600)
+#   any CUDA machine with the package installed:  bash benchmarks/e2e_h200.sh   (writes benchmarks/results/)
+#
+# The image has torch, CuPy, transformers and numba but not zarr and its codecs (the runtime imports them). Make
+# .whl once, here, in the repo root (ignored by git):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 crc32c==2.9.post0 google-crc32c==1.9.0
+#
+# Order: (1) the GPU checks, in the same process and first: each kind's CUDA linear against the product of its
+# own weights, and for every kind the graph replay of a tiny model's step against the eager step; a failure is
+# printed as CHECK FAILED and kept in the JSON, and the timings still run. (2) the matrix, LLaMA-2-7B first;
+# cases not started within the time budget are listed as skipped. Results: $OUT (device tool) or
+# benchmarks/results: e2e-h200-<date>.json (machine, versions, command, every figure) and .md (the table);
+# e2e-partial.json holds the rows so far while it runs (a killed run keeps what it measured); e2e_log.txt.
+# Whole call: about 1 minute to start, then at most ~9.5 minutes (the budget below leaves room for the last
+# case, the analysis and the writes).
+set -o pipefail
+DEST="${OUT:-benchmarks/results}"
+BUDGET="${E2E_BUDGET:-460}"
+mkdir -p "$DEST"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+fi
+mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
+export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
+if ! python3 -c "import zarr, numcodecs, crc32c, cupy, transformers" 2>/dev/null; then
+  echo "e2e_h200.sh: missing Python packages (carry .whl: see the header of this script)" >&2
+  python3 -c "import zarr, numcodecs, crc32c, cupy, transformers" 2>&1 | tail -1 >&2
+  exit 2
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+python3 -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)"
+timeout 570 python3 -m unionsparse.compressor.cli bench --e2e --time-budget "$BUDGET" --out "$DEST" "$@" \
+  2>&1 | tee "$DEST/e2e_log.txt"
