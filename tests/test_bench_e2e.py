@@ -68,6 +68,10 @@ def test_cli_tiny_runs_every_kind_end_to_end(tiny_run):
         assert r["speedup_vs_fp16"] == pytest.approx(rows[("fp16", r["batch"])]["step_ms"] / r["step_ms"])
         assert r["speedup_vs_w4a16"] is not None
     assert rows[("iebme-w4a4-50", 1)]["speedup_vs_control"] is not None
+    # every kind of a case steps from the same state: one prefill (by the fp16 peers) per batch and context
+    for b in (1, 2):
+        assert {(rows[(k, b)]["prefill_by"], rows[(k, b)]["prefill_s"]) for k in KINDS} == {
+            ("fp16", rows[("fp16", b)]["prefill_s"])}
     # stored bytes follow the kinds: IE-BME 50% < IE-BME 0% < fp16 linears; W4A16 a quarter of fp16 and a bit
     lin = {k: rows[(k, 1)]["bytes"]["linears_total"] for k in KINDS}
     assert lin["iebme-w4a4-50"] < lin["iebme-w4a4-0"] < lin["fp16"]
@@ -116,6 +120,13 @@ def test_bad_arguments_exit_2_with_one_line(args, message):
     code, out, err = _main("bench", *args)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_time_budget_skips_what_it_cannot_start():
+    res = e2e.e2e_command(None, None, "1", "4", "fp16,w4a16", 1, "cpu", time_budget=1e-9, checks=False)
+    assert res["rows"] == [] and not res["errors"]
+    assert "tiny fp16: time budget spent" in res["skipped"]
+    assert any("no fp16 peers" in s for s in res["skipped"])
 
 
 def test_artifact_refusals(reference_artifact):
@@ -285,7 +296,8 @@ def test_byte_floor_by_hand():
     spec = SPECS["tiny"]  # hidden 256, intermediate 512, 2 blocks, 4 heads of 64, 2 KV heads, vocab 512
     model = build_model(spec, CPU, linears=False)
     e2e.install_kind(model, spec, "fp16", CPU)
-    row = e2e.run_case(model, spec, "fp16", 2, 8, 1, 1, CPU)
+    dec, start, _ = e2e.prepare_case(model, spec, 2, 8, 1, CPU)
+    row = e2e.run_case(model, spec, "fp16", dec, start, 8, 1, 1, CPU)
     weights = 2 * 2 * (512 * 256 + 256 * 256 + 1024 * 256 + 256 * 512)  # blocks x fp16 bytes x (qkv, o, gateup, down)
     head, rows, norms = 512 * 256 * 2, 2 * 256 * 2, (2 * 2 + 1) * 256 * 2
     kv = 2 * 2 * 2 * 8 * 2 * 64 * 2  # K and V x blocks x batch x positions x KV heads x head dim x fp16

@@ -336,20 +336,30 @@ def layer_tau(mod: nn.Module) -> float | None:
     return getattr(plan, "tau", None) if getattr(plan, "sparse_inputs", False) else None
 
 
-def run_case(model: nn.Module, spec: ModelSpec, kind: str, batch: int, context: int, steps: int, repeats: int,
-             device: torch.device, seed: int = 0) -> dict:
-    """Time one (model, kind, batch, context): the graphed step, each group's linears alone, the lm_head alone."""
-    from ..runtime.decoder import GraphedStep, StaticDecoder
+def prepare_case(model: nn.Module, spec: ModelSpec, batch: int, context: int, steps: int, device: torch.device,
+                 seed: int = 0):
+    """A static decoder of ``batch`` sequences prefilled with ``context`` random tokens by the model's current
+    linears: (decoder, its first tokens, prefill seconds). Every kind of the case then steps from this state."""
+    from ..runtime.decoder import StaticDecoder
 
-    max_len = context + steps + 4
-    dec = StaticDecoder(model, batch, max_len)
+    dec = StaticDecoder(model, batch, context + steps + 4)
     ids = torch.randint(0, spec.vocab, (batch, context), generator=torch.Generator().manual_seed(seed + context))
     t0 = time.perf_counter()
     logits = dec.prefill(ids.to(device))
     dec.tokens.copy_(logits.argmax(-1))
     _sync(device)
-    prefill_s = time.perf_counter() - t0
-    start_tokens = dec.tokens.clone()
+    return dec, dec.tokens.clone(), time.perf_counter() - t0
+
+
+def run_case(model: nn.Module, spec: ModelSpec, kind: str, dec, start_tokens: torch.Tensor, context: int, steps: int,
+             repeats: int, device: torch.device, seed: int = 0) -> dict:
+    """Time one kind (the model's current linears) from a prepared case (:func:`prepare_case`): the graphed step,
+    each group's linears alone, the lm_head alone; the byte floor."""
+    from ..runtime.decoder import GraphedStep
+
+    batch, max_len = dec.batch_size, dec.max_len
+    dec.position.fill_(context)
+    dec.tokens.copy_(start_tokens)
     # one eager step records every group's inputs (for the linears alone and the measured dynamic sparsity)
     inputs: dict = {}
     with recording(model, spec.layers, inputs):
@@ -412,7 +422,7 @@ def run_case(model: nn.Module, spec: ModelSpec, kind: str, batch: int, context: 
         "outside_ms": step_ms - lin_ms, "outside_share": 1.0 - lin_ms / step_ms,
         "bytes": {"linears": read, "linears_total": sum(read.values()), **dense, "kv_cache": kv, "total": total},
         "floor_ms": floor_ms, "floor_pct": 100.0 * floor_ms / step_ms,
-        "prefill_s": prefill_s, "capture_s": capture_s, "cache_positions": max_len,
+        "capture_s": capture_s, "cache_positions": max_len,
     }
     if dyn:
         row["dynamic_sparsity_measured"] = dyn
@@ -822,38 +832,87 @@ def _over(deadline: float | None) -> bool:
     return deadline is not None and time.perf_counter() > deadline
 
 
-def _cases(res, model, spec, kind, dev, batch_list, context_list, steps, repeats, seed, deadline, say) -> None:
+def _error(res: dict, where: str, e: BaseException, say) -> None:
+    res["errors"].append({"where": where, "error": f"{type(e).__name__}: {e}"})
+    say(f"  {where}: ERROR {type(e).__name__}: {e}")
+
+
+def _matrix(res, model, spec, sets: dict, dev, batch_list, context_list, steps, repeats, seed, deadline,
+            say) -> None:
+    """Every (context, batch): one static decoder prefilled once by the fp16 peers (the prefill is not timed:
+    through the sparse kinds' N <= 32 kernels a 16k-token prefill would take minutes), then each kind's
+    linears put in place and its step captured and timed from that same state, one after the other."""
+    from .e2e_models import restore_linears
+
     save = res.get("_save") or (lambda: None)
     for context in context_list:
         for batch in batch_list:
-            where = f"{spec.name} {kind} batch {batch} context {context}"
+            where = f"{spec.name} batch {batch} context {context}"
             if _over(deadline):
                 res["skipped"].append(f"{where}: time budget spent")
                 continue
+            restore_linears(model, spec, sets["fp16"])
             try:
-                row = run_case(model, spec, kind, batch, context, steps, repeats, dev, seed)
+                dec, start, prefill_s = prepare_case(model, spec, batch, context, steps, dev, seed)
             except UserError:
                 raise
             except Exception as e:  # one case failing must not lose the others
-                res["errors"].append({"where": where, "error": f"{type(e).__name__}: {e}"})
-                say(f"  {where}: ERROR {type(e).__name__}: {e}")
+                _error(res, f"{where} prefill", e, say)
                 _free(dev)
                 save()
                 continue
-            res["rows"].append(row)
-            save()
-            say(f"  {where}: step {row['step_ms']:.3f} ms, linears {row['linears_ms']['total']:.3f} ms, "
-                f"outside {100 * row['outside_share']:.0f}%, floor {row['floor_pct']:.0f}%")
+            for kind, snap in sets.items():
+                if _over(deadline):
+                    res["skipped"].append(f"{where} {kind}: time budget spent")
+                    continue
+                restore_linears(model, spec, snap)
+                try:
+                    row = run_case(model, spec, kind, dec, start, context, steps, repeats, dev, seed)
+                except UserError:
+                    raise
+                except Exception as e:
+                    _error(res, f"{where} {kind}", e, say)
+                    _free(dev)
+                    save()
+                    continue
+                row["prefill_s"], row["prefill_by"] = prefill_s, "fp16"
+                res["rows"].append(row)
+                save()
+                say(f"  {where} {kind}: step {row['step_ms']:.3f} ms, linears {row['linears_ms']['total']:.3f} ms, "
+                    f"outside {100 * row['outside_share']:.0f}%, floor {row['floor_pct']:.0f}%")
+            del dec
+            _free(dev)
+
+
+def _hf_generate(res, model, spec, sets, dev, context_list, steps, seed, deadline, say) -> None:
+    from .e2e_models import restore_linears
+
+    restore_linears(model, spec, sets["fp16"])
+    for context in context_list:
+        if _over(deadline):
+            res["skipped"].append(f"{spec.name} HF generate context {context}: time budget spent")
+            continue
+        try:
+            ms = hf_generate_ms(model, spec, context, max(2, steps), dev, seed)
+        except Exception as e:
+            _error(res, f"{spec.name} HF generate context {context}", e, say)
+            continue
+        res["hf_generate"].append({"spec": spec.name, "kind": "fp16", "batch": 1, "context": context,
+                                   "ms_per_token": ms, "label": HF_LABEL})
 
 
 def _run_spec(res, spec, kind_list, dev, batch_list, context_list, steps, repeats, hf_generate, seed, deadline,
               say) -> None:
+    """Build every kind of ``spec`` once (all stay resident), then the matrix."""
+    from .e2e_models import snapshot_linears
+
     t0 = time.perf_counter()
     model = build_model(spec, dev, seed=seed, linears=False)
     _sync(dev)
     facts = {"spec": spec.as_dict(), "build_s": time.perf_counter() - t0, "kinds": {}}
     res["models"].append(facts)
     say(f"{spec.name}: model built in {facts['build_s']:.1f} s")
+    sets: dict = {}
     for kind in kind_list:
         if _over(deadline):
             res["skipped"].append(f"{spec.name} {kind}: time budget spent")
@@ -863,26 +922,19 @@ def _run_spec(res, spec, kind_list, dev, batch_list, context_list, steps, repeat
         except UserError:
             raise
         except Exception as e:
-            res["errors"].append({"where": f"{spec.name} {kind} build", "error": f"{type(e).__name__}: {e}"})
-            say(f"{spec.name} {kind}: build ERROR {type(e).__name__}: {e}")
+            _error(res, f"{spec.name} {kind} build", e, say)
             continue
+        sets[kind] = snapshot_linears(model, spec)
         facts["kinds"][kind] = info
         say(f"{spec.name} {kind}: built in {info['build_s']:.1f} s")
-        _cases(res, model, spec, kind, dev, batch_list, context_list, steps, repeats, seed, deadline, say)
-        if kind == "fp16" and hf_generate:
-            for context in context_list:
-                if _over(deadline):
-                    res["skipped"].append(f"{spec.name} HF generate context {context}: time budget spent")
-                    continue
-                try:
-                    ms = hf_generate_ms(model, spec, context, max(2, steps), dev, seed)
-                    res["hf_generate"].append({"spec": spec.name, "kind": "fp16", "batch": 1, "context": context,
-                                               "ms_per_token": ms, "label": HF_LABEL})
-                except Exception as e:
-                    res["errors"].append({"where": f"{spec.name} HF generate context {context}",
-                                          "error": f"{type(e).__name__}: {e}"})
+    if "fp16" in sets:
+        if hf_generate:
+            _hf_generate(res, model, spec, sets, dev, context_list, steps, seed, deadline, say)
+        _matrix(res, model, spec, sets, dev, batch_list, context_list, steps, repeats, seed, deadline, say)
+    else:
+        res["skipped"].append(f"{spec.name}: no fp16 peers (they prefill every case and every ratio needs them)")
     clear_groups(model, spec)
-    del model
+    del model, sets
     _free(dev)
 
 
@@ -902,6 +954,7 @@ def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_g
     from ..runtime import load
     from ..runtime.decoder import StaticDecoder
     from ..runtime.linear import CompressedLinear
+    from .e2e_models import snapshot_linears
 
     t0 = time.perf_counter()
     rt = load(path, device=dev.type)
@@ -927,15 +980,13 @@ def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_g
                     weights[(layer, name)] = torch.from_numpy(layer_weight(rec)).half()
                 else:
                     weights[(layer, name)] = mod.weight.detach().half().cpu()
+    label = "the artifact as the runtime loads it (each stored linear alone)"
     facts = {"spec": spec.as_dict(), "artifact": str(path), "load_s": time.perf_counter() - t0,
-             "kinds": {ARTIFACT_KIND: {"label": "the artifact as the runtime loads it (each stored linear alone)"}}}
+             "kinds": {ARTIFACT_KIND: {"label": label}}}
     res["models"].append(facts)
     say(f"{spec.name}: artifact loaded and decoded in {facts['load_s']:.1f} s")
-    _cases(res, model, spec, ARTIFACT_KIND, dev, batch_list, context_list, steps, repeats, seed, deadline, say)
+    sets = {ARTIFACT_KIND: snapshot_linears(model, spec)}
     for kind in BASELINES:
-        if _over(deadline):
-            res["skipped"].append(f"{spec.name} {kind}: time budget spent")
-            continue
         if kind == "w4a16":
             try:
                 for m, k in spec.groups().values():
@@ -943,22 +994,14 @@ def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_g
             except ValueError as e:
                 res["skipped"].append(f"{spec.name} w4a16: {e}")
                 continue
-        info = install_artifact_peer(model, spec, kind, weights, dev)
-        facts["kinds"][kind] = info
-        _cases(res, model, spec, kind, dev, batch_list, context_list, steps, repeats, seed, deadline, say)
-        if kind == "fp16" and hf_generate and not _over(deadline):
-            for context in context_list:
-                try:
-                    ms = hf_generate_ms(model, spec, context, max(2, steps), dev, seed)
-                    res["hf_generate"].append({"spec": spec.name, "kind": "fp16", "batch": 1, "context": context,
-                                               "ms_per_token": ms, "label": HF_LABEL})
-                except Exception as e:
-                    res["errors"].append({"where": f"{spec.name} HF generate context {context}",
-                                          "error": f"{type(e).__name__}: {e}"})
-    # the artifact's rows compare with its peers under the artifact's kind name
+        facts["kinds"][kind] = install_artifact_peer(model, spec, kind, weights, dev)
+        sets[kind] = snapshot_linears(model, spec)
+    del weights
+    if hf_generate:
+        _hf_generate(res, model, spec, sets, dev, context_list, steps, seed, deadline, say)
+    _matrix(res, model, spec, sets, dev, batch_list, context_list, steps, repeats, seed, deadline, say)
     for r in res["rows"]:
         if r["spec"] == spec.name and r["kind"] == ARTIFACT_KIND:
-            r["label"] = facts["kinds"][ARTIFACT_KIND]["label"]
-    del model, rt
+            r["label"] = label
+    del model, rt, sets
     _free(dev)
-

@@ -227,3 +227,29 @@ def clear_groups(model: nn.Module, spec: ModelSpec) -> None:
                 delattr(block, f"shared_{group}")
             for name in names:
                 replace_linear(model, f"model.layers.{i}.{name}", nn.Identity())
+
+
+def snapshot_linears(model: nn.Module, spec: ModelSpec) -> list[dict]:
+    """The decoder linears as installed now (members and shared products of every block), for
+    :func:`restore_linears`: every kind stays resident and is put back in place in microseconds."""
+    snap = []
+    for i in range(spec.layers):
+        block = model.get_submodule(f"model.layers.{i}")
+        entry = {name: block.get_submodule(name) for names in GROUP_MEMBERS.values() for name in names}
+        entry.update({f"shared_{g}": getattr(block, f"shared_{g}", None) for g in GROUP_MEMBERS})
+        snap.append(entry)
+    return snap
+
+
+def restore_linears(model: nn.Module, spec: ModelSpec, snap: list[dict]) -> None:
+    """Put the linears of a :func:`snapshot_linears` back into ``model``."""
+    for i, entry in enumerate(snap):
+        block = model.get_submodule(f"model.layers.{i}")
+        for name, mod in entry.items():
+            if name.startswith("shared_"):
+                if hasattr(block, name):
+                    delattr(block, name)
+                if mod is not None:
+                    setattr(block, name, mod)
+            else:
+                replace_linear(block, name, mod)
