@@ -538,3 +538,16 @@ def test_gpu_smollm2_64_greedy_tokens(case, tmp_path, run_cli, monkeypatch):
     cpu = runtime.load(out)
     prompt = cpu.encode("The capital of France is")
     _agree_to_fp16(runtime.load(out, device="cuda", tokenizer=cpu.tokenizer), cpu, prompt, 64)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_one_launch_activation_quantization_equals_the_torch_path(artifacts, monkeypatch):
+    """IE-BME W4A4 with outliers: the step with kernels/act_quant.cu gives the same logits as with the formats'
+    torch functions (the same codes and scales, so bit for bit)."""
+    from unionsparse.compressor.runtime.cuda import CudaOp
+
+    kernel = runtime.load(artifacts("w4a4-outliers"), device="cuda").step_logits(PROMPT, [3, 4, 5])
+    monkeypatch.setattr(CudaOp, "act_quant", "torch")
+    torch_path = runtime.load(artifacts("w4a4-outliers"), device="cuda").step_logits(PROMPT, [3, 4, 5])
+    assert torch.equal(kernel, torch_path)
