@@ -20,7 +20,7 @@ from ..formats.arithmetic.weights import FP16_TINY, grid_max, n_groups
 from .tiled_cbc_device import _cupy, load_module
 
 THREADS = 128
-_EXPR = ("act_quant<float>", "act_quant<__half>")
+_EXPR = ("act_quant<float>", "act_quant<unsigned short>")  # float16 inputs as their bits
 
 
 @cache
