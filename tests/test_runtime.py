@@ -181,6 +181,7 @@ def test_generate_needs_nothing_but_the_artifact(artifacts, source, tmp_path, ru
     assert g.ids == rt.generate(g.prompt_ids, max_new_tokens=12).ids  # text and id prompts agree
     lines = r.err.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("loaded ") and " s (14 compressed linears" in lines[0]
+    assert lines[0].endswith("decode: static KV cache)")
     assert lines[1].startswith("first token ") and "tokens/s" in lines[1]
 
 

@@ -61,8 +61,11 @@ def generate_command(artifact: str, prompt: str | None, batch_file: str | None, 
         raise UserError(f"--chat: the tokenizer stored in {artifact} has no chat template")
     rt = load(artifact, device=device, dynamic_pruning=dp, tokenizer=tok)
     if not quiet and not as_json:
+        step = "static KV cache" + (", one CUDA graph per step" if device == "cuda" else "")
+        if rt.static_unsupported is not None:
+            step = f"transformers' own forward ({rt.static_unsupported})"
         click.echo(f"loaded {artifact} in {rt.load_s:.2f} s ({rt.n_compressed} compressed linears, "
-                   f"backend {rt.backend})", err=True)
+                   f"backend {rt.backend}; decode: {step})", err=True)
 
     def echo(_token: int | None, text: str) -> None:
         if text:
