@@ -37,8 +37,8 @@ LAYER_RULES = [  # block 0: k_proj at other bits; block 1: v_proj and up_proj ke
 
 @pytest.fixture(scope="module")
 def more_artifacts(artifacts, source, tmp_path_factory):  # noqa: F811
-    """Artifacts beyond test_runtime's cases: ``shared-clip`` (the W4A4-with-outliers artifact with one activation
-    clip per shared-input group, what a joint clip calibration would store), ``rules`` (W4A16 with LAYER_RULES),
+    """Artifacts beyond test_runtime's cases: ``clip-apart`` (the W4A4-with-outliers artifact with block 0's k_proj
+    given another activation clip), ``rules`` (W4A16 with LAYER_RULES),
     ``qwen2`` (W4A16, random q/k/v biases)."""
     from unionsparse.compressor.cli import main
 
@@ -54,16 +54,14 @@ def more_artifacts(artifacts, source, tmp_path_factory):  # noqa: F811
         if name not in made:
             out = out_dir / f"{name}.zarr"
             w4a16 = ["--prune", "magnitude", "--quant", "w4a16", "--reorder", "none"]
-            if name == "shared-clip":
+            if name == "clip-apart":  # the W4A4 artifact with one member's activation clip changed
                 import zarr
 
                 shutil.copytree(artifacts("w4a4-outliers"), out)
                 root = zarr.open_group(str(out), mode="r+")
-                for g in shared_input_groups(Artifact(out).layer_names):
-                    clip = root["layers"][g.members[0]].attrs["activations"]["clip"]
-                    for m in g.members[1:]:
-                        root["layers"][m].attrs["activations"] = {**root["layers"][m].attrs["activations"],
-                                                                  "clip": clip}
+                k = "model.layers.0.self_attn.k_proj"
+                act = root["layers"][k].attrs["activations"]
+                root["layers"][k].attrs["activations"] = {**act, "clip": 0.5 if act["clip"] != 0.5 else 0.55}
                 write_manifest(out)
             elif name == "rules":
                 compress(source / "model", out, *w4a16, *LAYER_RULES)
@@ -84,7 +82,9 @@ def more_artifacts(artifacts, source, tmp_path_factory):  # noqa: F811
 
 
 def _path(name: str, artifacts, more_artifacts) -> Path:  # noqa: F811
-    return more_artifacts(name) if name in ("shared-clip", "rules", "qwen2") else artifacts(name)
+    if name == "shared-clip":  # compress gives each set of layers reading one input one activation clip
+        return artifacts("w4a4-outliers")
+    return more_artifacts(name) if name in ("clip-apart", "rules", "qwen2") else artifacts(name)
 
 
 def _runtime(path: Path, backend: str, fuse: bool, dynamic_pruning: bool = True) -> runtime.Runtime:
@@ -212,21 +212,26 @@ def test_groups_whose_options_differ_are_not_fused(artifacts, more_artifacts):  
     assert isinstance(fused.model.model.layers[0].self_attn.k_proj, runtime.CompressedLinear)
 
 
-def test_per_layer_activation_clips_keep_a_group_apart(artifacts):  # noqa: F811
-    """The compressed W4A4 artifact as is: its activation clip is calibrated per layer, so a group is fused exactly
-    where its members' stored activation records agree, and otherwise the reason names the clip."""
+def test_compress_gives_each_shared_input_one_clip_so_w4a4_fuses_fully(artifacts):  # noqa: F811
+    """Compress calibrates one activation clip per set of layers reading one input (their stacked output's
+    error): every Q/K/V and gate/up set of the W4A4 artifact stores one clip and the runtime fuses them all."""
     path = artifacts("w4a4-outliers")
     art = Artifact(path)
+    for g in shared_input_groups(art.layer_names):
+        assert len({art.layer_attrs(n)["activations"]["clip"] for n in g.members}) == 1, g.members
     _, fused = _compare(path, "cpu")
     rec = fused.model.unionsparse_fusion
-    fused_layers = {n for f in rec["fused"] for n in f["layers"]}
-    for g in shared_input_groups(art.layer_names):
-        clips = [art.layer_attrs(n)["activations"]["clip"] for n in g.members]
-        for n, c in zip(g.members, clips, strict=True):
-            assert (n in fused_layers) == (clips.count(c) > 1), (n, clips)
-    for s in rec["separate"]:
-        assert "clip" in s["reason"], s
-    assert rec["ops"] == SEPARATE_OPS - sum(len(f["layers"]) - 1 for f in rec["fused"])
+    assert rec["separate"] == [] and rec["ops"] == FUSED_OPS
+
+
+def test_a_clip_difference_keeps_a_group_apart(artifacts, more_artifacts):  # noqa: F811
+    """Stored activation records that differ (here the clip of block 0's k_proj) cannot share one quantized input:
+    q_proj and v_proj fuse, k_proj runs alone, and the reason names the clip."""
+    _, fused = _compare(more_artifacts("clip-apart"), "cpu")
+    rec = fused.model.unionsparse_fusion
+    assert [s["layer"] for s in rec["separate"]] == ["model.layers.0.self_attn.k_proj"]
+    assert "clip" in rec["separate"][0]["reason"]
+    assert rec["ops"] == FUSED_OPS + 1
 
 
 def test_qwen2_biases_stay_with_their_members(more_artifacts):

@@ -25,9 +25,7 @@ from ...formats.arithmetic.outlier_side import OutlierSide
 from ...formats.errors import FormatError
 from ...formats.stacking import stack_rows
 from ..artifact.store import LayerRecord
-
-# (parent module's last name component, the sibling linears that read its one input, in stacking order)
-SHARED_INPUTS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+from ..model.shared_inputs import SHARED_INPUTS
 
 
 @dataclass(frozen=True)
