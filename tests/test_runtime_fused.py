@@ -336,3 +336,14 @@ def test_shared_input_linear_reuses_only_what_it_may():
     assert torch.equal(shared(x), x @ w.T) and shared.computations == op.calls - 1
     with pytest.raises(ValueError, match="exceed"):
         SharedInputLinear(op, ["a"], [36], [8])
+
+
+def test_load_fuses_on_request_and_generates_the_same_tokens(artifacts):  # noqa: F811
+    """``runtime.load(fuse=True)`` (the default on cuda): fewer ops for the same stored linears, the same tokens."""
+    path = artifacts("w4a4-outliers")
+    plain, fused = runtime.load(path), runtime.load(path, fuse=True)
+    assert plain.n_ops == plain.n_compressed == SEPARATE_OPS
+    assert fused.n_compressed == SEPARATE_OPS and fused.n_ops == FUSED_OPS
+    g = fused.generate(PROMPT, max_new_tokens=N_NEW, ignore_eos=True)
+    assert g.stats["decoder"] == "static"
+    assert g.ids == plain.generate(PROMPT, max_new_tokens=N_NEW, ignore_eos=True).ids

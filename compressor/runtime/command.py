@@ -64,7 +64,8 @@ def generate_command(artifact: str, prompt: str | None, batch_file: str | None, 
         step = "static KV cache" + (", one CUDA graph per step" if device == "cuda" else "")
         if rt.static_unsupported is not None:
             step = f"transformers' own forward ({rt.static_unsupported})"
-        click.echo(f"loaded {artifact} in {rt.load_s:.2f} s ({rt.n_compressed} compressed linears, "
+        ops = f" as {rt.n_ops} ops (Q/K/V, gate/up fused)" if rt.n_ops != rt.n_compressed else ""
+        click.echo(f"loaded {artifact} in {rt.load_s:.2f} s ({rt.n_compressed} compressed linears{ops}, "
                    f"backend {rt.backend}; decode: {step})", err=True)
 
     def echo(_token: int | None, text: str) -> None:
