@@ -8,6 +8,7 @@ codes of all Q = R_A * C_A areas (zeros included) into Q aligned streams, so one
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -287,3 +288,37 @@ def from_arrays(
                     None if perm is None else np.asarray(perm))
     validate(m)
     return m
+
+
+def stack_rows(ms: Sequence[IEBMEMatrix]) -> IEBMEMatrix:
+    """The rows of ``ms`` in one matrix, each member but the last padded with zero rows to whole tiles.
+
+    Byte for byte what :func:`encode` gives for the stacked padded codes with the members' permutations
+    concatenated (identity for a member without any): LTs are row-major over the grid and a member fills whole
+    grid rows, so its bitmaps, value segments (16-byte aligned) and per-LT permutations follow the previous
+    member's unchanged; only the offsets move. Members must share K, bits, tile and areas (FormatError)."""
+    if not ms:
+        raise FormatError("nothing to stack: no matrices given")
+    g0 = ms[0].geometry
+    for i, m in enumerate(ms[1:], 1):
+        g = m.geometry
+        for what, a, b in (("K", g.shape[1], g0.shape[1]), ("bits", g.bits, g0.bits), ("tile", g.tile, g0.tile),
+                           ("areas", g.areas, g0.areas)):
+            if a != b:
+                raise FormatError(f"cannot stack IE-BME rows: member {i} has {what} {a}, member 0 {b}")
+    rows = sum(m.geometry.padded[0] for m in ms[:-1]) + ms[-1].shape[0]
+    g = Geometry((rows, g0.shape[1]), g0.tile, g0.areas, g0.bits)
+    base = np.cumsum([0] + [int(m.offsets[-1]) for m in ms], dtype=np.int64)
+    if base[-1] >= 2**32:
+        raise FormatError("stacked layer too large: more than 2^32 codes in one matrix")
+    offsets = np.concatenate([m.offsets[:-1].astype(np.int64) + b for m, b in zip(ms, base[:-1], strict=True)]
+                             + [base[-1:]])
+    perm = None
+    if any(m.perm is not None for m in ms):
+        ident = np.arange(g0.tile[0], dtype=np.uint8)
+        perm = np.concatenate([m.perm if m.perm is not None else np.tile(ident, (m.geometry.n_tiles, 1))
+                               for m in ms]).astype(np.uint8)
+    out = IEBMEMatrix(g, np.concatenate([m.bitmaps for m in ms]), offsets.astype(np.uint32),
+                      np.concatenate([m.values for m in ms]), perm)
+    validate(out)
+    return out

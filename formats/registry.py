@@ -27,7 +27,8 @@ class Format:
     """One encoding. ``holds_fp16``: it can store float16 values (not only b-bit codes); ``reorders_rows``:
     it takes per-tile row permutations; ``activation_sparsity``: its decode kernel skips inactive inputs
     (TEAL thresholds); ``outlier_side``: its kernel takes b-bit activations and an 8-bit outlier side product
-    (Atom); ``extra_geometry``: the attrs beyond shape/bits/tile that describe a matrix."""
+    (Atom); ``extra_geometry``: the attrs beyond shape/bits/tile that describe a matrix; ``stacker``: stacks
+    matrices by rows, each padded to whole tiles (``formats.stacking``; None: the format cannot)."""
 
     name: str
     matrix_type: type
@@ -41,6 +42,7 @@ class Format:
     encoder: Callable[..., Matrix]  # (values, bits, tile, extra geometry, perm) -> matrix
     rebuilder: Callable[..., Matrix]  # (shape, bits, tile, extra geometry, array getter) -> matrix
     geometry_check: Callable[..., None]  # (tile, extra geometry, bits, group size) -> None or FormatError
+    stacker: Callable[..., Matrix] | None = None  # (matrices of this format) -> their rows in one matrix
 
     def encode(self, values: np.ndarray, *, bits: int | None, tile: tuple[int, int],
                areas: tuple[int, int] | None = None, perm: np.ndarray | None = None) -> Matrix:
@@ -130,6 +132,7 @@ register(Format(
         shape, bits, tile, extra["areas"], arr("bitmaps", True), arr("offsets", True), arr("values", True),
         arr("perm", False)),
     geometry_check=_iebme_geometry,
+    stacker=iebme.stack_rows,
 ))
 register(Format(
     tiled_cbc.NAME, tiled_cbc.TiledCBCMatrix, tiled_cbc.DEFAULT_TILE, ("bitmap", "colinfo", "tile_offset", "values"),
@@ -139,4 +142,5 @@ register(Format(
         shape, tile, bits, arr("bitmap", True), arr("colinfo", True), arr("tile_offset", True),
         arr("values", True)),
     geometry_check=lambda tile, extra, bits, group_size: tiled_cbc.Geometry((0, 0), tuple(tile), bits),
+    stacker=tiled_cbc.stack_rows,
 ))

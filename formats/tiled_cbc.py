@@ -8,6 +8,7 @@ any column (dynamic pruning) from ColInfo alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,3 +209,37 @@ def from_arrays(shape, tile, bits, bitmap, colinfo, tile_offset, values) -> Tile
     m = TiledCBCMatrix(g, np.asarray(bitmap), np.asarray(colinfo), np.asarray(tile_offset), np.asarray(values))
     validate(m)
     return m
+
+
+def stack_rows(ms: Sequence[TiledCBCMatrix]) -> TiledCBCMatrix:
+    """The rows of ``ms`` in one matrix, each member but the last padded with zero rows to whole GTiles (TILE_M
+    rows, the first tile dimension).
+
+    Byte for byte what :func:`encode` gives for the stacked padded matrix: GTiles are row-major over the grid and
+    a member fills whole GTile rows, so its bitmap words, ColInfo (offsets inside a GTile) and 16-byte aligned
+    column runs follow the previous member's unchanged; only TileOffset moves. Members must share K, tile and
+    value kind (float16 values, or codes of the same bits) (FormatError)."""
+    if not ms:
+        raise FormatError("nothing to stack: no matrices given")
+    g0 = ms[0].geometry
+    for i, m in enumerate(ms[1:], 1):
+        g = m.geometry
+        for what, a, b in (("K", g.shape[1], g0.shape[1]), ("tile", g.tile, g0.tile),
+                           ("values", _kind(g.bits), _kind(g0.bits))):
+            if a != b:
+                raise FormatError(f"cannot stack Tiled-CBC rows: member {i} has {what} {a}, member 0 {b}")
+    rows = sum(m.geometry.padded[0] for m in ms[:-1]) + ms[-1].shape[0]
+    g = Geometry((rows, g0.shape[1]), g0.tile, g0.bits)
+    base = np.cumsum([0] + [int(m.tile_offset[-1]) for m in ms], dtype=np.int64)
+    if base[-1] >= 2**32:
+        raise FormatError("stacked layer too large: more than 2^32 values in one matrix")
+    tile_offset = np.concatenate([m.tile_offset[:-1].astype(np.int64) + b for m, b in zip(ms, base[:-1], strict=True)]
+                                 + [base[-1:]])
+    out = TiledCBCMatrix(g, np.concatenate([m.bitmap for m in ms]), np.concatenate([m.colinfo for m in ms]),
+                         tile_offset.astype(np.uint32), np.concatenate([m.values for m in ms]))
+    validate(out)
+    return out
+
+
+def _kind(bits: int | None) -> str:
+    return "float16" if bits is None else f"{bits}-bit codes"

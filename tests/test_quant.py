@@ -316,3 +316,13 @@ def test_compress_refuses_unsupported_quant_options(llama_with_tokenizer, tmp_pa
     assert r.code == 2 and "--keep-outliers" in r.err and not out.exists()
     r = run_cli("compress", model, "-o", out, "--prune", "magnitude", "--gptq")
     assert r.code == 2 and "--gptq" in r.err and not out.exists()
+
+
+def test_shared_act_clip_minimises_the_stacked_output_error():
+    """One clip for layers reading one input: relative errors weighted by each layer's output energy."""
+    from unionsparse.compressor.quantize.act_clip import shared_act_clip
+
+    errors = [{1.0: 0.1, 0.9: 0.2}, {1.0: 0.5, 0.9: 0.1}]
+    assert shared_act_clip(errors, [1.0, 3.0]) == 0.9  # (0.1 + 1.5) / 4 = 0.4 against (0.2 + 0.3) / 4
+    assert shared_act_clip(errors, [10.0, 1.0]) == 1.0  # (1 + 0.5) / 11 against (2 + 0.1) / 11
+    assert shared_act_clip([{1.0: 0.2, 0.9: 0.2}], [1.0]) == 1.0  # ties: the larger clip

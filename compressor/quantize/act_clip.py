@@ -24,13 +24,37 @@ def calibrate_act_clip(
     (pruned) weight and ``w_deq`` its dequantized codes, so the objective is the layer's whole output error
     with both quantizers on. Returns (best clip, {clip: relative error}); ties go to the larger clip.
     """
+    errors, _ = act_clip_errors(x, weight, w_deq, bits, group_size, grid)
+    best = min(errors, key=lambda c: (errors[c], -c))
+    return best, errors
+
+
+def act_clip_errors(
+    x: torch.Tensor | np.ndarray,
+    weight: torch.Tensor | np.ndarray,
+    w_deq: torch.Tensor | np.ndarray,
+    bits: int,
+    group_size: int,
+    grid: tuple[float, ...] | list[float] = ACT_CLIP_GRID,
+) -> tuple[dict[float, float], float]:
+    """({clip: relative output error}, output energy ||X Wᵀ||²) of :func:`calibrate_act_clip`'s objective."""
     xt = torch.as_tensor(x).float()
     ref = xt @ torch.as_tensor(weight).float().to(xt.device).T
     wq = torch.as_tensor(w_deq).float().to(xt.device)
-    denom = float((ref * ref).sum()) or 1.0
+    energy = float((ref * ref).sum())
+    denom = energy or 1.0
     errors: dict[float, float] = {}
     for c in sorted({float(c) for c in grid}, reverse=True):
         d = fake_quantize_activations(xt, bits, group_size, c) @ wq.T - ref
         errors[c] = float((d * d).sum()) / denom
-    best = min(errors, key=lambda c: (errors[c], -c))
-    return best, errors
+    return errors, energy
+
+
+def shared_act_clip(errors: list[dict[float, float]], energies: list[float]) -> float:
+    """One clip ratio for layers that read the same input (their activations are quantized once): the argmin
+    of the stacked output's relative error, sum_i err_i(c) * ||X W_iᵀ||² / sum_i ||X W_iᵀ||², from each
+    layer's :func:`calibrate_act_clip` errors and output energy; ties go to the larger clip."""
+    total = sum(energies) or 1.0
+    grid = set.intersection(*(set(e) for e in errors))
+    joint = {c: sum(e[c] * w for e, w in zip(errors, energies, strict=True)) / total for c in grid}
+    return min(joint, key=lambda c: (joint[c], -c))

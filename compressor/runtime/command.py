@@ -61,8 +61,12 @@ def generate_command(artifact: str, prompt: str | None, batch_file: str | None, 
         raise UserError(f"--chat: the tokenizer stored in {artifact} has no chat template")
     rt = load(artifact, device=device, dynamic_pruning=dp, tokenizer=tok)
     if not quiet and not as_json:
-        click.echo(f"loaded {artifact} in {rt.load_s:.2f} s ({rt.n_compressed} compressed linears, "
-                   f"backend {rt.backend})", err=True)
+        step = "static KV cache" + (", one CUDA graph per step" if device == "cuda" else "")
+        if rt.static_unsupported is not None:
+            step = f"transformers' own forward ({rt.static_unsupported})"
+        ops = f" as {rt.n_ops} ops (Q/K/V, gate/up fused)" if rt.n_ops != rt.n_compressed else ""
+        click.echo(f"loaded {artifact} in {rt.load_s:.2f} s ({rt.n_compressed} compressed linears{ops}, "
+                   f"backend {rt.backend}; decode: {step})", err=True)
 
     def echo(_token: int | None, text: str) -> None:
         if text:

@@ -7,9 +7,10 @@ Per layer, at load, the stored arrays are uploaded once as they are (``kernels.i
 Per call, tensors cross between torch and CuPy through DLPack (no copies) and every launch goes to torch's
 current stream (a CuPy ``ExternalStream`` over it), so nothing is copied to the host inside a step:
 
-* quantized activations (IE-BME W4A4 / W2A4): the activation rule of ``formats.arithmetic`` in torch on the
-  GPU, then ``spmm_iebme``; the 8-bit outlier side product is a float32 torch product of the codes (exact)
-  added to the kernel's float16 main output, then rounded again (one more float16 rounding than the CPU
+* quantized activations (IE-BME W4A4 / W2A4): the activation rule of ``formats.arithmetic`` in one launch
+  (``kernels/act_quant.cu``: outlier gather, quantization and padding), then ``spmm_iebme``; the 8-bit
+  outlier side product is a float32 torch product of the codes (exact) added to the kernel's float16 main
+  output, then rounded again (one more float16 rounding than the CPU
   reference: agreement to fp16 tolerance, not bit for bit);
 * activation-sparse layers (Tiled-CBC): N = 1 is ``spmspv`` with the stored threshold; more rows are
   ``spmm`` for fp16 values and one ``spmspv`` per row without threshold for int codes (no int-code SpMM yet);
@@ -79,7 +80,13 @@ def require_cuda() -> None:
 
 
 class CudaOp(nn.Module):
-    """``x2 [N, K] -> float16 [N, M]`` of one stored layer through the artifact's GPU kernels."""
+    """``x2 [N, K] -> float16 [N, M]`` of one stored layer through the artifact's GPU kernels.
+
+    ``act_quant`` (class default, or per instance): "kernel" quantizes IE-BME inputs in one launch
+    (``kernels/act_quant.cu``), "torch" with the formats' torch functions (the same values, about ten launches).
+    """
+
+    act_quant = "kernel"
 
     def __init__(self, rec: LayerRecord, plan: LayerPlan, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -124,6 +131,7 @@ class CudaOp(nn.Module):
             n = side.channels.size
             self.side_group = int(self.act.get("outlier_group_size") or min(group_size, n))
             self.register_buffer("perm", torch.from_numpy(side.perm.astype(np.int64)).to(self.device))
+            self.register_buffer("perm32", self.perm.to(torch.int32))
             self.register_buffer("side_codes", torch.from_numpy(side.codes).float().to(self.device))
             s = torch.from_numpy(side.scales.astype(np.float32)).expand(-1, n_groups(n, self.side_group))
             self.register_buffer("side_scales", s.contiguous().to(self.device))
@@ -148,16 +156,31 @@ class CudaOp(nn.Module):
     def _iebme(self, x: torch.Tensor, cp) -> torch.Tensor:
         from ...kernels.iebme_spmm import spmm_iebme
 
-        def main(xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
-            y = spmm_iebme(self.layer, cp.from_dlpack(xq.contiguous()), cp.from_dlpack(sx.float().contiguous()))
-            return torch.from_dlpack(y)
+        def main(xq, sx) -> torch.Tensor:
+            return torch.from_dlpack(spmm_iebme(self.layer, xq, sx))
 
-        if self.perm is None:
-            xq, sx = quantize_activations_torch(x, self.plan.act_bits, self.act_group, float(self.act.get("clip", 1.0)))
-            return main(xq, sx)
-        xq, sx, oq, osx = quantize_inputs_torch(x, self.perm, self.side_codes.shape[1], self.act)
-        y = main(xq, sx).float()
-        return grouped_int_matmul(oq, osx, self.side_codes, self.side_scales, self.side_group, out=y).half()
+        n_side = 0 if self.perm is None else self.side_codes.shape[1]
+        if self.act_quant == "kernel":  # one launch: gather, quantize, pad (kernels/act_quant.cu)
+            from ...kernels.act_quant import quantize_inputs
+
+            xq, sx, oq, osx = quantize_inputs(
+                cp.from_dlpack(x.contiguous()), self.plan.act_bits, self.act_group, float(self.act.get("clip", 1.0)),
+                self.layer.tc * 64, None if self.perm is None else cp.from_dlpack(self.perm32), n_side,
+                int(self.act.get("outlier_bits", 8)), self.side_group if n_side else None,
+                float(self.act.get("outlier_clip", 1.0)))
+            y = main(xq, sx)
+            if not n_side:
+                return y
+            oq, osx = torch.from_dlpack(oq), torch.from_dlpack(osx)
+        else:  # the formats' torch functions: about ten launches per layer
+            xf = x.float()
+            if not n_side:
+                xq, sx = quantize_activations_torch(xf, self.plan.act_bits, self.act_group,
+                                                    float(self.act.get("clip", 1.0)))
+                return main(cp.from_dlpack(xq.contiguous()), cp.from_dlpack(sx.float().contiguous()))
+            xq, sx, oq, osx = quantize_inputs_torch(xf, self.perm, n_side, self.act)
+            y = main(cp.from_dlpack(xq.contiguous()), cp.from_dlpack(sx.float().contiguous()))
+        return grouped_int_matmul(oq, osx, self.side_codes, self.side_scales, self.side_group, out=y.float()).half()
 
     def _tiled_cbc(self, xh: torch.Tensor, cp) -> torch.Tensor:
         from ...kernels.tiled_cbc_spmm import spmm

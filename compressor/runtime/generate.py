@@ -107,7 +107,17 @@ class Runtime:
 
     @property
     def n_compressed(self) -> int:
-        """Compressed linears in the model."""
+        """Stored linears the model runs (each a compressed op, or a member of a fused one)."""
+        fusion = getattr(self.model, "unionsparse_fusion", None)
+        if fusion and fusion.get("enabled"):
+            return int(fusion["layers"])
+        from .linear import CompressedLinear
+
+        return sum(isinstance(m, CompressedLinear) for m in self.model.modules())
+
+    @property
+    def n_ops(self) -> int:
+        """Compressed ops the model runs (a fused Q/K/V or gate/up set counts once)."""
         from .linear import CompressedLinear
 
         return sum(isinstance(m, CompressedLinear) for m in self.model.modules())
@@ -306,12 +316,15 @@ class _CacheSession:
 
 
 def load(path: str | Path, device: str = "cpu", backend: str | None = None, dynamic_pruning: bool = True,
-         tokenizer=None) -> Runtime:
+         tokenizer=None, fuse: bool | None = None) -> Runtime:
     """Load artifact ``path`` for generation on ``device`` (``"cpu"``: the kernels' arithmetic in torch, exact;
     ``"cuda"``: the artifact's CuPy kernels, needs CuPy and a GPU). ``backend`` overrides the linears' backend
     (``"reference"``: the kernels' numba CPU references, slow). The stored tokenizer is loaded when there is
     one (``tokenizer``: one already loaded from it); token-id prompts work without one. ``dynamic_pruning``
-    False ignores stored activation-sparsity thresholds. ``Runtime.load_s`` holds the load time."""
+    False ignores stored activation-sparsity thresholds. ``fuse`` runs the stored Q/K/V and gate/up linears of
+    a block as one stacked product each (docs/runtime.md, "Fused linears"; default: on ``cuda``, where it
+    saves launches, off on the CPU, whose reference arithmetic stays layer by layer); the model's
+    ``unionsparse_fusion`` says what was fused. ``Runtime.load_s`` holds the load time."""
     from .linear import BACKENDS
     from .model import build_model
 
@@ -330,5 +343,6 @@ def load(path: str | Path, device: str = "cpu", backend: str | None = None, dyna
     art = Artifact(path)
     tok = tokenizer if tokenizer is not None else load_tokenizer(art) if has_tokenizer(art) else None
     gen_cfg = load_generation_config(art)
-    model = build_model(art, backend, device, dynamic_pruning=dynamic_pruning)
+    fuse = device == "cuda" if fuse is None else bool(fuse)
+    model = build_model(art, backend, device, dynamic_pruning=dynamic_pruning, fuse=fuse)
     return Runtime(Path(path), model, tok, gen_cfg, torch.device(device), backend, time.perf_counter() - t0)

@@ -1,5 +1,6 @@
 """Build a runnable transformers model from an artifact: dense parts from ``dense/``, every stored layer a
-:class:`~.linear.CompressedLinear` on the stored arrays."""
+:class:`~.linear.CompressedLinear` on the stored arrays; with ``fuse``, the stored linears that read the same input
+(Q/K/V, gate/up) one :class:`~.linear.CompressedLinear` on their stacked arrays (:mod:`.fused`)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,20 @@ from ...formats.errors import FormatError
 from ..artifact.store import Artifact
 from ..model.rebuild import dense_state, empty_model, missing_tensors
 from ..quantize.fake_quant import replace_linear
+from .fused import SharedInputLinear, plan_group, shared_input_groups
 from .linear import BACKENDS, CompressedLinear
 
 
 def build_model(art: Artifact, backend: str = "cpu", device: str | torch.device = "cpu",
-                dtype: torch.dtype | None = None, dynamic_pruning: bool = True) -> nn.Module:
+                dtype: torch.dtype | None = None, dynamic_pruning: bool = True, fuse: bool = False) -> nn.Module:
     """The artifact's model in eval mode on ``device``; dense parts in ``dtype`` (float32 on the CPU, float16
-    on a GPU by default), compressed linears on ``backend``."""
+    on a GPU by default), compressed linears on ``backend``.
+
+    ``fuse``: the stored linears of a block that read the same input and share their stored options run as one
+    stacked op (docs/runtime.md, "Fused linears"). ``model.unionsparse_fusion`` records what was done:
+    ``enabled``, ``layers`` (stored layers), ``ops`` (compressed ops in the model), ``fused`` (per stacked op: its
+    ``name``, its ``layers`` and their ``row_offsets``) and ``separate`` (per linear of a shared-input group left
+    alone: ``layer``, ``stored``, ``reason``)."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # transformers 4
@@ -39,7 +47,30 @@ def build_model(art: Artifact, backend: str = "cpu", device: str | torch.device 
         raise FormatError(f"{art.path}: the artifact lacks tensors of the model: {missing[:5]}")
     model.load_state_dict(state, strict=False)  # copied into the parameters' dtype
     model.to(device=device)
+    fusion: dict = {"enabled": bool(fuse), "layers": len(layers), "ops": 0, "fused": [], "separate": []}
+    done: set[str] = set()
+    for group in shared_input_groups(layers) if fuse else []:
+        records = [art.read_layer(name) for name in group.members]
+        plan = plan_group(group, records, ignore_thresholds=not dynamic_pruning)
+        for rec, members in plan.stacked:
+            op = CompressedLinear(rec, None, backend, dynamic_pruning, device)
+            names = [m.name for m in members]
+            shared = SharedInputLinear(op, names, rec.attrs["fused"]["row_offsets"], rec.attrs["fused"]["rows"],
+                                       [None if biases[n] is None else biases[n].to(device) for n in names])
+            replace_linear(model, rec.name, shared)  # registered once, beside the members
+            for name, member in zip(names, shared.members(), strict=True):
+                replace_linear(model, name, member)
+            done.update(names)
+            fusion["fused"].append({"name": rec.name, "layers": names, "row_offsets": list(shared.offsets)})
+        separate = {r.name: r for r in records if r.name not in done}
+        for name, rec in separate.items():
+            replace_linear(model, name, CompressedLinear(rec, biases[name], backend, dynamic_pruning, device))
+            done.add(name)
+        fusion["separate"] += plan.separate
     for name in layers:
-        lin = CompressedLinear(art.read_layer(name), biases[name], backend, dynamic_pruning, device)
-        replace_linear(model, name, lin)
+        if name not in done:
+            lin = CompressedLinear(art.read_layer(name), biases[name], backend, dynamic_pruning, device)
+            replace_linear(model, name, lin)
+    fusion["ops"] = sum(isinstance(m, CompressedLinear) for m in model.modules())
+    model.unionsparse_fusion = fusion
     return model.eval()
