@@ -143,6 +143,8 @@ def test_artifact_runs_beside_its_fp16_and_w4a16_peers(reference_artifact):
     assert set(rows) == {"artifact", "fp16", "w4a16"}
     art = rows["artifact"]
     assert art["spec"] == reference_artifact.name and art["label"].startswith("the artifact")
+    fusion = res["models"][0]["kinds"]["artifact"]["fusion"]  # Q/K/V and gate/up stacked, as for the peers
+    assert len(fusion["fused"]) == 4 and fusion["ops"] == 8 and fusion["layers"] == 14
     # the artifact's linears are its stored IE-BME layers (one module each): fewer bytes than its fp16 peers
     assert art["bytes"]["linears_total"] < rows["fp16"]["bytes"]["linears_total"] / 3
     assert art["speedup_vs_fp16"] is not None and art["speedup_vs_w4a16"] is not None
@@ -252,9 +254,9 @@ def test_static_decoder_on_stacked_fp16_peers_gives_transformers_tokens():
         logits = step()
         assert calls == {g: spec.layers for g in GROUPS}  # one product per group and block per step
     # each stacked member is a slice of the product: q, k, v of the one [qkv, K] weight
-    shared = model.model.layers[0].shared_qkv
+    shared = model.model.layers[0].self_attn.fused_q_k_v_proj
     h = torch.randn(3, spec.hidden).half()
-    w = shared.inner.weight
+    w = shared.stacked.weight
     attn = model.model.layers[0].self_attn
     q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
     torch.testing.assert_close(torch.cat([q, k, v], -1), torch.nn.functional.linear(h, w))
@@ -271,6 +273,17 @@ def test_install_group_single_and_stacked():
     install_group(model, 1, "gateup", stacked, spec.splits()["gateup"])
     assert e2e.group_modules(model, 1, "gateup") == [stacked]
     assert model.model.layers[1].mlp.up_proj.out_features == spec.intermediate
+    assert model.model.layers[1].mlp.fused_gate_up_proj.stacked is stacked  # where runtime.load puts a fused op
+    # a snapshot puts a kind back exactly, stacked ops included
+    from unionsparse.compressor.bench.e2e_models import clear_groups, restore_linears, snapshot_linears
+
+    snap = snapshot_linears(model, spec)
+    clear_groups(model, spec)
+    assert not hasattr(model.model.layers[1].mlp, "fused_gate_up_proj")
+    assert isinstance(model.model.layers[1].self_attn.o_proj, torch.nn.Identity)
+    restore_linears(model, spec, snap)
+    assert model.model.layers[1].self_attn.o_proj is lin
+    assert e2e.group_modules(model, 1, "gateup") == [stacked]
 
 
 def test_specs_have_the_real_shapes():

@@ -164,12 +164,18 @@ def graphed(fn: Callable[[], object], device: torch.device, warmup: int = 2) -> 
 
 
 def group_modules(model: nn.Module, layer: int, group: str) -> list[nn.Module]:
-    """The modules that compute block ``layer``'s ``group``: the stacked product, or the separate linears."""
+    """The modules that compute block ``layer``'s ``group``: the stacked op of fused members (once), and the
+    separate linears."""
+    from ..runtime.fused import SharedInputMember
+
     block = model.get_submodule(f"model.layers.{layer}")
-    shared = getattr(block, f"shared_{group}", None)
-    if shared is not None:
-        return [shared.inner]
-    return [block.get_submodule(name) for name in GROUP_MEMBERS[group]]
+    out: list[nn.Module] = []
+    for name in GROUP_MEMBERS[group]:
+        mod = block.get_submodule(name)
+        mod = mod.shared.stacked if isinstance(mod, SharedInputMember) else mod
+        if not any(m is mod for m in out):
+            out.append(mod)
+    return out
 
 
 @contextlib.contextmanager
@@ -191,9 +197,9 @@ def recording(model: nn.Module, n_layers: int, store: dict):
 
 def module_read_bytes(mod: nn.Module, inactive: float = 0.0) -> int:
     """Bytes one call of a linear must read: its weights as stored (a runtime layer: its record's arrays)."""
-    rec = getattr(mod, "_bench_record", None)
-    if rec is not None:
-        return record_read_bytes(rec, inactive)
+    recs = getattr(mod, "_bench_records", None)
+    if recs is not None:  # a runtime layer: its stored arrays (a stacked op: its members', tile padding aside)
+        return sum(record_read_bytes(rec, inactive) for rec in recs)
     if isinstance(mod, W4A16Linear):
         return mod.weight_bytes()
     if isinstance(mod, nn.Linear):
@@ -230,7 +236,7 @@ def _runtime_linear(rec, device: torch.device) -> nn.Module:
 
     backend = "cuda" if device.type == "cuda" else "cpu"
     lin = CompressedLinear(rec, None, backend, device=device)
-    lin._bench_record = rec  # for the byte floor (not a submodule: a plain attribute)
+    lin._bench_records = [rec]  # for the byte floor (not a submodule: a plain attribute)
     return lin
 
 
@@ -953,11 +959,12 @@ def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_g
     from ..model.rebuild import layer_weight
     from ..runtime import load
     from ..runtime.decoder import StaticDecoder
+    from ..runtime.fused import SharedInputMember
     from ..runtime.linear import CompressedLinear
     from .e2e_models import snapshot_linears
 
     t0 = time.perf_counter()
-    rt = load(path, device=dev.type)
+    rt = load(path, device=dev.type, fuse=True)  # Q/K/V and gate/up stacked, as for every peer
     model = rt.model
     why = StaticDecoder.unsupported(model)
     if why is not None:
@@ -975,14 +982,17 @@ def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_g
                 mod = model.get_submodule(full)
                 if full in stored:
                     rec = art.read_layer(full)
-                    if isinstance(mod, CompressedLinear):
-                        mod._bench_record = rec
+                    op = mod.shared.stacked if isinstance(mod, SharedInputMember) else mod
+                    if isinstance(op, CompressedLinear):  # the byte floor: the stored arrays it computes from
+                        op.__dict__.setdefault("_bench_records", []).append(rec)
                     weights[(layer, name)] = torch.from_numpy(layer_weight(rec)).half()
                 else:
                     weights[(layer, name)] = mod.weight.detach().half().cpu()
-    label = "the artifact as the runtime loads it (each stored linear alone)"
+    fusion = getattr(model, "unionsparse_fusion", {})
+    label = (f"the artifact as runtime.load(fuse=True) builds it: {fusion.get('ops', '?')} compressed ops for "
+             f"{fusion.get('layers', '?')} stored linears")
     facts = {"spec": spec.as_dict(), "artifact": str(path), "load_s": time.perf_counter() - t0,
-             "kinds": {ARTIFACT_KIND: {"label": label}}}
+             "kinds": {ARTIFACT_KIND: {"label": label, "fusion": fusion}}}
     res["models"].append(facts)
     say(f"{spec.name}: artifact loaded and decoded in {facts['load_s']:.1f} s")
     sets = {ARTIFACT_KIND: snapshot_linears(model, spec)}

@@ -3,8 +3,8 @@
 A :class:`ModelSpec` gives a model's shape; :func:`build_model` makes a transformers ``LlamaForCausalLM`` of it
 directly on the device (no hub, no initialisation pass: memory is allocated there and filled with random
 numbers), so a 32-block 7B model is built on a GPU in about a second. Its decoder linears are then replaced by
-the benchmark's peers (``e2e_peers``), Q/K/V as one stacked product and gate/up as one
-(:func:`install_group`).
+the benchmark's peers (``e2e_peers``), Q/K/V as one stacked product and gate/up as one through the runtime's
+``SharedInputLinear`` (:func:`install_group`), as ``runtime.load`` runs a fused artifact.
 """
 
 from __future__ import annotations
@@ -131,100 +131,39 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", dtype: torc
     return model.eval()
 
 
-class SharedProduct(nn.Module):
-    """One product ``x -> inner(x)`` whose output columns are split among members (Q/K/V, gate/up).
-
-    TODO: switch to ``compressor.runtime.fused.SharedInputLinear`` (branch ``fuse``) when it lands on main.
-    Each member returns its slice of the one product of its input: the first member called with an input
-    computes it, the others reuse it when called with the same tensor (same object, unmodified), so the
-    model's own code (which calls q, k and v one after another) runs one launch per group.
-    """
-
-    def __init__(self, inner: nn.Module, sizes: tuple[int, ...]) -> None:
-        super().__init__()
-        self.inner = inner
-        self.sizes = tuple(int(s) for s in sizes)
-        self.in_features = int(getattr(inner, "in_features", 0))
-        self.out_features = sum(self.sizes)
-        self._key = None
-        self._out = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x)
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        try:
-            version = x._version
-        except RuntimeError:  # inference tensors keep no version counter
-            version = -1
-        key = (id(x), version, x.data_ptr(), tuple(x.shape))
-        if self._key != key or self._out is None:
-            self._out = self.inner(x)
-            self._key = key
-            self._x = x  # keeps id(x) from being reused while the cached product is kept
-        return self._out
-
-    def release(self) -> None:
-        self._key = self._out = self._x = None
-
-    def members(self) -> list[nn.Module]:
-        out, start = [], 0
-        for i, s in enumerate(self.sizes):
-            out.append(_Member(self, start, s, i == len(self.sizes) - 1))
-            start += s
-        return out
-
-
-class _Member(nn.Module):
-    """A drop-in linear: columns [start, start + size) of its :class:`SharedProduct`'s output."""
-
-    def __init__(self, parent: SharedProduct, start: int, size: int, last: bool) -> None:
-        super().__init__()
-        self.__dict__["parent"] = parent  # not a submodule: the parent is registered once, on the block
-        self.start, self.size, self.last = start, size, last
-        self.in_features, self.out_features = parent.in_features, size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.parent.product(x).narrow(-1, self.start, self.size)
-        if self.last:
-            self.parent.release()
-        return y
-
-    def extra_repr(self) -> str:
-        return f"columns {self.start}:{self.start + self.size} of the shared product"
-
-
 def install_group(model: nn.Module, layer: int, group: str, module: nn.Module, sizes: tuple[int, ...]) -> None:
-    """Put ``module`` (an [..., K] -> [..., sum(sizes)] linear) in place of block ``layer``'s ``group`` linears;
-    stacked groups get a :class:`SharedProduct` (registered on the block as ``shared_<group>``) whose members
-    replace the model's q/k/v (gate/up) linears."""
+    """Put ``module`` (an [..., K] -> [..., sum(sizes)] linear) in place of block ``layer``'s ``group`` linears.
+    A stacked group (Q/K/V, gate/up) becomes the runtime's ``SharedInputLinear`` over ``module``, registered
+    beside its members as ``runtime.load`` registers a fused artifact's (``fused_q_k_v_proj``,
+    ``fused_gate_up_proj``), and its members replace the model's linears: one product per input."""
+    from ..runtime.fused import SharedInputLinear, fused_name
+
     prefix = f"model.layers.{layer}."
-    names = GROUP_MEMBERS[group]
+    names = [prefix + n for n in GROUP_MEMBERS[group]]
     if len(names) == 1:
-        replace_linear(model, prefix + names[0], module)
+        replace_linear(model, names[0], module)
         return
-    shared = SharedProduct(module, sizes)
-    block = model.get_submodule(prefix.rstrip("."))
-    setattr(block, f"shared_{group}", shared)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    shared = SharedInputLinear(module, names, offsets, sizes)
+    parent = names[0].rpartition(".")[0]
+    replace_linear(model, fused_name(parent, names), shared)
     for name, member in zip(names, shared.members(), strict=True):
-        replace_linear(model, prefix + name, member)
+        replace_linear(model, name, member)
 
 
-def group_module(model: nn.Module, layer: int, group: str) -> nn.Module:
-    """The module computing block ``layer``'s ``group`` product (the stacked one for Q/K/V and gate/up)."""
-    block = model.get_submodule(f"model.layers.{layer}")
-    shared = getattr(block, f"shared_{group}", None)
-    return shared.inner if shared is not None else block.get_submodule(GROUP_MEMBERS[group][0])
+def _fused_attrs(part: nn.Module) -> list[str]:
+    return [n for n, _ in part.named_children() if n.startswith("fused_")]
 
 
 def clear_groups(model: nn.Module, spec: ModelSpec) -> None:
-    """Drop every decoder linear (placeholders in their place), so their memory is freed before the next peers
-    are built."""
+    """Drop every decoder linear (placeholders in their place) and every stacked op, so their memory is freed
+    before the next peers are built (unless a snapshot holds them)."""
     for i in range(spec.layers):
         block = model.get_submodule(f"model.layers.{i}")
-        for group, names in GROUP_MEMBERS.items():
-            if hasattr(block, f"shared_{group}"):
-                delattr(block, f"shared_{group}")
+        for part in (block.self_attn, block.mlp):
+            for name in _fused_attrs(part):
+                delattr(part, name)
+        for names in GROUP_MEMBERS.values():
             for name in names:
                 replace_linear(model, f"model.layers.{i}.{name}", nn.Identity())
 
@@ -236,8 +175,9 @@ def snapshot_linears(model: nn.Module, spec: ModelSpec) -> list[dict]:
     for i in range(spec.layers):
         block = model.get_submodule(f"model.layers.{i}")
         entry = {name: block.get_submodule(name) for names in GROUP_MEMBERS.values() for name in names}
-        entry.update({f"shared_{g}": getattr(block, f"shared_{g}", None) for g in GROUP_MEMBERS})
-        snap.append(entry)
+        fused = {f"{p}.{n}": getattr(getattr(block, p), n) for p in ("self_attn", "mlp")
+                 for n in _fused_attrs(getattr(block, p))}
+        snap.append({"linears": entry, "fused": fused})
     return snap
 
 
@@ -245,11 +185,8 @@ def restore_linears(model: nn.Module, spec: ModelSpec, snap: list[dict]) -> None
     """Put the linears of a :func:`snapshot_linears` back into ``model``."""
     for i, entry in enumerate(snap):
         block = model.get_submodule(f"model.layers.{i}")
-        for name, mod in entry.items():
-            if name.startswith("shared_"):
-                if hasattr(block, name):
-                    delattr(block, name)
-                if mod is not None:
-                    setattr(block, name, mod)
-            else:
-                replace_linear(block, name, mod)
+        for part in (block.self_attn, block.mlp):
+            for name in _fused_attrs(part):
+                delattr(part, name)
+        for name, mod in {**entry["fused"], **entry["linears"]}.items():
+            replace_linear(block, name, mod)
