@@ -6,12 +6,8 @@
 #   device tool:  run(command="bash benchmarks/e2e_h200.sh", carry=[".whl"], timeout_s=600)
 #   any CUDA machine with the package installed:  bash benchmarks/e2e_h200.sh   (writes benchmarks/results/)
 #
-# The image has torch, CuPy, transformers and numba but not zarr and its codecs (the runtime imports them). Make
-# .whl once, here, in the repo root (ignored by git):
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 crc32c==2.9.post0 google-crc32c==1.9.0
+# The image has torch, CuPy, transformers and numba but not zarr and its codecs (the runtime imports them): make
+# .whl once, here, in the repo root (git-ignored): bash benchmarks/h200_wheels.sh
 #
 # Order: (1) the GPU checks, in the same process and first: each kind's CUDA linear against the product of its
 # own weights, and for every kind the graph replay of a tiny model's step against the eager step; a failure is
@@ -19,6 +15,8 @@
 # cases not started within the time budget are listed as skipped. Results: $OUT (device tool) or
 # benchmarks/results: e2e-h200-<date>.json (machine, versions, command, every figure) and .md (the table);
 # e2e-partial.json holds the rows so far while it runs (a killed run keeps what it measured); e2e_log.txt.
+# Afterwards, here: copy the files into benchmarks/results/ and fill BENCHMARKS.md's "Time per output token"
+# table from the .md (its targets and "where it loses" lines included).
 # Whole call: about 1 minute to start, then at most ~9.5 minutes (the budget below leaves room for the last
 # case, the analysis and the writes).
 set -o pipefail
@@ -31,9 +29,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
 export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
-if ! python3 -c "import zarr, numcodecs, crc32c, cupy, transformers" 2>/dev/null; then
+if ! python3 -c "import zarr, zarr.codecs, numcodecs, crc32c, cupy, transformers" 2>/dev/null; then
   echo "e2e_h200.sh: missing Python packages (carry .whl: see the header of this script)" >&2
-  python3 -c "import zarr, numcodecs, crc32c, cupy, transformers" 2>&1 | tail -1 >&2
+  python3 -c "import zarr, zarr.codecs, numcodecs, crc32c, cupy, transformers" 2>&1 | tail -1 >&2
   exit 2
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
