@@ -218,9 +218,18 @@ def test_tcbc_runtime_linear_applies_tau_at_one_row_only():
     torch.testing.assert_close(lin(x4).float(), (x4.float() @ wt.t()).half().float(), rtol=0, atol=1e-3)
 
 
-def test_check_peers_pass_here():
+def test_check_peers_pass_here_and_fail_one_by_one(monkeypatch):
     checks = e2e.check_peers(CPU)
     assert len(checks) == 6 and all(c["ok"] for c in checks), checks
+
+    def broken(*_a, **_k):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(e2e, "tcbc_record", broken)
+    monkeypatch.setattr(W4A16Linear, "forward", lambda self, x: torch.zeros(x.shape[0], self.out_features).half())
+    checks = {c["check"]: c for c in e2e.check_peers(CPU)}
+    assert not checks["tcbc-fp16-30+30 N=1"]["ok"] and "RuntimeError: no kernel" in checks["tcbc-fp16-30+30 N=1"]["err"]
+    assert not checks["w4a16 N=4"]["ok"] and checks["iebme-w4a4-50 N=4"]["ok"]
 
 
 # ------------------------------------------------------------------------ the model and the step code
