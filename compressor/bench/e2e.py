@@ -2,11 +2,15 @@
 
 For each model (synthetic LLaMA-2-7B and Llama-3-8B shapes with random weights made on the device, or an
 artifact's own model), each linear kind (``e2e_peers.KINDS``: dense fp16, dense W4A16, IE-BME W4A4 at 50% and
-at 0% as the control, Tiled-CBC fp16 30% + 30%), each batch and each context, the same step code runs:
-``runtime.decoder.StaticDecoder`` (static KV cache) prefilled with ``context`` random tokens, its step captured
-in ONE CUDA graph (``GraphedStep``, greedy choice included) and replayed; CUDA events around ``steps``
-replays, median over repeats, the position reset to ``context`` before each repeat. A step yields one token per
-sequence: ``step_ms`` is the time per output token of each sequence, ``tokens_per_s`` counts all ``batch``.
+at 0% as the control, Tiled-CBC fp16 30% + 30%; Q/K/V and gate/up stacked through the runtime's
+``SharedInputLinear``), each batch and each context, the same step code runs: ``runtime.decoder.StaticDecoder``
+(static KV cache) prefilled with ``context`` random tokens, its step captured in ONE CUDA graph
+(``GraphedStep``, greedy choice included) and replayed; CUDA events around ``steps`` replays, median over
+repeats, the position reset to ``context`` before each repeat. Every kind is built once and stays resident;
+each (context, batch) is prefilled once by the fp16 peers (untimed: through the sparse kinds' kernels, which take
+at most 32 rows a launch, a 16k-token prefill would take minutes) and every kind steps from that same cache.
+A step yields one token per sequence: ``step_ms`` is the time per output token of each sequence,
+``tokens_per_s`` counts all ``batch``.
 
 Breakdown: the decoder linears alone, one CUDA graph per group (Q/K/V stacked, O, gate/up stacked, down) running
 that group's module of every block on the inputs an eager step of the same case gave it (so Tiled-CBC's
