@@ -17,11 +17,13 @@
 # e2e-partial.json holds the rows so far while it runs (a killed run keeps what it measured); e2e_log.txt.
 # Afterwards, here: copy the files into benchmarks/results/ and fill BENCHMARKS.md's "Time per output token"
 # table from the .md (its targets and "where it loses" lines included).
-# Whole call: about 1 minute to start, then at most ~9.5 minutes (the budget below leaves room for the last
-# case, the analysis and the writes).
+# Whole call: about 1 minute to start, then at most ~9.5 minutes (E2E_BUDGET=460 s of cases, E2E_TIMEOUT=570 s in
+# all). After other work in the same call (benchmarks/run_h200_runtime.sh all: up to 5 minutes of GPU tests first),
+# lower both, e.g. E2E_BUDGET=180 E2E_TIMEOUT=260, or run `run_h200_runtime.sh bench` as a call of its own.
 set -o pipefail
 DEST="${OUT:-benchmarks/results}"
-BUDGET="${E2E_BUDGET:-460}"
+BUDGET="${E2E_BUDGET:-460}"            # seconds of cases started; the last case, analysis and writes follow
+LIMIT="${E2E_TIMEOUT:-$((BUDGET + 110))}"  # hard stop (the rows so far stay in e2e-partial.json)
 mkdir -p "$DEST"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -36,5 +38,5 @@ if ! python3 -c "import zarr, zarr.codecs, numcodecs, crc32c, cupy, transformers
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)"
-timeout 570 python3 -m unionsparse.compressor.cli bench --e2e --time-budget "$BUDGET" --out "$DEST" "$@" \
+timeout "$LIMIT" python3 -m unionsparse.compressor.cli bench --e2e --time-budget "$BUDGET" --out "$DEST" "$@" \
   2>&1 | tee "$DEST/e2e_log.txt"

@@ -811,7 +811,7 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
     deadline = None if time_budget is None else t_start + float(time_budget)
     res: dict = {
         "benchmark": "e2e", "label": CPU_LABEL if device == "cpu" else "GPU, CUDA-graph decode steps",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "command": " ".join(sys.argv),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "command": _command_line(),
         "machine": machine_info(dev), "peak_bw": PEAK_BW,
         "settings": {"batches": batch_list, "contexts": context_list, "steps": steps, "repeats": repeats,
                      "seed": seed, "time_budget_s": time_budget, "group_size": GROUP_SIZE},
@@ -878,6 +878,14 @@ def _act_quant_fallback(res: dict, dev: torch.device, seed: int, say) -> None:
         say("IE-BME: the one-launch activation quantizer failed its check; timing with the torch quantizer")
     else:
         CudaOp.act_quant = "kernel"
+
+
+def _command_line() -> str:
+    import shlex
+
+    if Path(sys.argv[0]).name in ("unionsparse", "cli.py", "__main__.py"):
+        return "unionsparse " + shlex.join(sys.argv[1:])
+    return shlex.join(sys.argv)
 
 
 def _over(deadline: float | None) -> bool:
