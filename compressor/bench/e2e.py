@@ -105,14 +105,10 @@ def parse_names(text: str | None, option: str, known, default: tuple[str, ...]) 
 
 
 def gpu_problem() -> str | None:
-    """Why the GPU benchmark cannot run here (one line), or None."""
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
-    from ...kernels import available
+    """Why the GPU benchmark cannot run here (one line), or None: the runtime's CUDA backend's reason."""
+    from ..runtime.cuda import cuda_problem
 
-    if not available():
-        return "CuPy is not installed or sees no CUDA device"
-    return None
+    return cuda_problem()
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -281,7 +277,9 @@ def install_kind(model: nn.Module, spec: ModelSpec, kind: str, device: torch.dev
             check_w4a16_shape(m, kk)
         for layer in range(spec.layers):
             for g, (m, kk) in groups.items():
-                install_group(model, layer, g, W4A16Linear.random(m, kk, device, gen), splits[g])
+                lin = W4A16Linear.random(m, kk, device, gen)
+                install_group(model, layer, g, lin, splits[g])
+        info["activations"] = str(lin.dtype).removeprefix("torch.")  # bfloat16: a cast around each product
     elif kind.startswith("iebme"):
         te = time.perf_counter()
         recs = {g: iebme_record(f"synthetic.{g}", m, kk, k.sparsity, rng) for g, (m, kk) in groups.items()}
@@ -481,7 +479,7 @@ def check_peers(device: torch.device, seed: int = 0, kinds: tuple[str, ...] = ("
         s = torch.rand(k // GROUP_SIZE, m, device=device, generator=gen) * 0.01 + 0.005
         z = (torch.rand(k // GROUP_SIZE, m, device=device, generator=gen) - 0.5) * 0.01
         lin = W4A16Linear(q, s, z)
-        return lin(x), (x.to(torch.bfloat16).float() @ w4a16_dequantized(lin, q, s, z).t()).half(), 0.01
+        return lin(x), (x.to(lin.dtype).float() @ w4a16_dequantized(lin, q, s, z).t()).half(), 0.01
 
     def iebme(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         rec = iebme_record("check.iebme", m, k, 0.5, rng)

@@ -5,8 +5,9 @@ down; ``e2e_models.ModelSpec.groups``):
 
 * ``fp16``: ``nn.Linear`` in float16 (cuBLAS on a GPU);
 * ``w4a16``: dense int4 weights, fp16 scales and zeros per group of 128, ``torch._weight_int4pack_mm``
-  (torchao's int4 weight-only kernel, tinygemm; bfloat16 activations, so the input is cast to bf16 and the
-  output back); the CPU runs ``torch._weight_int4pack_mm_for_cpu`` on the same codes;
+  (torchao's int4 weight-only kernel, tinygemm; float16 activations where this torch's kernel takes them,
+  else bfloat16 with the input cast to bf16 and the output back, two more kernels per product, timed and
+  reported as ``casts``); the CPU runs ``torch._weight_int4pack_mm_for_cpu`` on the same codes;
 * ``iebme-w4a4-50`` / ``iebme-w4a4-0``: the runtime's ``CompressedLinear`` (what ``runtime.load`` builds)
   on a synthetic layer record of random nonzero 4-bit codes under a uniformly random 50% (0%: the dense
   control) mask, group 128, tile 16x64, no row reordering, and the per-token W4A4 activation record
@@ -95,7 +96,8 @@ def fp16_linear(m: int, k: int, device, gen: torch.Generator | None = None) -> H
 class W4A16Linear(nn.Module):
     """Dense int4 weight-only linear through ``torch._weight_int4pack_mm`` (CUDA, tinygemm) or
     ``torch._weight_int4pack_mm_for_cpu``: ``W[m, k] = (q[m, k] - 8) * scale[g, m] + zero[g, m]``, q in 0..15,
-    groups of ``group_size`` inputs. Activations run in bfloat16 (the CUDA kernel's only input type)."""
+    groups of ``group_size`` inputs. Activations run in float16 where the CUDA kernel takes them, else in bfloat16
+    (converted around each product; ``casts``)."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = GROUP_SIZE,
                  inner_k_tiles: int = INNER_K_TILES) -> None:
@@ -111,8 +113,26 @@ class W4A16Linear(nn.Module):
             packed = torch.ops.aten._convert_weight_to_int4pack(
                 ((q32[:, ::2] << 4) | q32[:, 1::2]).to(torch.uint8).contiguous(), inner_k_tiles)
         self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous())  # [G, m, 2]
+        sz = torch.stack([scales, zeros], dim=-1).contiguous()  # [G, m, 2]
+        self.dtype = self._native_dtype(packed, sz, k)
+        self.register_buffer("scales_and_zeros", sz.to(self.dtype).contiguous())
+
+    def _native_dtype(self, packed: torch.Tensor, sz: torch.Tensor, k: int) -> torch.dtype:
+        """float16 where the kernel takes it (no casts around the product), else bfloat16 (``casts``: the
+        fp16 model's input and output are converted around every product, two more kernels, timed)."""
+        if packed.device.type == "cuda":
+            try:
+                x = torch.zeros(1, k, device=packed.device, dtype=torch.float16)
+                torch.ops.aten._weight_int4pack_mm(x, packed, self.group_size, sz.half())
+                return torch.float16
+            except RuntimeError:
+                pass
+        return torch.bfloat16
+
+    @property
+    def casts(self) -> bool:
+        """True when every product converts its float16 input to bfloat16 and back."""
+        return self.dtype != torch.float16
 
     @classmethod
     def random(cls, m: int, k: int, device, gen: torch.Generator | None = None, **kw) -> W4A16Linear:
@@ -140,7 +160,7 @@ class W4A16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        x2 = x.reshape(-1, self.in_features).to(self.dtype)
         if self.packed.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         else:
@@ -158,7 +178,7 @@ def check_w4a16_shape(m: int, k: int, group_size: int = GROUP_SIZE, inner_k_tile
 
 
 def w4a16_dequantized(lin: W4A16Linear, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """float32 [m, k] weight the kernel computes with: (q - 8) * scale + zero, scales and zeros as stored (bf16)."""
+    """float32 [m, k] weight the kernel computes with: (q - 8) * scale + zero, scales and zeros as stored."""
     sz = lin.scales_and_zeros.float()
     s = sz[..., 0].t().repeat_interleave(lin.group_size, dim=1)
     z = sz[..., 1].t().repeat_interleave(lin.group_size, dim=1)
