@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)" | tee -a "$DEST/machine.txt"
 case "$STAGE" in
   tests)
-    timeout 420 python3 -m pytest -p no:cacheprovider -q -rs -m "gpu and not slow" tests/test_act_quant_kernel.py \
+    timeout 420 python3 -m pytest -p no:cacheprovider -q -rs -m "gpu and not slow" tests/test_act_quant_kernel.py tests/test_glue_kernels.py \
       tests/test_runtime.py tests/test_bench_e2e.py 2>&1 | tee "$DEST/gpu_runtime_tests.log" | tail -40 ;;
   smollm2)
     if [ -f /tmp/gguf-part00 ] && [ -f /tmp/gguf-part01 ]; then

@@ -7,7 +7,8 @@ are the model's, every linear is whatever module sits there (``nn.Linear``, ``Co
 member), and only attention is its own: rotary tables precomputed for all positions, keys and values written
 into preallocated ``[B, H_kv, max_len, D]`` caches at the step's position (a device tensor), and SDPA over the
 whole cache with a position mask. Every step has the same shapes and launches the same kernels, so
-:class:`GraphedStep` captures it once and replays it per token.
+:class:`GraphedStep` captures it once and replays it per token. On a float16 GPU model the glue (RMSNorm,
+SiLU·mul, rotary embedding with the cache write) runs as one launch each (``kernels/glue.cu``; ``glue``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels import glue as glue_ops
 from ..errors import UserError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -27,9 +29,10 @@ def _rope_type(config) -> str:
     return str(params.get("rope_type") or params.get("type") or "default")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class _TorchGlue:
+    """The glue as torch operations (the references of ``kernels/glue.py``)."""
+
+    rotary_cache = staticmethod(glue_ops.rotary_cache_reference)
 
 
 class StaticDecoder(nn.Module):
@@ -70,6 +73,23 @@ class StaticDecoder(nn.Module):
         self.register_buffer("tokens", torch.zeros(self.batch_size, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("position", torch.zeros((), dtype=torch.long, device=device), persistent=False)
         self.logits: torch.Tensor | None = None
+        self._silu = getattr(cfg, "hidden_act", None) == "silu"
+        self.glue = self.GLUE if device.type == "cuda" and dtype == torch.float16 else "torch"
+
+    GLUE = "kernels"  # on a float16 GPU model: "kernels" (kernels/glue.cu, one launch each) or "torch"
+
+    @property
+    def glue(self) -> str:
+        """How norms, SiLU·mul and rotary + cache writes run: "kernels" (``kernels/glue.cu``, one launch each)
+        or "torch" (their references: what transformers' modules compute, several launches each)."""
+        return self._glue_name
+
+    @glue.setter
+    def glue(self, value: str) -> None:
+        if value not in ("kernels", "torch"):
+            raise ValueError(f"glue must be 'kernels' or 'torch', got {value!r}")
+        self._glue_name = value
+        self._glue = glue_ops if value == "kernels" else _TorchGlue
 
     @staticmethod
     def unsupported(model: nn.Module, max_len: int | None = None) -> str | None:
@@ -122,25 +142,32 @@ class StaticDecoder(nn.Module):
         """Logits [B, V] of the last of the rows ``ids`` [B, T] at positions ``pos`` [T] (device tensors)."""
         inner = self.model.model
         b, t = ids.shape
+        glue = self._glue
         x = inner.embed_tokens(ids)
-        cos, sin = self.cos[pos][None, None], self.sin[pos][None, None]  # [1, 1, T, D]
         mask = (self.arange[None, :] <= pos[:, None])[None, None]  # key j visible to row i iff j <= pos_i
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            self.k_cache[i].index_copy_(2, pos, k.to(self.k_cache.dtype))
-            self.v_cache[i].index_copy_(2, pos, v.to(self.v_cache.dtype))
+            h = self._norm(layer.input_layernorm, x)
+            q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim)
+            k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim)
+            v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim)
+            q = glue.rotary_cache(q, k, v, self.cos, self.sin, pos, self.k_cache[i], self.v_cache[i])
             o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
                                                scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = inner.norm(x[:, -1])
+            x = x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x))
+        x = self._norm(inner.norm, x[:, -1])
         return self.model.lm_head(x).float()
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.glue == "kernels" and hasattr(norm, "variance_epsilon"):
+            return self._glue.rms_norm(x, norm.weight, float(norm.variance_epsilon))
+        return norm(x)
+
+    def _mlp(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if self.glue == "kernels" and self._silu:
+            return mlp.down_proj(self._glue.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+        return mlp(h)
 
 
 class GraphedStep:

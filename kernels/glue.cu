@@ -1,0 +1,88 @@
+// The decode step's glue in single launches (docs/kernels.md, "Decode-step glue"): RMSNorm, SiLU(gate) * up,
+// and rotary embedding with the KV-cache write. Each computes what the model's torch modules compute on float16
+// tensors, operation by operation (every float16 operation is done in float32 and rounded to float16, as torch
+// does on CUDA), so the results equal the torch path's bit for bit except RMSNorm's sum of squares, whose
+// summation order differs (a float32 rounding).
+//
+// No headers (NVRTC without include paths): float16 is its bit pattern in an unsigned short, converted by PTX.
+typedef unsigned short u16;
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// y[r, :] = w * fp16(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)); one block per row, x rows ld_x apart.
+extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ w,
+                                    u16* __restrict__ y, int K, float eps) {
+    __shared__ float part[32];
+    const u16* xr = x + (long long)blockIdx.x * ld_x;
+    float s = 0.f;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        const float v = h2f(xr[k]);
+        s = fmaf(v, v, s);
+    }
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        s = threadIdx.x < (blockDim.x + 31) / 32 ? part[threadIdx.x] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (threadIdx.x == 0) part[0] = s;
+    }
+    __syncthreads();
+    const float r = rsqrtf(__fdiv_rn(part[0], (float)K) + eps);
+    u16* yr = y + (long long)blockIdx.x * K;
+    for (int k = threadIdx.x; k < K; k += blockDim.x)
+        yr[k] = f2h(h2f(w[k]) * h2f(f2h(h2f(xr[k]) * r)));
+}
+
+// y[r, i] = fp16(fp16(silu(g)) * u) with g = gate[r, i], u = up[r, i] (rows ld_g / ld_u apart); y contiguous.
+extern "C" __global__ void silu_mul(const u16* __restrict__ gate, long long ld_g, const u16* __restrict__ up,
+                                    long long ld_u, u16* __restrict__ y, int I) {
+    const int r = blockIdx.y;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < I; i += gridDim.x * blockDim.x) {
+        const float g = h2f(gate[(long long)r * ld_g + i]);
+        const float s = h2f(f2h(__fdiv_rn(g, 1.f + expf(-g))));
+        y[(long long)r * I + i] = f2h(s * h2f(up[(long long)r * ld_u + i]));
+    }
+}
+
+// Token row r = b * T + t at position pos[t]: q (H heads) rotated into q_out [B, H, T, D]; k (Hkv heads) rotated and
+// v copied into the layer's caches [B, Hkv, L, D] at that position. Rotation, per head, of x at d < D/2 with
+// x[d + D/2] and back: out[d] = fp16(fp16(x[d] * cos[d]) + fp16(rot[d] * sin[d])), rot[d] = -x[d + D/2] for
+// d < D/2 and x[d - D/2] above; cos and sin are the [L, D] tables at the position.
+extern "C" __global__ void rotary_cache(const u16* __restrict__ q, long long ld_q, const u16* __restrict__ k,
+                                        long long ld_k, const u16* __restrict__ v, long long ld_v,
+                                        const u16* __restrict__ cos_t, const u16* __restrict__ sin_t,
+                                        const long long* __restrict__ pos, int T, int H, int Hkv, int D, int L,
+                                        u16* __restrict__ q_out, u16* __restrict__ k_cache,
+                                        u16* __restrict__ v_cache) {
+    const int r = blockIdx.y, b = r / T, t = r % T;
+    const long long p = pos[t];
+    const int half = D / 2;
+    const int n = (H + 2 * Hkv) * D;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
+        const int head = e / D, d = e % D;
+        if (head >= H + Hkv) {  // v: copied into the cache
+            const int h = head - H - Hkv;
+            v_cache[(((long long)b * Hkv + h) * L + p) * D + d] = v[(long long)r * ld_v + h * D + d];
+            continue;
+        }
+        const bool is_q = head < H;
+        const int h = is_q ? head : head - H;
+        const u16* src = is_q ? q + (long long)r * ld_q + h * D : k + (long long)r * ld_k + h * D;
+        const float x = h2f(src[d]);
+        const float rot = d < half ? -h2f(src[d + half]) : h2f(src[d - half]);
+        const float c = h2f(cos_t[p * D + d]), s = h2f(sin_t[p * D + d]);
+        const u16 out = f2h(h2f(f2h(x * c)) + h2f(f2h(rot * s)));
+        if (is_q) q_out[(((long long)b * H + h) * T + t) * D + d] = out;
+        else k_cache[(((long long)b * Hkv + h) * L + p) * D + d] = out;
+    }
+}

@@ -1,0 +1,91 @@
+"""The decode step's glue (kernels/glue.py): its torch references against transformers' LLaMA modules everywhere,
+the CUDA kernels against the references and the decoder with kernels against the decoder with torch glue where
+CuPy and a GPU are present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.models.llama import modeling_llama as hf
+from unionsparse.compressor.runtime.cuda import cuda_problem
+from unionsparse.kernels import glue
+
+needs_gpu = pytest.mark.skipif(cuda_problem() is not None, reason=f"needs CuPy and a CUDA device ({cuda_problem()})")
+
+
+def _tables(length: int, d: int, dtype=torch.float32, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device).float() / d))
+    f = torch.arange(length, device=device).float()[:, None] * inv[None]
+    e = torch.cat((f, f), -1)
+    return e.cos().to(dtype), e.sin().to(dtype)
+
+
+def test_references_are_what_transformers_llama_modules_compute():
+    torch.manual_seed(0)
+    norm = hf.LlamaRMSNorm(64, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 5, 64)
+    assert torch.equal(glue.rms_norm_reference(x, norm.weight, norm.variance_epsilon), norm(x))
+    g, u = torch.randn(4, 96), torch.randn(4, 96)
+    assert torch.equal(glue.silu_mul_reference(g, u), transformers.activations.ACT2FN["silu"](g) * u)
+    b, t, h, hkv, d, length = 2, 3, 4, 2, 16, 10
+    q, k, v = torch.randn(b, t, h, d), torch.randn(b, t, hkv, d), torch.randn(b, t, hkv, d)
+    cos, sin = _tables(length, d)
+    pos = torch.tensor([4, 5, 6])
+    kc, vc = torch.zeros(b, hkv, length, d), torch.zeros(b, hkv, length, d)
+    out = glue.rotary_cache_reference(q, k, v, cos, sin, pos, kc, vc)
+    want_q, want_k = hf.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos[pos][None], sin[pos][None])
+    assert torch.equal(out, want_q) and torch.equal(kc[:, :, 4:7], want_k)
+    assert torch.equal(vc[:, :, 4:7], v.transpose(1, 2)) and not kc[:, :, :4].any() and not vc[:, :, 7:].any()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_kernels_equal_their_references():
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = (torch.randn(7, 576, device=dev, generator=g) * 3).half()
+    w = torch.randn(576, device=dev, generator=g).half()
+    got, want = glue.rms_norm(x, w, 1e-5), glue.rms_norm_reference(x, w, 1e-5)
+    ulp = (got.float() - want.float()).abs() / want.float().abs().clamp(min=6e-5)
+    assert float(ulp.max()) <= 2 ** -10 * 1.01  # the sum's order only: at most one float16 step
+    stacked = (torch.randn(5, 2 * 1536 + 64, device=dev, generator=g) * 4).half()  # gate | up | padding rows
+    gate, up = stacked[:, :1536], stacked[:, 1536 + 64:]
+    assert torch.equal(glue.silu_mul(gate, up), glue.silu_mul_reference(gate, up))
+    b, t, h, hkv, d, length = 2, 3, 9, 3, 64, 40
+    qkv = torch.randn(b, t, (h + 2 * hkv) * d + 32, device=dev, generator=g).half()  # one stacked product
+    q = qkv[..., : h * d].view(b, t, h, d)
+    k = qkv[..., h * d:(h + hkv) * d].view(b, t, hkv, d)
+    v = qkv[..., (h + hkv) * d:(h + 2 * hkv) * d].view(b, t, hkv, d)
+    cos, sin = _tables(length, d, torch.float16, dev)
+    pos = torch.tensor([17, 18, 19], device=dev)
+    kc, vc = torch.zeros(b, hkv, length, d, device=dev).half(), torch.zeros(b, hkv, length, d, device=dev).half()
+    kr, vr = kc.clone(), vc.clone()
+    out = glue.rotary_cache(q, k, v, cos, sin, pos, kc, vc)
+    assert torch.equal(out, glue.rotary_cache_reference(q, k, v, cos, sin, pos, kr, vr))
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_decoder_with_glue_kernels_agrees_with_torch_glue():
+    from unionsparse.compressor.runtime.decoder import GraphedStep, StaticDecoder
+
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=576, intermediate_size=1536, num_hidden_layers=3,
+                                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).half().cuda().eval()
+    ids = torch.randint(0, 97, (1, 11))
+    rows = {}
+    with torch.inference_mode():
+        for mode in ("kernels", "torch"):
+            dec = StaticDecoder(model, 1, 32)
+            dec.glue = mode
+            logits = [dec.prefill(ids)]
+            dec.tokens.copy_(logits[0].argmax(-1))
+            step = GraphedStep(dec, greedy=True)
+            logits += [step().clone() for _ in range(8)]
+            rows[mode] = torch.stack(logits)
+    torch.testing.assert_close(rows["kernels"], rows["torch"], rtol=0, atol=2e-2)
+    assert torch.equal(rows["kernels"].argmax(-1), rows["torch"].argmax(-1))
