@@ -150,7 +150,7 @@ class CudaOp(nn.Module):
             return torch.nn.functional.linear(x2.half(), self.weight)
         with cp.cuda.Device(self.device.index or 0), self._stream():
             if self.kind == "iebme":
-                return self._iebme(x2.float(), cp)
+                return self._iebme(x2 if x2.dtype in (torch.float16, torch.float32) else x2.float(), cp)
             return self._tiled_cbc(x2.half().contiguous(), cp)
 
     def _iebme(self, x: torch.Tensor, cp) -> torch.Tensor:

@@ -202,7 +202,7 @@ class Runtime:
         rows = [s.logits]
         for t in new_ids:
             s.feed(torch.tensor([int(t)], device=self.device))
-            rows.append(s.advance())
+            rows.append(s.advance().clone())  # a replayed graph returns its one static buffer
         return torch.cat(rows).float().cpu()
 
     @torch.inference_mode()
