@@ -103,3 +103,19 @@ def test_choose_rows_independently_on_the_device():
         assert choose(peaked, 1.0, 0.5, g).tolist() == [3, 11, 29, 41]
     drawn = {tuple(choose(torch.zeros(2, 6), 1.0, 1.0, g).tolist()) for _ in range(60)}
     assert len(drawn) > 10  # uniform rows: many different pairs
+
+
+def test_warm_up_prepares_the_step_and_changes_no_token():
+    """``Runtime.warm_up`` (what ``load`` does on a GPU) allocates the static cache and the step before any
+    generation; the generation after it is the same as without it."""
+    from unionsparse.compressor.runtime.generate import Runtime
+
+    m = _model("llama-mha")
+    cold = Runtime(None, m, None, None, torch.device("cpu"), "cpu", 0.0)
+    want = cold.generate([3, 4, 5], max_new_tokens=6, ignore_eos=True).ids
+    warm = Runtime(None, m, None, None, torch.device("cpu"), "cpu", 0.0)
+    warm.warm_up()
+    assert warm._decoder is not None and warm._decoder.max_len == 128  # two 256s, capped at the model's 128
+    dec = warm._decoder
+    assert warm.generate([3, 4, 5], max_new_tokens=6, ignore_eos=True).ids == want
+    assert warm._decoder is dec
