@@ -61,7 +61,10 @@ def generate_command(artifact: str, prompt: str | None, batch_file: str | None, 
         raise UserError(f"--chat: the tokenizer stored in {artifact} has no chat template")
     rt = load(artifact, device=device, dynamic_pruning=dp, tokenizer=tok)
     if not quiet and not as_json:
-        step = "static KV cache" + (", one CUDA graph per step" if device == "cuda" else "")
+        st = rt.step_stats()
+        step = "static KV cache" + (", one CUDA graph per step" if st["graph"] else "")
+        if "graph_error" in st:
+            step += f", eager steps: the CUDA-graph capture failed ({st['graph_error']})"
         if rt.static_unsupported is not None:
             step = f"transformers' own forward ({rt.static_unsupported})"
         ops = f" as {rt.n_ops} ops (Q/K/V, gate/up fused)" if rt.n_ops != rt.n_compressed else ""

@@ -172,17 +172,27 @@ class StaticDecoder(nn.Module):
 
 class GraphedStep:
     """:meth:`StaticDecoder.step`, plus the greedy choice into ``decoder.tokens`` when ``greedy``, captured
-    once as a CUDA graph and replayed per call; on the CPU it runs eagerly (same code, same arithmetic)."""
+    once as a CUDA graph and replayed per call; on the CPU it runs eagerly (same code, same arithmetic). A
+    capture that fails raises, or with ``strict=False`` leaves the step eager and says why in
+    ``capture_error`` (``generate`` keeps working, slower, and reports it)."""
 
     WARMUP = 2  # eager runs before capture: lazy initialisation (kernel modules, workspaces) happens outside it
 
-    def __init__(self, decoder: StaticDecoder, greedy: bool = True) -> None:
+    def __init__(self, decoder: StaticDecoder, greedy: bool = True, strict: bool = True) -> None:
         self.decoder = decoder
         self.greedy = greedy
         self.graph = None
         self.out: torch.Tensor | None = None
+        self.capture_error: str | None = None  # why the step runs eagerly on a GPU (``strict=False`` only)
         if decoder.device.type == "cuda":
-            self._capture()
+            try:
+                self._capture()
+            except RuntimeError as e:  # e.g. an operation that synchronises with the host inside the step
+                if strict:
+                    raise
+                torch.cuda.synchronize(decoder.device)
+                self.graph, self.out = None, None
+                self.capture_error = " ".join(str(e).split())[:300]
 
     def _run(self) -> torch.Tensor:
         logits = self.decoder.step()

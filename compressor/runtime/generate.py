@@ -177,6 +177,16 @@ class Runtime:
         except TypeError:  # transformers before 4.56 takes no config
             return DynamicCache()
 
+    def step_stats(self) -> dict:
+        """How decode steps run: ``decoder`` ("static" or "transformers"), ``graph`` (one captured CUDA graph
+        per step) and, when a capture failed, ``graph_error``."""
+        if self.static_unsupported is not None:
+            return {"decoder": "transformers", "graph": False, "why": self.static_unsupported}
+        out = {"decoder": "static", "graph": self._graph is not None and self._graph.graph is not None}
+        if self._graph is not None and self._graph.capture_error:
+            out["graph_error"] = self._graph.capture_error
+        return out
+
     def decoder_length(self, need: int) -> int:
         """The static cache length for ``need`` positions: rounded up to whole 256s (one cache and one captured
         graph serve every later generation that fits), at most the model's positions."""
@@ -190,7 +200,7 @@ class Runtime:
                 self._decoder = self._graph = None
                 self._decoder = StaticDecoder(self.model, 1, self.decoder_length(need))
             if self._graph is None:
-                self._graph = GraphedStep(self._decoder, greedy=False)
+                self._graph = GraphedStep(self._decoder, greedy=False, strict=False)
             return _StaticSession(self._decoder, self._graph, prompt_ids)
         return _CacheSession(self, prompt_ids)
 
@@ -281,7 +291,7 @@ class Runtime:
             text.ids = list(new)
         return Generation(prompt_ids, new, text.text() if text is not None else None, stop, seed,
                           t_first - t0, t_end - t_first, steps,
-                          {"decoder": "static" if self.static_unsupported is None else "transformers"})
+                          self.step_stats())
 
 
 class _StaticSession:
