@@ -377,7 +377,10 @@ def export(artifact, output, target, max_shard_size, overwrite, as_json) -> None
 @cli.command()
 @click.argument("artifact")
 @click.option("--prompt", default=None, help="Prompt text.")
-@click.option("--batch-file", default=None, help="File of prompts, one per line (run one after another).")
+@click.option("--batch-file", default=None, help="File of prompts, one per line (see --batch-size).")
+@click.option("--batch-size", default=1, show_default=True, type=int,
+              help="Prompts of --batch-file generated together (1: one after another, streamed; more: each "
+                   "batch's texts printed when it ends; Tiled-CBC thresholds apply only at batch 1).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0: greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1].")
@@ -389,13 +392,13 @@ def export(artifact, output, target, max_shard_size, overwrite, as_json) -> None
               help="Tiled-CBC artifacts: apply the stored activation-sparsity thresholds at decode.")
 @click.option("--quiet", is_flag=True, help="No load time and speed lines on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of streaming text.")
-def generate(artifact, prompt, batch_file, max_new_tokens, temperature, top_p, seed, device, chat, act_sparsity,
-             quiet, as_json) -> None:
+def generate(artifact, prompt, batch_file, batch_size, max_new_tokens, temperature, top_p, seed, device, chat,
+             act_sparsity, quiet, as_json) -> None:
     """Generate text from ARTIFACT, streaming it to stdout (needs nothing but the artifact)."""
     from .runtime.command import generate_command
 
     generate_command(artifact, prompt, batch_file, max_new_tokens, temperature, top_p, seed, device, chat,
-                     act_sparsity, quiet, as_json)
+                     act_sparsity, quiet, as_json, batch_size)
 
 
 cli.add_command(summarize_command)  # compressor/batch.py: one table over a folder of artifacts

@@ -54,18 +54,19 @@ extern "C" __global__ void silu_mul(const u16* __restrict__ gate, long long ld_g
     }
 }
 
-// Token row r = b * T + t at position pos[t]: q (H heads) rotated into q_out [B, H, T, D]; k (Hkv heads) rotated and
-// v copied into the layer's caches [B, Hkv, L, D] at that position. Rotation, per head, of x at d < D/2 with
+// Token row r = b * T + t at cache slot pos[t] and rotary position rpos[r]: q (H heads) rotated into q_out
+// [B, H, T, D]; k (Hkv heads) rotated and v copied into the layer's caches [B, Hkv, L, D] at that slot. Rotation, per head, of x at d < D/2 with
 // x[d + D/2] and back: out[d] = fp16(fp16(x[d] * cos[d]) + fp16(rot[d] * sin[d])), rot[d] = -x[d + D/2] for
-// d < D/2 and x[d - D/2] above; cos and sin are the [L, D] tables at the position.
+// d < D/2 and x[d - D/2] above; cos and sin are the [L, D] tables at the rotary position.
 extern "C" __global__ void rotary_cache(const u16* __restrict__ q, long long ld_q, const u16* __restrict__ k,
                                         long long ld_k, const u16* __restrict__ v, long long ld_v,
                                         const u16* __restrict__ cos_t, const u16* __restrict__ sin_t,
-                                        const long long* __restrict__ pos, int T, int H, int Hkv, int D, int L,
+                                        const long long* __restrict__ pos, const long long* __restrict__ rpos,
+                                        int T, int H, int Hkv, int D, int L,
                                         u16* __restrict__ q_out, u16* __restrict__ k_cache,
                                         u16* __restrict__ v_cache) {
     const int r = blockIdx.y, b = r / T, t = r % T;
-    const long long p = pos[t];
+    const long long p = pos[t], pr = rpos[r];
     const int half = D / 2;
     const int n = (H + 2 * Hkv) * D;
     for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
@@ -80,7 +81,7 @@ extern "C" __global__ void rotary_cache(const u16* __restrict__ q, long long ld_
         const u16* src = is_q ? q + (long long)r * ld_q + h * D : k + (long long)r * ld_k + h * D;
         const float x = h2f(src[d]);
         const float rot = d < half ? -h2f(src[d + half]) : h2f(src[d - half]);
-        const float c = h2f(cos_t[p * D + d]), s = h2f(sin_t[p * D + d]);
+        const float c = h2f(cos_t[pr * D + d]), s = h2f(sin_t[pr * D + d]);
         const u16 out = f2h(h2f(f2h(x * c)) + h2f(f2h(rot * s)));
         if (is_q) q_out[(((long long)b * H + h) * T + t) * D + d] = out;
         else k_cache[(((long long)b * Hkv + h) * L + p) * D + d] = out;

@@ -35,10 +35,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_cache_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """q [B, T, H, D], k and v [B, T, Hkv, D] at positions ``pos`` [T]; ``cos`` / ``sin`` the [L, D] tables.
-    Writes rotated k and v into the caches [B, Hkv, L, D] at ``pos``; returns rotated q [B, H, T, D]."""
-    c, s = cos[pos][None, None], sin[pos][None, None]
+                           pos: torch.Tensor, rpos: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor) -> torch.Tensor:
+    """q [B, T, H, D], k and v [B, T, Hkv, D] of the tokens at cache slots ``pos`` [T] and rotary positions
+    ``rpos`` [B, T]; ``cos`` / ``sin`` the [L, D] tables. Writes rotated k and v into the caches [B, Hkv, L, D]
+    at ``pos``; returns rotated q [B, H, T, D]."""
+    c, s = cos[rpos][:, None], sin[rpos][:, None]  # [B, 1, T, D]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q = q * c + _rotate_half(q) * s
     k = k * c + _rotate_half(k) * s
@@ -109,7 +111,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                 pos: torch.Tensor, rpos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """:func:`rotary_cache_reference` in one launch (q, k, v may be row views of one stacked product)."""
     _check(q, k, v, cos, sin, k_cache, v_cache)
     b, t, h, d = q.shape
@@ -126,6 +128,7 @@ def rotary_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
         _functions()["rotary_cache"](
             (min(-(-n // THREADS), 64), b * t), (THREADS,),
             (_ptr(q2), np.int64(ld_q), _ptr(k2), np.int64(ld_k), _ptr(v2), np.int64(ld_v), _ptr(cos), _ptr(sin),
-             _ptr(pos.to(torch.int64).contiguous()), np.int32(t), np.int32(h), np.int32(hkv), np.int32(d),
+             _ptr(pos.to(torch.int64).contiguous()), _ptr(rpos.to(torch.int64).contiguous()),
+             np.int32(t), np.int32(h), np.int32(hkv), np.int32(d),
              np.int32(length), _ptr(out), _ptr(k_cache), _ptr(v_cache)))
     return out

@@ -33,10 +33,13 @@ def test_references_are_what_transformers_llama_modules_compute():
     q, k, v = torch.randn(b, t, h, d), torch.randn(b, t, hkv, d), torch.randn(b, t, hkv, d)
     cos, sin = _tables(length, d)
     pos = torch.tensor([4, 5, 6])
+    rpos = torch.tensor([[4, 5, 6], [1, 2, 3]])  # row 1: three slots of left padding
     kc, vc = torch.zeros(b, hkv, length, d), torch.zeros(b, hkv, length, d)
-    out = glue.rotary_cache_reference(q, k, v, cos, sin, pos, kc, vc)
-    want_q, want_k = hf.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos[pos][None], sin[pos][None])
-    assert torch.equal(out, want_q) and torch.equal(kc[:, :, 4:7], want_k)
+    out = glue.rotary_cache_reference(q, k, v, cos, sin, pos, rpos, kc, vc)
+    for row in range(b):
+        c, s = cos[rpos[row]][None], sin[rpos[row]][None]
+        want_q, want_k = hf.apply_rotary_pos_emb(q[row:row + 1].transpose(1, 2), k[row:row + 1].transpose(1, 2), c, s)
+        assert torch.equal(out[row:row + 1], want_q) and torch.equal(kc[row:row + 1, :, 4:7], want_k)
     assert torch.equal(vc[:, :, 4:7], v.transpose(1, 2)) and not kc[:, :, :4].any() and not vc[:, :, 7:].any()
 
 
@@ -60,10 +63,11 @@ def test_kernels_equal_their_references():
     v = qkv[..., (h + hkv) * d:(h + 2 * hkv) * d].view(b, t, hkv, d)
     cos, sin = _tables(length, d, torch.float16, dev)
     pos = torch.tensor([17, 18, 19], device=dev)
+    rpos = torch.tensor([[17, 18, 19], [0, 1, 2]], device=dev)
     kc, vc = torch.zeros(b, hkv, length, d, device=dev).half(), torch.zeros(b, hkv, length, d, device=dev).half()
     kr, vr = kc.clone(), vc.clone()
-    out = glue.rotary_cache(q, k, v, cos, sin, pos, kc, vc)
-    assert torch.equal(out, glue.rotary_cache_reference(q, k, v, cos, sin, pos, kr, vr))
+    out = glue.rotary_cache(q, k, v, cos, sin, pos, rpos, kc, vc)
+    assert torch.equal(out, glue.rotary_cache_reference(q, k, v, cos, sin, pos, rpos, kr, vr))
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
 
 

@@ -348,6 +348,7 @@ def test_generate_cli_json_batch_file_and_chat(artifacts, tmp_path, run_cli, mon
     ([], "exactly one of --prompt"),
     (["--prompt", "w5", "--batch-file", "x.txt"], "exactly one of --prompt"),
     (["--batch-file", "/nonexistent/prompts.txt"], "--batch-file"),
+    (["--prompt", "w5", "--batch-size", "0"], "--batch-size"),
 ])
 def test_generate_refuses_bad_arguments_before_loading(args, message, run_cli, artifacts, monkeypatch):
     monkeypatch.setattr(runtime, "load", lambda *a, **k: pytest.fail("the model loaded before the checks"))
@@ -556,3 +557,51 @@ def test_gpu_one_launch_activation_quantization_equals_the_torch_path(artifacts,
     monkeypatch.setattr(CudaOp, "act_quant", "torch")
     torch_path = runtime.load(artifacts("w4a4-outliers"), device="cuda").step_logits(PROMPT, [3, 4, 5])
     assert torch.equal(kernel, torch_path)
+
+
+@pytest.mark.parametrize("case, dp", [("w4a16", True), ("w4a4-outliers", True), ("cbc-dp", False)])
+def test_batched_generation_equals_one_prompt_at_a_time(case, dp, loaded):
+    """Three prompts of different lengths as one batch (left padding): each row's greedy tokens equal its
+    generation alone (Tiled-CBC: thresholds off, since a step of several rows runs the SpMM, which skips none)."""
+    rt = loaded(case, dynamic_pruning=dp)
+    prompts = [PROMPT, [9, 4], PROMPT[:4] + [200, 201, 3, 17, 60]]
+    batch = rt.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+    assert rt._batched[3][0].batch_size == 3 and all(g.stats["batch"] == 3 for g in batch)
+    for p, g in zip(prompts, batch, strict=True):
+        alone = rt.generate(p, max_new_tokens=12, ignore_eos=True)
+        assert g.prompt_ids == p and g.ids == alone.ids and g.stop == "length"
+    sampled = rt.generate_batch(prompts, max_new_tokens=8, temperature=1.0, seed=4, ignore_eos=True)
+    again = rt.generate_batch(prompts, max_new_tokens=8, temperature=1.0, seed=4, ignore_eos=True)
+    assert [g.ids for g in sampled] == [g.ids for g in again] and sampled[0].seed == 4
+
+
+def test_batched_generation_stops_each_row_at_its_eos(loaded):
+    """A row whose next token is eos ends (stop "eos") while the others go on to max_new_tokens."""
+    rt = loaded("w4a16")
+    first = rt.generate(PROMPT, max_new_tokens=1, ignore_eos=True).ids[0]
+    saved = rt.generation_config.eos_token_id
+    rt.generation_config.eos_token_id = first  # PROMPT's first new token now ends its row at once
+    try:
+        other = [9, 4, 77]
+        assert rt.generate(other, max_new_tokens=1, ignore_eos=True).ids[0] != first, "pick another prompt"
+        a, b = rt.generate_batch([PROMPT, other], max_new_tokens=6)
+    finally:
+        rt.generation_config.eos_token_id = saved
+    assert a.stop == "eos" and a.ids == []
+    assert b.stop in ("length", "eos") and (b.stop == "eos" or len(b.ids) == 6)
+
+
+def test_generate_cli_batch_size(artifacts, tmp_path, run_cli, monkeypatch):
+    """--batch-size 2 on three prompts: two batches, one text line per prompt in order, each the row's own text,
+    equal to its generation alone (W4A16: no thresholds), and a speed line per prompt saying rows went together."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = artifacts("w4a16")
+    prompts = ["w5 w17 w33", "w100 w3", "w9 w9 w1 w44"]
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("\n".join(prompts) + "\n")
+    r = run_cli("generate", path, "--batch-file", batch, "--batch-size", "2", "--max-new-tokens", "6")
+    assert r.code == 0, r.err
+    rt = runtime.load(path)
+    assert r.out.splitlines() == [rt.generate(p, max_new_tokens=6).text for p in prompts]
+    speed = r.err.strip().splitlines()[1:]
+    assert len(speed) == 3 and "2 rows together" in speed[0] and "together" not in speed[2]

@@ -119,3 +119,33 @@ def test_warm_up_prepares_the_step_and_changes_no_token():
     dec = warm._decoder
     assert warm.generate([3, 4, 5], max_new_tokens=6, ignore_eos=True).ids == want
     assert warm._decoder is dec
+
+
+@pytest.mark.parametrize("name", ["llama-mha", "llama3-gqa"])
+@torch.inference_mode()
+def test_left_padded_rows_compute_what_each_computes_alone(name):
+    """Prompts of 3, 9 and 6 tokens in one batch (left padding, ``lengths``): every row's prefill logits and 5
+    greedy steps equal those of the row run alone, and padding changes nothing (its token ids are irrelevant)."""
+    m = _model(name)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,), generator=g) for n in (3, 9, 6)]
+    t = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.full((t - len(p),), 5), p]) for p in prompts])
+    dec = StaticDecoder(m, 3, 24)
+    rows = [dec.prefill(ids, [len(p) for p in prompts])]
+    dec.tokens.copy_(rows[0].argmax(-1))
+    step = GraphedStep(dec, greedy=True)
+    rows += [step().clone() for _ in range(5)]
+    batched = torch.stack(rows, 1)  # [B, 6, V]
+    for b, p in enumerate(prompts):
+        one = StaticDecoder(m, 1, 24)
+        alone = [one.prefill(p[None])]
+        one.tokens.copy_(alone[0].argmax(-1))
+        s1 = GraphedStep(one, greedy=True)
+        alone += [s1().clone() for _ in range(5)]
+        torch.testing.assert_close(batched[b], torch.cat(alone), rtol=0, atol=2e-5)
+    ids[0, :6] = 50  # other padding ids (rows 0 and 2): the same logits
+    ids[2, :3] = 51
+    assert torch.allclose(dec.prefill(ids, [len(p) for p in prompts]), rows[0], atol=2e-5)
+    with pytest.raises(UserError, match="lengths"):
+        dec.prefill(ids, [3, 10, 6])

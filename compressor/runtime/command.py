@@ -34,16 +34,20 @@ def read_prompts(prompt: str | None, batch_file: str | None) -> list[str]:
 def _speed_line(g: Generation) -> str:
     rate = f"{g.tokens_per_s:.2f} tokens/s" if g.tokens_per_s is not None else "- tokens/s"
     seed = f", seed {g.seed}" if g.seed is not None else ""
-    return (f"first token {g.first_token_s:.3f} s, {len(g.ids)} tokens, decode {rate} "
+    batch = g.stats.get("batch", 1)
+    together = f" per row, {batch} rows together" if batch > 1 else ""
+    return (f"first token {g.first_token_s:.3f} s, {len(g.ids)} tokens, decode {rate}{together} "
             f"(stop: {g.stop}{seed})")
 
 
 def generate_command(artifact: str, prompt: str | None, batch_file: str | None, max_new_tokens: int,
                      temperature: float, top_p: float, seed: int, device: str, chat: bool, dp: bool,
-                     quiet: bool, as_json: bool) -> None:
+                     quiet: bool, as_json: bool, batch_size: int = 1) -> None:
     """Run ``generate`` (see the module docstring); library errors propagate as ``UserError``."""
     from . import load
 
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UserError(f"--batch-size must be a positive integer, got {batch_size!r}")
     prompts = read_prompts(prompt, batch_file)
     check_sampling(max_new_tokens, temperature, top_p)
     if device not in DEVICES:
@@ -77,14 +81,15 @@ def generate_command(artifact: str, prompt: str | None, batch_file: str | None, 
             sys.stdout.flush()
 
     results = []
-    for p in prompts:
-        g = rt.generate(p, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                        stream=None if as_json else echo, chat=chat)
+    for p, g in _generations(rt, prompts, batch_size, as_json, echo, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_p=top_p, seed=seed, chat=chat):
         if as_json:
             results.append({"prompt": p, "text": g.text, "ids": g.ids, "stop": g.stop, "seed": g.seed,
                             "prompt_tokens": len(g.prompt_ids), "first_token_s": g.first_token_s,
-                            "tokens_per_s": g.tokens_per_s})
+                            "tokens_per_s": g.tokens_per_s, "batch": g.stats.get("batch", 1)})
             continue
+        if batch_size > 1:  # generated together: the text comes whole
+            sys.stdout.write(g.text or "")
         sys.stdout.write("\n")
         sys.stdout.flush()
         if not quiet:
@@ -92,3 +97,14 @@ def generate_command(artifact: str, prompt: str | None, batch_file: str | None, 
     if as_json:
         click.echo(json.dumps({"artifact": artifact, "device": device, "load_s": rt.load_s, "results": results},
                               indent=2))
+
+
+def _generations(rt, prompts: list[str], batch_size: int, as_json: bool, echo, **kw):
+    """(prompt, Generation) in order: one at a time, streamed to ``echo``, or ``batch_size`` prompts together."""
+    if batch_size == 1:
+        for p in prompts:
+            yield p, rt.generate(p, stream=None if as_json else echo, **kw)
+        return
+    for i in range(0, len(prompts), batch_size):
+        part = prompts[i:i + batch_size]
+        yield from zip(part, rt.generate_batch(part, **kw), strict=True)

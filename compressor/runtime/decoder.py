@@ -72,6 +72,9 @@ class StaticDecoder(nn.Module):
         self.register_buffer("arange", torch.arange(self.max_len, device=device), persistent=False)
         self.register_buffer("tokens", torch.zeros(self.batch_size, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("position", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+        # per row: the cache slots before it are left padding (prompts of different lengths in one batch)
+        self.register_buffer("offset", torch.zeros(self.batch_size, dtype=torch.long, device=device),
+                             persistent=False)
         self.logits: torch.Tensor | None = None
         self._silu = getattr(cfg, "hidden_act", None) == "silu"
         self.glue = self.GLUE if device.type == "cuda" and dtype == torch.float16 else "torch"
@@ -118,15 +121,21 @@ class StaticDecoder(nn.Module):
         """Forget every cached position (the caches are masked by position; they are not cleared)."""
         self.position.zero_()
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run the prompt ``ids`` [B, T] from position 0: fills the cache, sets ``position`` to T and returns
-        the last position's logits [B, V]."""
+    def prefill(self, ids: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
+        """Run the prompts ``ids`` [B, T] from cache slot 0: fills the cache, sets ``position`` to T and returns
+        the last slot's logits [B, V]. ``lengths``: each row's prompt length, its tokens at the end of the row
+        (left padding); a row's padding slots are never attended to and its rotary positions start at its first
+        token, so every row computes what it would alone."""
         if ids.ndim != 2 or ids.shape[0] != self.batch_size:
             raise UserError(f"prefill: ids must be [{self.batch_size}, T], got {tuple(ids.shape)}")
         t = ids.shape[1]
         if not 1 <= t < self.max_len:
             raise UserError(f"prefill: {t} prompt tokens do not fit a cache of {self.max_len} positions")
+        lengths = [t] * self.batch_size if lengths is None else [int(n) for n in lengths]
+        if len(lengths) != self.batch_size or not all(1 <= n <= t for n in lengths):
+            raise UserError(f"prefill: lengths {lengths} must give each of the {self.batch_size} rows 1 to {t} tokens")
         self.reset()
+        self.offset.copy_(torch.tensor([t - n for n in lengths]))
         logits = self._forward(ids.to(self.device), self.arange[:t])
         self.position.fill_(t)
         return logits
@@ -144,14 +153,17 @@ class StaticDecoder(nn.Module):
         b, t = ids.shape
         glue = self._glue
         x = inner.embed_tokens(ids)
-        mask = (self.arange[None, :] <= pos[:, None])[None, None]  # key j visible to row i iff j <= pos_i
+        # slot j visible to query i of row b iff j <= pos_i and j is not b's padding (a padding query sees itself)
+        j, off = self.arange[None, None, :], self.offset[:, None, None]
+        mask = ((j <= pos[None, :, None]) & ((j >= off) | (j == pos[None, :, None])))[:, None]  # [B, 1, T, L]
+        rpos = (pos[None, :] - self.offset[:, None]).clamp(min=0)  # rotary positions [B, T]
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             h = self._norm(layer.input_layernorm, x)
             q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim)
             k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim)
             v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim)
-            q = glue.rotary_cache(q, k, v, self.cos, self.sin, pos, self.k_cache[i], self.v_cache[i])
+            q = glue.rotary_cache(q, k, v, self.cos, self.sin, pos, rpos, self.k_cache[i], self.v_cache[i])
             o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
                                                scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

@@ -104,6 +104,7 @@ class Runtime:
         self.static_unsupported = StaticDecoder.unsupported(model)  # None: the static decoder runs this model
         self._decoder: StaticDecoder | None = None
         self._graph: GraphedStep | None = None
+        self._batched: dict[int, tuple[StaticDecoder, GraphedStep]] = {}  # batch size -> decoder, captured step
 
     @property
     def n_compressed(self) -> int:
@@ -292,6 +293,77 @@ class Runtime:
         return Generation(prompt_ids, new, text.text() if text is not None else None, stop, seed,
                           t_first - t0, t_end - t_first, steps,
                           self.step_stats())
+
+
+    def _batch_decoder(self, batch: int, need: int) -> tuple[StaticDecoder, GraphedStep]:
+        """The static decoder (and its captured step) for ``batch`` rows of at least ``need`` positions."""
+        dec, graph = self._batched.get(batch, (None, None))
+        if dec is None or dec.max_len < need:
+            self._batched.pop(batch, None)
+            dec = StaticDecoder(self.model, batch, self.decoder_length(need))
+            graph = GraphedStep(dec, greedy=False, strict=False)
+            self._batched[batch] = (dec, graph)
+        return dec, graph
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 128,
+                       temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
+                       ignore_eos: bool = False) -> list[Generation]:
+        """:meth:`generate` for several prompts at once: one batch, each decode step one forward for all rows
+        (prompts left-padded; each row computes what it would alone, except that a Tiled-CBC layer's threshold
+        applies only when a step has one row, as its spMspV kernel runs there). A row that ends stops adding
+        tokens; the batch runs until every row has ended. Timings are the batch's. Models the static decoder does
+        not run generate one prompt after another."""
+        check_sampling(max_new_tokens, temperature, top_p)
+        if len(prompts) == 1 or self.static_unsupported is not None:
+            return [self.generate(p, max_new_tokens, temperature, top_p, seed, chat=chat, ignore_eos=ignore_eos)
+                    for p in prompts]
+        t0 = time.perf_counter()
+        rows = [self.encode(p, chat) for p in prompts]
+        b, t = len(rows), max(len(r) for r in rows)
+        limit = t + max_new_tokens if self.max_positions is None else min(t + max_new_tokens, self.max_positions)
+        gen = None
+        if temperature > 0:
+            seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        else:
+            seed = None
+        eos = set() if ignore_eos else self.eos_ids
+        dec, graph = self._batch_decoder(b, limit)
+        ids = torch.tensor([[0] * (t - len(r)) + r for r in rows], dtype=torch.long)
+        logits = dec.prefill(ids, [len(r) for r in rows])
+        new: list[list[int]] = [[] for _ in rows]
+        stop = ["length"] * b
+        done = [False] * b
+        t_first, steps = None, 0
+        while True:
+            chosen = choose(logits, temperature, top_p, gen)
+            dec.tokens.copy_(chosen)
+            tokens = chosen.tolist()
+            if t_first is None:
+                t_first = time.perf_counter()
+            for r, token in enumerate(tokens):
+                if done[r]:
+                    continue
+                if token in eos:
+                    done[r], stop[r] = True, "eos"
+                    continue
+                new[r].append(token)
+                done[r] = len(new[r]) >= max_new_tokens
+            if all(done):
+                break
+            if t + steps >= limit:  # the cache (the model's positions) is full
+                stop = [s if d else "context" for s, d in zip(stop, done, strict=True)]
+                break
+            logits = graph()
+            steps += 1
+        t_end = time.perf_counter()
+        stats = {**self.step_stats(), "batch": b}
+        stats["graph"] = graph.graph is not None
+        return [Generation(r, n, self.tokenizer.decode(n, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                           if self.tokenizer is not None else None, st, seed, t_first - t0, t_end - t_first, steps,
+                           dict(stats))
+                for r, n, st in zip(rows, new, stop, strict=True)]
 
 
 class _StaticSession:
