@@ -833,6 +833,7 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
                 res["errors"].append({"where": "checks", "error": f"{type(e).__name__}: {e}"})
             if dev.type == "cuda":
                 _act_quant_fallback(res, dev, seed, say)
+                _glue_check(res, dev, seed, say)
             bad = [c["check"] for c in res["checks"] if not c["ok"]]
             if res.get("_save"):
                 res["_save"]()
@@ -876,6 +877,40 @@ def _act_quant_fallback(res: dict, dev: torch.device, seed: int, say) -> None:
         say("IE-BME: the one-launch activation quantizer failed its check; timing with the torch quantizer")
     else:
         CudaOp.act_quant = "kernel"
+
+
+def _glue_check(res: dict, dev: torch.device, seed: int, say) -> None:
+    """The decode step's glue kernels (``kernels/glue.cu``, new) against the torch glue on the tiny spec's fp16
+    model (prefill and 4 greedy steps, logits to fp16 tolerance, the same tokens); on a failure every kind is
+    timed with the torch glue (recorded in the settings: it is the same for all kinds)."""
+    from ..runtime.decoder import GraphedStep, StaticDecoder
+
+    res["settings"]["glue"] = StaticDecoder.GLUE
+    if StaticDecoder.GLUE != "kernels":
+        return
+    model = build_model(SPECS["tiny"], dev, seed=seed)
+    ids = torch.randint(0, SPECS["tiny"].vocab, (2, 12), device=dev, generator=torch.Generator(dev).manual_seed(seed))
+    rows = {}
+    try:
+        for mode in ("kernels", "torch"):
+            dec = StaticDecoder(model, 2, 32)
+            dec.glue = mode
+            out = [dec.prefill(ids)]
+            dec.tokens.copy_(out[0].argmax(-1))
+            step = GraphedStep(dec, greedy=True)
+            out += [step().clone() for _ in range(4)]
+            rows[mode] = torch.stack(out)
+        err = float((rows["kernels"] - rows["torch"]).abs().max())
+        ok = err <= 0.02 * float(rows["torch"].abs().max()) + 0.02 and torch.equal(
+            rows["kernels"].argmax(-1), rows["torch"].argmax(-1))
+        detail = f"max |kernels - torch| {err:.3g}"
+    except Exception as e:  # recorded, then the torch glue
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    res["checks"].append({"check": "glue kernels against torch glue (tiny, fp16)", "ok": ok, "detail": detail})
+    if not ok:
+        StaticDecoder.GLUE = "torch"
+        res["settings"]["glue"] = "torch (the glue kernels failed their check)"
+        say(f"glue kernels failed their check ({detail}); timing every kind with the torch glue")
 
 
 def _command_line() -> str:
