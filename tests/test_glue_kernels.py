@@ -93,3 +93,56 @@ def test_decoder_with_glue_kernels_agrees_with_torch_glue():
             rows[mode] = torch.stack(logits)
     torch.testing.assert_close(rows["kernels"], rows["torch"], rtol=0, atol=2e-2)
     assert torch.equal(rows["kernels"].argmax(-1), rows["torch"].argmax(-1))
+
+
+def _rule(k: int, n_side: int, dev, bits: int = 4):
+    from unionsparse.kernels.norm_quant import InputRule
+
+    if not n_side:
+        return InputRule(bits, 128, 0.9, -(-k // 64) * 64)
+    g = torch.Generator().manual_seed(k)
+    chans = torch.randperm(k, generator=g)[:n_side].sort().values
+    rest = torch.tensor([c for c in range(k) if c not in set(chans.tolist())])
+    perm = torch.cat([rest, chans]).to(torch.int32).to(dev)
+    return InputRule(bits, 128, 0.95, -(-k // 64) * 64, perm, n_side, 8, 8, 1.0)
+
+
+def test_producer_references_are_the_glue_then_the_linears_rule():
+    from unionsparse.kernels.norm_quant import rms_norm_quant_reference, silu_mul_quant_reference
+
+    x, w = torch.randn(3, 200), torch.randn(200)
+    for n_side in (0, 16):
+        rule = _rule(200, n_side, "cpu")
+        y, q = rms_norm_quant_reference(x, w, 1e-5, rule)
+        assert torch.equal(y, glue.rms_norm_reference(x, w, 1e-5))
+        for a, b in zip(q, rule.reference(y), strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert q[0].shape == (3, 256) and not q[0][:, 200:].any()
+        g, u = torch.randn(3, 200), torch.randn(3, 200)
+        y, q = silu_mul_quant_reference(g, u, rule)
+        assert torch.equal(y, glue.silu_mul_reference(g, u)) and torch.equal(q[0], rule.reference(y)[0])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("k, n_side", [(576, 0), (1536, 0), (4096, 128), (200, 16)])
+def test_quantizing_producer_kernels_equal_their_references(k, n_side):
+    """The float16 output as the glue kernels give it, and the quantized input exactly the linear's rule applied to
+    that output (codes, scales, side input)."""
+    from unionsparse.kernels import norm_quant
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(k)
+    rule = _rule(k, n_side, dev)
+    x = (torch.randn(5, k, device=dev, generator=g) * 2).half()
+    w = torch.randn(k, device=dev, generator=g).half()
+    y, q = norm_quant.rms_norm_quant(x, w, 1e-5, rule)
+    assert torch.equal(y, glue.rms_norm(x, w, 1e-5))
+    for a, b in zip(q, rule.reference(y), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    gu = (torch.randn(5, 2 * k + 64, device=dev, generator=g) * 3).half()
+    gate, up = gu[:, :k], gu[:, k + 64:]
+    y, q = norm_quant.silu_mul_quant(gate, up, rule)
+    assert torch.equal(y, glue.silu_mul(gate, up))
+    for a, b in zip(q, rule.reference(y), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -347,3 +347,20 @@ def test_load_fuses_on_request_and_generates_the_same_tokens(artifacts):  # noqa
     g = fused.generate(PROMPT, max_new_tokens=N_NEW, ignore_eos=True)
     assert g.stats["decoder"] == "static"
     assert g.ids == plain.generate(PROMPT, max_new_tokens=N_NEW, ignore_eos=True).ids
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_quantizing_producers_hand_over_exactly_the_codes_the_linear_makes(artifacts, fuse):  # noqa: F811
+    """With quantizing producers (on by default with the GPU glue; here their torch references), the RMSNorm before
+    Q/K/V and the SiLU·mul before down_proj hand their linear its quantized input: the logits are bit for bit the
+    same, and each forward of each block takes two hand-overs (the stacked Q/K/V op or q_proj alone, down_proj)."""
+    rt = runtime.load(artifacts("w4a4-outliers"), fuse=fuse)
+    ids = rt.generate(PROMPT, max_new_tokens=N_NEW, ignore_eos=True).ids
+    plain = rt.step_logits(PROMPT, ids)
+    ops = [m.op for m in rt.model.modules() if isinstance(m, runtime.CompressedLinear)]
+    assert not rt._decoder.prequant and sum(op.offers_used for op in ops) == 0
+    rt._decoder.prequant = True
+    handed = rt.step_logits(PROMPT, ids)
+    assert torch.equal(handed, plain)
+    forwards = 1 + len(ids)
+    assert sum(op.offers_used for op in ops) == forwards * 2 * 2  # 2 blocks, 2 hand-overs each

@@ -140,10 +140,18 @@ class FakeQuantLinear(RowwiseLinear):
         clip = float(self.act.get("clip", 1.0))
         if self.outliers is None:
             xq, sx = quantize_activations_torch(x, self.act_bits, self.group_size, clip)
-            return grouped_int_matmul(xq, sx, self.w_codes, self.w_scales, self.group_size).half()
-        xq, sx, oq, osx = quantize_inputs_torch(x, self.perm, self.side_codes.shape[1], self.act)
-        y = grouped_int_matmul(xq, sx, self.w_codes, self.w_scales, self.group_size)
-        return grouped_int_matmul(oq, osx, self.side_codes, self.side_scales, self.side_group, out=y).half()
+            return self.matmul_quantized(xq, sx)
+        return self.matmul_quantized(*quantize_inputs_torch(x, self.perm, self.side_codes.shape[1], self.act))
+
+    def matmul_quantized(self, xq: torch.Tensor, sx: torch.Tensor, oq: torch.Tensor | None = None,
+                         osx: torch.Tensor | None = None) -> torch.Tensor:
+        """float16 [N, M] from inputs already quantized by this layer's rule (codes [N, >= K], padding columns
+        beyond K ignored; the outlier side's codes and scales when the layer has one)."""
+        k = self.in_features
+        y = grouped_int_matmul(xq[:, :k], sx, self.w_codes, self.w_scales, self.group_size)
+        if self.outliers is not None:
+            y = grouped_int_matmul(oq, osx, self.side_codes, self.side_scales, self.side_group, out=y)
+        return y.half()
 
     def extra_repr(self) -> str:
         o = 0 if self.outliers is None else self.side_codes.shape[1]

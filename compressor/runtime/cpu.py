@@ -17,12 +17,12 @@ from ..activation_sparsity.linear import TiledCBCLinear
 from ..artifact.store import LayerRecord
 from ..model.rebuild import layer_weight
 from ..quantize.fake_quant import FakeQuantLinear
-from .linear import LayerPlan
+from .linear import LayerPlan, QuantizingOp
 
 FP16_ACTIVATIONS = {"bits": 16, "scheme": "fp16"}
 
 
-class CpuOp(nn.Module):
+class CpuOp(QuantizingOp):
     """``x2 [N, K] -> float16 [N, M]`` of one stored layer on the CPU."""
 
     def __init__(self, rec: LayerRecord, plan: LayerPlan) -> None:
@@ -36,9 +36,23 @@ class CpuOp(nn.Module):
             self.impl = FakeQuantLinear(np.asarray(values, dtype=np.int8), rec.scales, int(plan.bits),
                                         int(rec.attrs["group_size"]), act, None, rec.outliers)
 
+    def input_rule(self):
+        if self.plan.act_bits == 16:
+            return None
+        from ...kernels.norm_quant import InputRule
+
+        f, act = self.impl, self.impl.act
+        side = f.outliers is not None
+        return InputRule(f.act_bits, f.group_size, float(act.get("clip", 1.0)), f.in_features,
+                         f.perm if side else None, f.side_codes.shape[1] if side else 0,
+                         int(act.get("outlier_bits", 8)), f.side_group if side else None,
+                         float(act.get("outlier_clip", 1.0)))
+
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
         if isinstance(self.impl, TiledCBCLinear):  # spMspV with tau at N = 1, the SpMM above
             return self.impl.matmul_2d(x2, prune=x2.shape[0] == 1)
+        if self.plan.act_bits != 16 and (q := self.take(x2)) is not None:
+            return self.impl.matmul_quantized(*q)
         return self.impl.matmul_2d(x2)
 
     def decode_sparsity(self) -> tuple[int, int] | None:

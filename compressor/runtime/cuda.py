@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
 
 from ...formats import iebme
 from ...formats.arithmetic.activations import quantize_activations_torch
@@ -33,7 +32,7 @@ from ..artifact.store import LayerRecord
 from ..errors import UserError
 from ..model.rebuild import layer_weight
 from ..quantize.fake_quant import grouped_int_matmul
-from .linear import LayerPlan
+from .linear import LayerPlan, QuantizingOp
 
 
 def cuda_problem() -> str | None:
@@ -79,7 +78,7 @@ def require_cuda() -> None:
         raise UserError(f"--device cuda: {why}; use --device cpu")
 
 
-class CudaOp(nn.Module):
+class CudaOp(QuantizingOp):
     """``x2 [N, K] -> float16 [N, M]`` of one stored layer through the artifact's GPU kernels.
 
     ``act_quant`` (class default, or per instance): "kernel" quantizes IE-BME inputs in one launch
@@ -138,6 +137,16 @@ class CudaOp(nn.Module):
         else:
             self.perm = None
 
+    def input_rule(self):
+        if self.kind != "iebme":
+            return None
+        from ...kernels.norm_quant import InputRule
+
+        n_side = 0 if self.perm is None else self.side_codes.shape[1]
+        return InputRule(self.plan.act_bits, self.act_group, float(self.act.get("clip", 1.0)), self.layer.tc * 64,
+                         None if self.perm is None else self.perm32, n_side, int(self.act.get("outlier_bits", 8)),
+                         self.side_group if n_side else None, float(self.act.get("outlier_clip", 1.0)))
+
     def _stream(self):
         import cupy as cp
 
@@ -160,7 +169,13 @@ class CudaOp(nn.Module):
             return torch.from_dlpack(spmm_iebme(self.layer, xq, sx, poison=False))  # no NaN fill launch
 
         n_side = 0 if self.perm is None else self.side_codes.shape[1]
-        if self.act_quant == "kernel":  # one launch: gather, quantize, pad (kernels/act_quant.cu)
+        offered = self.take(x)
+        if offered is not None:  # quantized by the op that produced x (kernels/norm_quant.cu)
+            xq, sx, oq, osx = offered
+            y = main(cp.from_dlpack(xq), cp.from_dlpack(sx))
+            if not n_side:
+                return y
+        elif self.act_quant == "kernel":  # one launch: gather, quantize, pad (kernels/act_quant.cu)
             from ...kernels.act_quant import quantize_inputs
 
             xq, sx, oq, osx = quantize_inputs(

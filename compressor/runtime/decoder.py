@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import glue as glue_ops
+from ...kernels import norm_quant
 from ..errors import UserError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -32,7 +33,16 @@ def _rope_type(config) -> str:
 class _TorchGlue:
     """The glue as torch operations (the references of ``kernels/glue.py``)."""
 
+    rms_norm = staticmethod(glue_ops.rms_norm_reference)
+    silu_mul = staticmethod(glue_ops.silu_mul_reference)
     rotary_cache = staticmethod(glue_ops.rotary_cache_reference)
+
+
+class _ReferenceProducers:
+    """Quantizing producers as torch operations (the references of ``kernels/norm_quant.py``)."""
+
+    rms_norm_quant = staticmethod(norm_quant.rms_norm_quant_reference)
+    silu_mul_quant = staticmethod(norm_quant.silu_mul_quant_reference)
 
 
 class StaticDecoder(nn.Module):
@@ -80,6 +90,7 @@ class StaticDecoder(nn.Module):
         self.glue = self.GLUE if device.type == "cuda" and dtype == torch.float16 else "torch"
 
     GLUE = "kernels"  # on a float16 GPU model: "kernels" (kernels/glue.cu, one launch each) or "torch"
+    PREQUANT = True  # with the glue kernels: quantizing producers (kernels/norm_quant.cu); False: the linears quantize
 
     @property
     def glue(self) -> str:
@@ -93,6 +104,19 @@ class StaticDecoder(nn.Module):
             raise ValueError(f"glue must be 'kernels' or 'torch', got {value!r}")
         self._glue_name = value
         self._glue = glue_ops if value == "kernels" else _TorchGlue
+        self.prequant = value == "kernels" and self.PREQUANT
+
+    @property
+    def prequant(self) -> bool:
+        """Quantizing producers: the RMSNorm before a quantized-input linear (Q/K/V) and the SiLU·mul before
+        down_proj also write that linear's quantized input and hand it over, so the linear does not quantize
+        (``kernels/norm_quant.cu`` with the glue kernels; their torch references otherwise, as tests use)."""
+        return self._prequant
+
+    @prequant.setter
+    def prequant(self, value: bool) -> None:
+        self._prequant = bool(value)
+        self._producers = norm_quant if self._glue_name == "kernels" else _ReferenceProducers
 
     @staticmethod
     def unsupported(model: nn.Module, max_len: int | None = None) -> str | None:
@@ -159,7 +183,7 @@ class StaticDecoder(nn.Module):
         rpos = (pos[None, :] - self.offset[:, None]).clamp(min=0)  # rotary positions [B, T]
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            h = self._norm(layer.input_layernorm, x)
+            h = self._norm(layer.input_layernorm, x, attn.q_proj)
             q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim)
             k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim)
             v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim)
@@ -171,15 +195,39 @@ class StaticDecoder(nn.Module):
         x = self._norm(inner.norm, x[:, -1])
         return self.model.lm_head(x).float()
 
-    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.glue == "kernels" and hasattr(norm, "variance_epsilon"):
-            return self._glue.rms_norm(x, norm.weight, float(norm.variance_epsilon))
+    def _consumer(self, linear: nn.Module):
+        """The op that quantizes what ``linear`` reads (a fused member's stacked op), when quantizing producers
+        are on and it takes a quantized input (``CompressedLinear.input_rule``); else None."""
+        if not self.prequant:
+            return None
+        from .fused import SharedInputMember
+        from .linear import CompressedLinear
+
+        op = linear.shared.stacked if isinstance(linear, SharedInputMember) else linear
+        return op if isinstance(op, CompressedLinear) and op.input_rule() is not None else None
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor, reader: nn.Module | None = None) -> torch.Tensor:
+        """``norm(x)``; with quantizing producers also the quantized input of ``reader``, handed to it."""
+        eps = getattr(norm, "variance_epsilon", None)
+        consumer = self._consumer(reader) if reader is not None and eps is not None else None
+        if consumer is not None:
+            y, quantized = self._producers.rms_norm_quant(x, norm.weight, float(eps), consumer.input_rule())
+            consumer.offer(y.reshape(-1, y.shape[-1]), quantized)
+            return y
+        if self.glue == "kernels" and eps is not None:
+            return self._glue.rms_norm(x, norm.weight, float(eps))
         return norm(x)
 
     def _mlp(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        if self.glue == "kernels" and self._silu:
-            return mlp.down_proj(self._glue.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
-        return mlp(h)
+        if not (self._silu and (self.glue == "kernels" or self.prequant)):
+            return mlp(h)
+        gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        consumer = self._consumer(mlp.down_proj)
+        if consumer is None:
+            return mlp.down_proj(self._glue.silu_mul(gate, up))
+        y, quantized = self._producers.silu_mul_quant(gate, up, consumer.input_rule())
+        consumer.offer(y.reshape(-1, y.shape[-1]), quantized)
+        return mlp.down_proj(y)
 
 
 class GraphedStep:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ...formats import registry
 from ..artifact.store import LayerRecord
@@ -66,6 +67,32 @@ def layer_plan(rec: LayerRecord, dynamic_pruning: bool = True) -> LayerPlan:
                      0 if rec.outliers is None else int(rec.outliers.channels.size))
 
 
+class QuantizingOp(nn.Module):
+    """An op that quantizes its input, and can take that quantized input from the op that produced it instead
+    (docs/runtime.md, "Quantizing producers"): :meth:`offer` hands over (input tensor, quantized input); the next
+    call on that very tensor (same storage and size) uses it once. Any other call quantizes as usual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._offered: tuple | None = None
+        self.offers_used = 0  # calls that took a producer's quantized input (Python-side; at capture on a GPU)
+
+    def input_rule(self):
+        """The :class:`~unionsparse.kernels.norm_quant.InputRule` of this op's input, or None (not quantized)."""
+        return None
+
+    def offer(self, x: torch.Tensor, quantized: tuple) -> None:
+        self._offered = (x.data_ptr(), x.numel(), quantized)
+
+    def take(self, x2: torch.Tensor) -> tuple | None:
+        """The quantized input offered for ``x2``, once; None when none was offered for it."""
+        o, self._offered = self._offered, None
+        if o is None or o[0] != x2.data_ptr() or o[1] != x2.numel():
+            return None
+        self.offers_used += 1
+        return o[2]
+
+
 def make_op(rec: LayerRecord, plan: LayerPlan, backend: str, device: torch.device | str | None = None):
     """The callable ``x2 [N, K] -> float16 [N, M]`` of ``backend`` for one layer."""
     if backend == "cpu":
@@ -97,6 +124,14 @@ class CompressedLinear(RowwiseLinear):
 
     def matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x)
+
+    def input_rule(self):
+        """How this layer quantizes its input (None: it does not); see :class:`QuantizingOp`."""
+        return self.op.input_rule() if isinstance(self.op, QuantizingOp) else None
+
+    def offer(self, x: torch.Tensor, quantized: tuple) -> None:
+        """Hand over the quantized input of ``x``, computed by the op that produced ``x``."""
+        self.op.offer(x, quantized)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.plan.label}, backend={self.backend}"
