@@ -351,9 +351,10 @@ def test_load_fuses_on_request_and_generates_the_same_tokens(artifacts):  # noqa
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_quantizing_producers_hand_over_exactly_the_codes_the_linear_makes(artifacts, fuse):  # noqa: F811
-    """With quantizing producers (on by default with the GPU glue; here their torch references), the RMSNorm before
-    Q/K/V and the SiLU·mul before down_proj hand their linear its quantized input: the logits are bit for bit the
-    same, and each forward of each block takes two hand-overs (the stacked Q/K/V op or q_proj alone, down_proj)."""
+    """With quantizing producers (on by default with the GPU glue; here their torch references), the RMSNorms
+    before Q/K/V and gate/up and the SiLU·mul before down_proj hand their linear its quantized input: the logits
+    are bit for bit the same, and each forward of each block takes three hand-overs (the stacked Q/K/V op or
+    q_proj alone, the stacked gate/up op or gate_proj alone, down_proj)."""
     rt = runtime.load(artifacts("w4a4-outliers"), fuse=fuse)
     ids = rt.generate(PROMPT, max_new_tokens=N_NEW, ignore_eos=True).ids
     plain = rt.step_logits(PROMPT, ids)
@@ -363,4 +364,4 @@ def test_quantizing_producers_hand_over_exactly_the_codes_the_linear_makes(artif
     handed = rt.step_logits(PROMPT, ids)
     assert torch.equal(handed, plain)
     forwards = 1 + len(ids)
-    assert sum(op.offers_used for op in ops) == forwards * 2 * 2  # 2 blocks, 2 hand-overs each
+    assert sum(op.offers_used for op in ops) == forwards * 2 * 3  # 2 blocks, 3 hand-overs each

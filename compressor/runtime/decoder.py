@@ -191,7 +191,8 @@ class StaticDecoder(nn.Module):
             o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
                                                scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-            x = x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x))
+            x = x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x,
+                                                    getattr(layer.mlp, "gate_proj", None)))
         x = self._norm(inner.norm, x[:, -1])
         return self.model.lm_head(x).float()
 
