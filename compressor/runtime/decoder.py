@@ -108,9 +108,10 @@ class StaticDecoder(nn.Module):
 
     @property
     def prequant(self) -> bool:
-        """Quantizing producers: the RMSNorm before a quantized-input linear (Q/K/V) and the SiLU·mul before
-        down_proj also write that linear's quantized input and hand it over, so the linear does not quantize
-        (``kernels/norm_quant.cu`` with the glue kernels; their torch references otherwise, as tests use)."""
+        """Quantizing producers: the RMSNorms before quantized-input linears (Q/K/V, gate/up) and the SiLU·mul
+        before down_proj also write that linear's quantized input and hand it over, so the linear does not
+        quantize (``kernels/norm_quant.cu`` with the glue kernels; their torch references otherwise, as tests
+        use)."""
         return self._prequant
 
     @prequant.setter
