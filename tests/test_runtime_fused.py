@@ -365,3 +365,21 @@ def test_quantizing_producers_hand_over_exactly_the_codes_the_linear_makes(artif
     assert torch.equal(handed, plain)
     forwards = 1 + len(ids)
     assert sum(op.offers_used for op in ops) == forwards * 2 * 3  # 2 blocks, 3 hand-overs each
+
+
+def test_fused_batched_generation_with_quantizing_producers(artifacts):  # noqa: F811
+    """Everything the GPU path combines, on the CPU: fused Q/K/V and gate/up, quantizing producers (their torch
+    references), three prompts of different lengths in one batch; each row's tokens equal its plain generation."""
+    path = artifacts("w4a4-outliers")
+    plain = runtime.load(path)
+    rt = runtime.load(path, fuse=True)
+    prompts = [PROMPT, [9, 4], PROMPT[:3] + [200, 17]]
+    rt.generate_batch(prompts, max_new_tokens=2, ignore_eos=True)  # builds the batch-3 decoder
+    dec = rt._batched[3][0]
+    dec.prequant = True
+    ops = [m.op for m in rt.model.modules() if isinstance(m, runtime.CompressedLinear)]
+    before = sum(op.offers_used for op in ops)
+    batch = rt.generate_batch(prompts, max_new_tokens=N_NEW, ignore_eos=True)
+    assert sum(op.offers_used for op in ops) - before == N_NEW * 2 * 3  # prefill + N_NEW - 1 steps, 2 blocks
+    for p, g in zip(prompts, batch, strict=True):
+        assert g.ids == plain.generate(p, max_new_tokens=N_NEW, ignore_eos=True).ids
