@@ -146,3 +146,23 @@ def test_quantizing_producer_kernels_equal_their_references(k, n_side):
     assert torch.equal(y, glue.silu_mul(gate, up))
     for a, b in zip(q, rule.reference(y), strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n, gs", [(8, 8), (128, 128), (200, 64)])
+def test_outlier_side_kernel_equals_grouped_int_matmul(n, gs):
+    """The side product in one launch against the runtime's torch path, bit for bit."""
+    from unionsparse.compressor.quantize.fake_quant import grouped_int_matmul
+    from unionsparse.kernels.outlier_side import side_product
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(n)
+    rows, m, groups = 5, 1000, -(-n // gs)
+    y = (torch.randn(rows, m + 24, device=dev, generator=g) * 4).half()[:, :m]  # a row view, as a fused op gives
+    xq = torch.randint(-128, 128, (rows, n), device=dev, generator=g, dtype=torch.int8)
+    wq = torch.randint(-128, 128, (m, n), device=dev, generator=g, dtype=torch.int8)
+    sx = torch.rand(rows, groups, device=dev, generator=g) * 0.01
+    sw = torch.rand(m, groups, device=dev, generator=g) * 0.01
+    want = grouped_int_matmul(xq, sx, wq.float(), sw, gs, out=y.float()).half()
+    assert torch.equal(side_product(y, xq, sx, wq, sw, gs), want)

@@ -481,7 +481,7 @@ def _nvrtc():
 @pytest.mark.parametrize("name,arch", [("tiled_cbc_spmspv.cu", "compute_90"), ("tiled_cbc_spmspv.cu", "compute_80"),
                                        ("tiled_cbc_spmm.cu", "compute_90"), ("tiled_cbc_spmm.cu", "compute_90a"),
                                        ("act_quant.cu", "compute_90"), ("glue.cu", "compute_90"),
-                                       ("norm_quant.cu", "compute_90")])
+                                       ("norm_quant.cu", "compute_90"), ("outlier_side.cu", "compute_90")])
 def test_kernel_source_compiles(name, arch):
     """Front-end compile (PTX, no GPU) of every explicitly instantiated kernel; spMspV also before sm_90,
     where its copies take the cp.async path."""

@@ -605,3 +605,15 @@ def test_generate_cli_batch_size(artifacts, tmp_path, run_cli, monkeypatch):
     assert r.out.splitlines() == [rt.generate(p, max_new_tokens=6).text for p in prompts]
     speed = r.err.strip().splitlines()[1:]
     assert len(speed) == 3 and "2 rows together" in speed[0] and "together" not in speed[2]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_outlier_side_kernel_equals_the_torch_path(artifacts, monkeypatch):
+    """IE-BME W4A4 with outliers: the side product in one launch gives the same logits as torch's grouped products."""
+    from unionsparse.compressor.runtime.cuda import CudaOp
+
+    kernel = runtime.load(artifacts("w4a4-outliers"), device="cuda").step_logits(PROMPT, [3, 4, 5])
+    monkeypatch.setattr(CudaOp, "side_kernel", "torch")
+    torch_path = runtime.load(artifacts("w4a4-outliers"), device="cuda").step_logits(PROMPT, [3, 4, 5])
+    assert torch.equal(kernel, torch_path)

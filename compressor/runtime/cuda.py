@@ -83,9 +83,12 @@ class CudaOp(QuantizingOp):
 
     ``act_quant`` (class default, or per instance): "kernel" quantizes IE-BME inputs in one launch
     (``kernels/act_quant.cu``), "torch" with the formats' torch functions (the same values, about ten launches).
+    ``side_kernel``: the outlier side product in one launch (``kernels/outlier_side.cu``) or as torch's grouped
+    products (the same bits, about five launches per side group).
     """
 
     act_quant = "kernel"
+    side_kernel = "kernel"  # the 8-bit outlier side product: "kernel" (kernels/outlier_side.cu) or "torch"
 
     def __init__(self, rec: LayerRecord, plan: LayerPlan, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -132,6 +135,8 @@ class CudaOp(QuantizingOp):
             self.register_buffer("perm", torch.from_numpy(side.perm.astype(np.int64)).to(self.device))
             self.register_buffer("perm32", self.perm.to(torch.int32))
             self.register_buffer("side_codes", torch.from_numpy(side.codes).float().to(self.device))
+            codes_i8 = torch.from_numpy(side.codes).to(torch.int8).contiguous()
+            self.register_buffer("side_codes_i8", codes_i8.to(self.device))  # for kernels/outlier_side.cu
             s = torch.from_numpy(side.scales.astype(np.float32)).expand(-1, n_groups(n, self.side_group))
             self.register_buffer("side_scales", s.contiguous().to(self.device))
         else:
@@ -195,6 +200,11 @@ class CudaOp(QuantizingOp):
                 return main(cp.from_dlpack(xq.contiguous()), cp.from_dlpack(sx.float().contiguous()))
             xq, sx, oq, osx = quantize_inputs_torch(xf, self.perm, n_side, self.act)
             y = main(cp.from_dlpack(xq.contiguous()), cp.from_dlpack(sx.float().contiguous()))
+        if self.side_kernel == "kernel":  # one launch (kernels/outlier_side.cu), the same arithmetic
+            from ...kernels.outlier_side import side_product
+
+            return side_product(y, oq.contiguous(), osx.float().contiguous(), self.side_codes_i8, self.side_scales,
+                                self.side_group)
         return grouped_int_matmul(oq, osx, self.side_codes, self.side_scales, self.side_group, out=y.float()).half()
 
     def _tiled_cbc(self, xh: torch.Tensor, cp) -> torch.Tensor:

@@ -1,0 +1,40 @@
+"""The 8-bit outlier side product added to the IE-BME kernel's output in one launch (``outlier_side.cu``); its
+reference is ``compressor.quantize.fake_quant.grouped_int_matmul(xq, sx, wq, sw, gs, out=y.float()).half()``,
+which it equals bit for bit (same float32 operations in the same order, exact integer dot products)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import torch
+
+from .glue import _ptr, _rows, _stream
+
+THREADS = 128
+
+
+@cache
+def _function():
+    from .tiled_cbc_device import load_module
+
+    return load_module("outlier_side", ()).get_function("side_product")
+
+
+def side_product(y: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """float16 [N, M]: ``y`` (float16 [N, M], the main product) plus the side product of codes ``xq`` (int8
+    [N, n]) with scales ``sx`` (float32 [N, G]) and weight codes ``wq`` (int8 [M, n]) with scales ``sw`` (float32
+    [M, G]), groups of ``group_size`` side channels (CUDA tensors)."""
+    y2, ld = _rows(y)
+    n_rows, m = y2.shape
+    n = xq.shape[1]
+    for t, dt in ((xq, torch.int8), (wq, torch.int8), (sx, torch.float32), (sw, torch.float32)):
+        if t.dtype != dt or not t.is_contiguous() or t.device.type != "cuda":
+            raise ValueError(f"side_product: expected contiguous {dt} CUDA tensors, got {t.dtype} on {t.device}")
+    out = torch.empty((n_rows, m), dtype=torch.float16, device=y.device)
+    with _stream(y.device):
+        _function()((-(-m // THREADS), n_rows), (THREADS,),
+                    (_ptr(y2), np.int64(ld), _ptr(xq), _ptr(sx), _ptr(wq), _ptr(sw), _ptr(out), np.int32(m),
+                     np.int32(n), np.int32(group_size)), shared_mem=4 * n)
+    return out
