@@ -882,7 +882,9 @@ def _act_quant_fallback(res: dict, dev: torch.device, seed: int, say) -> None:
 def _glue_check(res: dict, dev: torch.device, seed: int, say) -> None:
     """The decode step's glue kernels (``kernels/glue.cu``, new) against the torch glue on the tiny spec's fp16
     model (prefill and 4 greedy steps, logits to fp16 tolerance, the same tokens); on a failure every kind is
-    timed with the torch glue (recorded in the settings: it is the same for all kinds)."""
+    timed with the torch glue (recorded in the settings: it is the same for all kinds). Then the quantizing
+    producers (``kernels/norm_quant.cu``) against IE-BME quantizing its own inputs (bit for bit); on a failure
+    IE-BME is timed quantizing its own inputs."""
     from ..runtime.decoder import GraphedStep, StaticDecoder
 
     res["settings"]["glue"] = StaticDecoder.GLUE
@@ -911,6 +913,28 @@ def _glue_check(res: dict, dev: torch.device, seed: int, say) -> None:
         StaticDecoder.GLUE = "torch"
         res["settings"]["glue"] = "torch (the glue kernels failed their check)"
         say(f"glue kernels failed their check ({detail}); timing every kind with the torch glue")
+        return
+    # quantizing producers (kernels/norm_quant.cu) hand IE-BME the codes it would make itself: the same logits
+    res["settings"]["quantizing_producers"] = StaticDecoder.PREQUANT
+    try:
+        install_kind(model, SPECS["tiny"], "iebme-w4a4-50", dev, seed)
+        for pre in (True, False):
+            dec = StaticDecoder(model, 2, 32)
+            dec.prequant = pre
+            out = [dec.prefill(ids)]
+            dec.tokens.copy_(out[0].argmax(-1))
+            out.append(dec.step().clone())
+            rows[pre] = torch.stack(out)
+        ok = torch.equal(rows[True], rows[False])
+        detail = f"max |producers - linears| {float((rows[True] - rows[False]).abs().max()):.3g}"
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    res["checks"].append({"check": "quantizing producers against the linears' own quantization (tiny, IE-BME)",
+                          "ok": ok, "detail": detail})
+    if not ok:
+        StaticDecoder.PREQUANT = False
+        res["settings"]["quantizing_producers"] = "off (the kernels failed their check)"
+        say(f"quantizing producers failed their check ({detail}); IE-BME quantizes its own inputs")
 
 
 def _command_line() -> str:
