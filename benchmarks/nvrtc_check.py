@@ -62,7 +62,8 @@ def main() -> int:
     args, defines = ap.parse_known_args()
     src = args.source.read_text() + "\n" + "\n".join(args.entry) + "\n"
     status, log, cubin = compile_cu(src, args.source.name, [f"-arch={args.arch}", "--ptxas-options=-v",
-                                                            "-std=c++17", *defines])
+                                                            "-std=c++17", f"-I{args.source.resolve().parent}",
+                                                            *defines])
     print(log)
     if args.cubin and cubin:
         args.cubin.write_bytes(cubin)

@@ -8,20 +8,10 @@
 // the values at permuted positions K - n_side + q. The last main group also zeroes the padding codes [K, Kp).
 //   scale = max(fp16(max(clip * absmax / grid_max, tiny)), tiny)   (float32 arithmetic, IEEE division)
 //   code  = clamp(rint(x / scale), -2^(b-1), 2^(b-1) - 1)          (round half to even)
-// No headers (NVRTC without include paths): float16 is its bit pattern in an unsigned short, converted by PTX.
-typedef unsigned short u16;
+#include "fp16.cuh"
 
 __device__ __forceinline__ float as_float(float v) { return v; }
-__device__ __forceinline__ float as_float(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ float round_to_fp16(float v) {  // nearest float16, ties to even, as a float
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    return as_float(h);
-}
+__device__ __forceinline__ float as_float(u16 h) { return h2f(h); }
 
 template <typename T>
 __global__ void act_quant(const T* __restrict__ x, const int* __restrict__ perm, int K, int Kp, int n_side,
@@ -59,7 +49,7 @@ __global__ void act_quant(const T* __restrict__ x, const int* __restrict__ perm,
     amax = warp_max[0];
 
     float s = __fdiv_rn(__fmul_rn(amax, c), gmax);
-    s = fmaxf(round_to_fp16(fmaxf(s, tiny)), tiny);
+    s = fmaxf(h2f(f2h(fmaxf(s, tiny))), tiny);
     const int lo = -(1 << (b - 1)), hi = (1 << (b - 1)) - 1;
     for (int i = threadIdx.x; i < len; i += blockDim.x) {
         const int p = side ? main_end + start + i : start + i;

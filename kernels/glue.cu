@@ -3,41 +3,14 @@
 // tensors, operation by operation (every float16 operation is done in float32 and rounded to float16, as torch
 // does on CUDA), so the results equal the torch path's bit for bit except RMSNorm's sum of squares, whose
 // summation order differs (a float32 rounding).
-//
-// No headers (NVRTC without include paths): float16 is its bit pattern in an unsigned short, converted by PTX.
-typedef unsigned short u16;
-
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
+#include "fp16.cuh"
 
 // y[r, :] = w * fp16(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)); one block per row, x rows ld_x apart.
 extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ w,
                                     u16* __restrict__ y, int K, float eps) {
-    __shared__ float part[32];
     const u16* xr = x + (long long)blockIdx.x * ld_x;
-    float s = 0.f;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        const float v = h2f(xr[k]);
-        s = fmaf(v, v, s);
-    }
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        s = threadIdx.x < (blockDim.x + 31) / 32 ? part[threadIdx.x] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (threadIdx.x == 0) part[0] = s;
-    }
-    __syncthreads();
-    const float r = rsqrtf(__fdiv_rn(part[0], (float)K) + eps);
+    const float ss = block_sum_squares(xr, K);
+    const float r = rsqrtf(__fdiv_rn(ss, (float)K) + eps);
     u16* yr = y + (long long)blockIdx.x * K;
     for (int k = threadIdx.x; k < K; k += blockDim.x)
         yr[k] = f2h(h2f(w[k]) * h2f(f2h(h2f(xr[k]) * r)));
@@ -55,8 +28,8 @@ extern "C" __global__ void silu_mul(const u16* __restrict__ gate, long long ld_g
 }
 
 // Token row r = b * T + t at cache slot pos[t] and rotary position rpos[r]: q (H heads) rotated into q_out
-// [B, H, T, D]; k (Hkv heads) rotated and v copied into the layer's caches [B, Hkv, L, D] at that slot. Rotation, per head, of x at d < D/2 with
-// x[d + D/2] and back: out[d] = fp16(fp16(x[d] * cos[d]) + fp16(rot[d] * sin[d])), rot[d] = -x[d + D/2] for
+// [B, H, T, D]; k (Hkv heads) rotated and v copied into the layer's caches [B, Hkv, L, D] at that slot.
+// Rotation, per head, of x at d < D/2 with x[d + D/2] and back: out[d] = fp16(fp16(x[d] * cos[d]) + fp16(rot[d] * sin[d])), rot[d] = -x[d + D/2] for
 // d < D/2 and x[d - D/2] above; cos and sin are the [L, D] tables at the rotary position.
 extern "C" __global__ void rotary_cache(const u16* __restrict__ q, long long ld_q, const u16* __restrict__ k,
                                         long long ld_k, const u16* __restrict__ v, long long ld_v,

@@ -6,18 +6,7 @@
 //   scale = max(fp16(max(clip * absmax / grid_max, tiny)), tiny),  code = clamp(rint(x / scale), -2^(b-1), 2^(b-1)-1)
 // over the permuted channels (perm: position p reads channel perm[p]; the last n_side positions are the outlier
 // side: zero in the main input). The float16 values are glue.cu's, bit for bit.
-typedef unsigned short u16;
-
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
+#include "fp16.cuh"
 
 struct QuantArgs {  // the consumer's input rule and where its quantized input goes
     const int* perm;
@@ -68,31 +57,18 @@ __device__ void quantize_row(const u16* v, const QuantArgs& a, int r) {
 
 // y[r, :] = w * fp16(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)) (glue.cu's rms_norm), then its quantized input.
 extern "C" __global__ void rms_norm_quant(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ w,
-                                          u16* __restrict__ y, float eps, const int* __restrict__ perm, int K, int Kp, int n_side, int gm, int bits,
+                                          u16* __restrict__ y, float eps, const int* __restrict__ perm, int K,
+                                          int Kp, int n_side, int gm, int bits,
                                           float clip, float grid, int gs, int side_bits, float side_clip,
                                           float side_grid, float tiny, signed char* __restrict__ codes,
                                           float* __restrict__ scales, signed char* __restrict__ side_codes,
                                           float* __restrict__ side_scales) {
     extern __shared__ u16 row[];
-    __shared__ float part[32];
     const QuantArgs a{perm, K, Kp, n_side, gm, bits, gs, side_bits, clip, grid, side_clip, side_grid, tiny, codes,
                       scales, side_codes, side_scales};
     const u16* xr = x + (long long)blockIdx.x * ld_x;
-    float s = 0.f;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        const float v = h2f(xr[k]);
-        s = fmaf(v, v, s);
-    }
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        s = threadIdx.x < (blockDim.x + 31) / 32 ? part[threadIdx.x] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (threadIdx.x == 0) part[0] = s;
-    }
-    __syncthreads();
-    const float r = rsqrtf(__fdiv_rn(part[0], (float)K) + eps);
+    const float ss = block_sum_squares(xr, K);
+    const float r = rsqrtf(__fdiv_rn(ss, (float)K) + eps);
     u16* yr = y + (long long)blockIdx.x * K;
     for (int k = threadIdx.x; k < K; k += blockDim.x) {
         const u16 v = f2h(h2f(w[k]) * h2f(f2h(h2f(xr[k]) * r)));
@@ -105,7 +81,8 @@ extern "C" __global__ void rms_norm_quant(const u16* __restrict__ x, long long l
 
 // y[r, i] = fp16(fp16(silu(gate[r, i])) * up[r, i]) (glue.cu's silu_mul), then its quantized input (K = I).
 extern "C" __global__ void silu_mul_quant(const u16* __restrict__ gate, long long ld_g, const u16* __restrict__ up,
-                                          long long ld_u, u16* __restrict__ y, const int* __restrict__ perm, int K, int Kp, int n_side, int gm, int bits,
+                                          long long ld_u, u16* __restrict__ y, const int* __restrict__ perm,
+                                          int K, int Kp, int n_side, int gm, int bits,
                                           float clip, float grid, int gs, int side_bits, float side_clip,
                                           float side_grid, float tiny, signed char* __restrict__ codes,
                                           float* __restrict__ scales, signed char* __restrict__ side_codes,

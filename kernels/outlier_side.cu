@@ -2,19 +2,8 @@
 // product"): out[r, m] = fp16(y[r, m] + sum over side groups j of (sx[r, j] * sw[m, j]) * (q_x[r, g_j] . q_w[m, g_j])),
 // float32 in group order, each product and sum rounded once (no fused multiply-add), the integer dot products exact:
 // the arithmetic of compressor/quantize/fake_quant.grouped_int_matmul on the float32 of y, then one float16 rounding.
-// One thread per output element; the token row's side codes in shared memory. No headers.
-typedef unsigned short u16;
-
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
+// One thread per output element; the token row's side codes in shared memory.
+#include "fp16.cuh"
 
 extern "C" __global__ void side_product(const u16* __restrict__ y, long long ld_y, const signed char* __restrict__ xq,
                                         const float* __restrict__ sx, const signed char* __restrict__ wq,

@@ -46,7 +46,8 @@ def load_module(name: str, expressions: tuple[str, ...], source: str = "", optio
     timings) with NVRTC for the current device (cached per process); ``options`` are added to NVRTC's."""
     cp = _cupy()
     src = Path(source or _HERE / f"{name}.cu").read_text()
-    return cp.RawModule(code=src, options=("-std=c++17", *options), name_expressions=list(expressions))
+    return cp.RawModule(code=src, options=("-std=c++17", f"-I{_HERE}", *options),  # -I: the kernels' fp16.cuh
+                        name_expressions=list(expressions))
 
 
 class DeviceTiledCBC:

@@ -491,10 +491,11 @@ def test_kernel_source_compiles(name, arch):
     lib = _nvrtc()
     if lib is None:
         pytest.skip("no libnvrtc here")
-    src = (Path(__file__).resolve().parents[1] / "kernels" / name).read_bytes()
+    src_dir = Path(__file__).resolve().parents[1] / "kernels"
+    src = (src_dir / name).read_bytes()
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name.encode(), 0, None, None) == 0
-    opts = [f"-arch={arch}".encode(), b"-std=c++17"]
+    opts = [f"-arch={arch}".encode(), b"-std=c++17", f"-I{src_dir}".encode()]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
