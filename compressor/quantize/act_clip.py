@@ -25,8 +25,12 @@ def calibrate_act_clip(
     with both quantizers on. Returns (best clip, {clip: relative error}); ties go to the larger clip.
     """
     errors, _ = act_clip_errors(x, weight, w_deq, bits, group_size, grid)
-    best = min(errors, key=lambda c: (errors[c], -c))
-    return best, errors
+    return best_clip(errors), errors
+
+
+def best_clip(errors: dict[float, float]) -> float:
+    """The clip ratio of least error; ties go to the larger clip."""
+    return min(errors, key=lambda c: (errors[c], -c))
 
 
 def act_clip_errors(
@@ -56,5 +60,4 @@ def shared_act_clip(errors: list[dict[float, float]], energies: list[float]) -> 
     layer's :func:`calibrate_act_clip` errors and output energy; ties go to the larger clip."""
     total = sum(energies) or 1.0
     grid = set.intersection(*(set(e) for e in errors))
-    joint = {c: sum(e[c] * w for e, w in zip(errors, energies, strict=True)) / total for c in grid}
-    return min(joint, key=lambda c: (joint[c], -c))
+    return best_clip({c: sum(e[c] * w for e, w in zip(errors, energies, strict=True)) / total for c in grid})

@@ -18,7 +18,7 @@ import torch
 from ...formats.arithmetic.activations import activation_scheme
 from ...formats.arithmetic.outlier_side import OutlierSide, dequantize_layer, split_outliers
 from ...formats.arithmetic.weights import QuantizedWeight
-from .act_clip import ACT_CLIP_GRID, act_clip_errors
+from .act_clip import ACT_CLIP_GRID, act_clip_errors, best_clip
 from .fake_quant import FakeQuantLinear
 from .outliers import permute_hessian, select_outlier_channels
 from .weights import quantize_weight
@@ -135,7 +135,7 @@ def quantize_layer(
     if spec.needs_tokens and tokens is not None:
         errs, energy = act_clip_errors(tokens.to(w.device), w * mask.to(w.device), q.dequantize(),
                                        spec.act_bits, q.group_size, ACT_CLIP_GRID)
-        clip = min(errs, key=lambda c: (errs[c], -c))  # ties: the larger clip
+        clip = best_clip(errs)
         report["act_clip_rel_error"] = errs
         report["act_clip_energy"] = energy  # ||X Wᵀ||²: weighs this layer in a clip shared with its siblings
     acts = activation_scheme(spec.act_bits, q.group_size, clip,
