@@ -861,13 +861,13 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
 def _act_quant_fallback(res: dict, dev: torch.device, seed: int, say) -> None:
     """When the IE-BME checks fail with the one-launch activation quantizer (``kernels/act_quant.cu``, new) and
     pass with the formats' torch functions, time IE-BME with the latter (recorded in the settings)."""
-    from ..runtime.cuda import CudaOp
+    from ..runtime.kernel_op import KernelOp
 
-    res["settings"]["iebme_act_quant"] = CudaOp.act_quant
+    res["settings"]["iebme_act_quant"] = KernelOp.act_quant
     failed = [c for c in res["checks"] if c["check"].startswith("iebme") and not c["ok"]]
-    if not failed or CudaOp.act_quant != "kernel":
+    if not failed or KernelOp.act_quant != "kernel":
         return
-    CudaOp.act_quant = "torch"
+    KernelOp.act_quant = "torch"
     again = check_peers(dev, seed, kinds=("iebme",))
     for c in again:
         c["check"] += ", act_quant torch"
@@ -876,7 +876,7 @@ def _act_quant_fallback(res: dict, dev: torch.device, seed: int, say) -> None:
         res["settings"]["iebme_act_quant"] = "torch (the one-launch kernel failed its check)"
         say("IE-BME: the one-launch activation quantizer failed its check; timing with the torch quantizer")
     else:
-        CudaOp.act_quant = "kernel"
+        KernelOp.act_quant = "kernel"
 
 
 def _glue_check(res: dict, dev: torch.device, seed: int, say) -> None:

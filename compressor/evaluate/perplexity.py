@@ -145,6 +145,21 @@ def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynami
     return loaded.model.eval(), tok, loaded.kind
 
 
+def load_artifact_on_gpu(source: str | Path, dynamic_pruning: bool = True, tokenizer: str | Path | None = None):
+    """``(model, tokenizer, "artifact")``: the artifact as ``generate --device cuda`` runs it (its CuPy kernels,
+    fused Q/K/V and gate/up, float16 dense parts), with the stored thresholds applied to every token as the CPU
+    path's eval does (docs/runtime.md, "eval on a GPU")."""
+    from ..artifact.store import Artifact
+    from ..runtime.cuda import require_cuda
+    from ..runtime.model import build_model, thresholds_on_every_row
+
+    require_cuda()
+    art = Artifact(source)
+    tok = load_artifact_tokenizer(art, tokenizer)  # before the slow build
+    model = build_model(art, "cuda", "cuda", dynamic_pruning=dynamic_pruning, fuse=True)
+    return thresholds_on_every_row(model), tok, "artifact"
+
+
 def evaluate_source(
     source: str | Path,
     text_path: str | Path,
@@ -172,8 +187,11 @@ def evaluate_source(
 
     check_eval_args(str(source), seqlen, max_windows)  # and the window length against the model's context
     t0 = time.perf_counter()
-    model, tok, kind = load_for_eval(source, dynamic_pruning=dynamic_pruning, tokenizer=tokenizer)
-    model.to(device)
+    if device == "cuda" and is_artifact(source):  # the runtime users run: the artifact's kernels, float16
+        model, tok, kind = load_artifact_on_gpu(source, dynamic_pruning, tokenizer)
+    else:
+        model, tok, kind = load_for_eval(source, dynamic_pruning=dynamic_pruning, tokenizer=tokenizer)
+        model.to(device)
     ids = tokenize_eval_text(tok, text)
     nlls = window_nlls(model, ids, seqlen, max_windows, device)
     from ..activation_sparsity.linear import activation_sparsity_summary
@@ -182,6 +200,8 @@ def evaluate_source(
         "dynamic_pruning": activation_sparsity_summary(model),
         "source": str(source),
         "kind": kind,
+        "device": device,
+        "runtime": "cuda kernels, float16" if device == "cuda" and kind == "artifact" else "torch, float32",
         "text": str(text_path),
         "seqlen": seqlen,
         "windows": len(nlls),

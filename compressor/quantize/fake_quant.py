@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ...formats.arithmetic.activations import quantize_activations_torch
+from ...formats.arithmetic.grouped import grouped_int_matmul
 from ...formats.arithmetic.outlier_side import OutlierSide, quantize_inputs_torch
 from ...formats.arithmetic.weights import QuantizedWeight, n_groups
 
@@ -34,28 +35,6 @@ from ...formats.arithmetic.weights import QuantizedWeight, n_groups
 def _exact_bound(group: int, bits_w: int, bits_x: int) -> None:
     if group * (1 << (bits_w - 1)) * (1 << (bits_x - 1)) >= 1 << 24:
         raise ValueError(f"group of {group} channels at {bits_w}x{bits_x} bits overflows exact float32 sums")
-
-
-def grouped_int_matmul(
-    xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, group_size: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """out += sum_j (s_w[:, j] * s_x[:, j]) * (q_x[:, g_j] @ q_w[:, g_j]^T), float32 [N, M], groups in order.
-
-    ``xq`` [N, K] and ``wq`` [M, K] are codes (any dtype holding integers exactly), ``sx`` [N, G] and
-    ``sw`` [M, G] scales.
-    """
-    n, k = xq.shape
-    m = wq.shape[0]
-    if out is None:
-        out = torch.zeros(n, m, dtype=torch.float32, device=xq.device)
-    xf, wf = xq.float(), wq.float()
-    sxf, swf = sx.float(), sw.float()
-    for j in range(n_groups(k, group_size)):
-        a, b = j * group_size, min((j + 1) * group_size, k)
-        partial = xf[:, a:b] @ wf[:, a:b].T
-        out += (sxf[:, j : j + 1] * swf[:, j].unsqueeze(0)) * partial
-    return out
 
 
 class RowwiseLinear(nn.Module):
@@ -137,11 +116,16 @@ class FakeQuantLinear(RowwiseLinear):
         x = x.float()
         if self.act_bits == 16:
             return (x.half().float() @ self.w_deq.T).half()
-        clip = float(self.act.get("clip", 1.0))
+        return self.matmul_quantized(*self.quantize(x))
+
+    def quantize(self, x: torch.Tensor) -> tuple:
+        """This layer's kernel input for float input ``x`` [N, K]: (codes, scales, side codes, side scales), the
+        side ones None without outlier channels."""
+        x = x.float()
         if self.outliers is None:
-            xq, sx = quantize_activations_torch(x, self.act_bits, self.group_size, clip)
-            return self.matmul_quantized(xq, sx)
-        return self.matmul_quantized(*quantize_inputs_torch(x, self.perm, self.side_codes.shape[1], self.act))
+            xq, sx = quantize_activations_torch(x, self.act_bits, self.group_size, float(self.act.get("clip", 1.0)))
+            return xq, sx, None, None
+        return quantize_inputs_torch(x, self.perm, self.side_codes.shape[1], self.act)
 
     def matmul_quantized(self, xq: torch.Tensor, sx: torch.Tensor, oq: torch.Tensor | None = None,
                          osx: torch.Tensor | None = None) -> torch.Tensor:

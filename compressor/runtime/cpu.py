@@ -50,7 +50,7 @@ class CpuOp(QuantizingOp):
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
         if isinstance(self.impl, TiledCBCLinear):  # spMspV with tau at N = 1, the SpMM above
-            return self.impl.matmul_2d(x2, prune=x2.shape[0] == 1)
+            return self.impl.matmul_2d(x2, prune=x2.shape[0] == 1 or self.plan.every_row)
         if self.plan.act_bits != 16 and (q := self.take(x2)) is not None:
             return self.impl.matmul_quantized(*q)
         return self.impl.matmul_2d(x2)

@@ -7,8 +7,10 @@ are the model's, every linear is whatever module sits there (``nn.Linear``, ``Co
 member), and only attention is its own: rotary tables precomputed for all positions, keys and values written
 into preallocated ``[B, H_kv, max_len, D]`` caches at the step's position (a device tensor), and SDPA over the
 whole cache with a position mask. Every step has the same shapes and launches the same kernels, so
-:class:`GraphedStep` captures it once and replays it per token. On a float16 GPU model the glue (RMSNorm,
-SiLU·mul, rotary embedding with the cache write) runs as one launch each (``kernels/glue.cu``; ``glue``).
+:class:`GraphedStep` captures it once and replays it per token. The glue (RMSNorm, SiLU·mul, rotary embedding with
+the cache write) runs through the runtime's kernels (``kernels/runtime_ops.py``): on a float16 GPU model one
+launch each (``kernels/glue.cu``), with the ``reference`` backend their torch references, which is how the GPU
+step's logic is tested on the CPU (``glue``, ``prequant``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import glue as glue_ops
-from ...kernels import norm_quant
+from ...kernels import norm_quant, runtime_ops
 from ..errors import UserError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -50,10 +52,12 @@ class StaticDecoder(nn.Module):
 
     ``tokens`` ([B] long) holds the next step's input and ``position`` (a long scalar) its position, both on
     the model's device; :meth:`step` reads them, writes the logits into a static buffer and advances
-    ``position`` in place, so replaying a captured step needs no host work.
+    ``position`` in place, so replaying a captured step needs no host work. ``kernels``: the runtime kernels
+    whose glue runs the step (``kernels/runtime_ops.py``; default: the CUDA kernels on a GPU, none on the CPU,
+    where transformers' own modules run).
     """
 
-    def __init__(self, model: nn.Module, batch_size: int, max_len: int) -> None:
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int, kernels=None) -> None:
         super().__init__()
         why = self.unsupported(model, max_len)
         if why is not None:
@@ -87,14 +91,18 @@ class StaticDecoder(nn.Module):
                              persistent=False)
         self.logits: torch.Tensor | None = None
         self._silu = getattr(cfg, "hidden_act", None) == "silu"
-        self.glue = self.GLUE if device.type == "cuda" and dtype == torch.float16 else "torch"
+        if kernels is None and device.type == "cuda":
+            kernels = runtime_ops.get("cuda")
+        self.kernels = kernels
+        self.glue = self.GLUE if kernels is not None and dtype in kernels.glue_dtypes() else "torch"
 
-    GLUE = "kernels"  # on a float16 GPU model: "kernels" (kernels/glue.cu, one launch each) or "torch"
+    GLUE = "kernels"  # where the runtime kernels take the model's dtype: "kernels" (one launch each) or "torch"
     PREQUANT = True  # with the glue kernels: quantizing producers (kernels/norm_quant.cu); False: the linears quantize
 
     @property
     def glue(self) -> str:
-        """How norms, SiLU·mul and rotary + cache writes run: "kernels" (``kernels/glue.cu``, one launch each)
+        """How norms, SiLU·mul and rotary + cache writes run: "kernels" (the runtime kernels' glue: on a GPU
+        ``kernels/glue.cu``, one launch each; with the reference kernels their torch references)
         or "torch" (their references: what transformers' modules compute, several launches each)."""
         return self._glue_name
 
@@ -103,7 +111,7 @@ class StaticDecoder(nn.Module):
         if value not in ("kernels", "torch"):
             raise ValueError(f"glue must be 'kernels' or 'torch', got {value!r}")
         self._glue_name = value
-        self._glue = glue_ops if value == "kernels" else _TorchGlue
+        self._glue = (self.kernels or runtime_ops.get("reference")) if value == "kernels" else _TorchGlue
         self.prequant = value == "kernels" and self.PREQUANT
 
     @property
@@ -117,7 +125,7 @@ class StaticDecoder(nn.Module):
     @prequant.setter
     def prequant(self, value: bool) -> None:
         self._prequant = bool(value)
-        self._producers = norm_quant if self._glue_name == "kernels" else _ReferenceProducers
+        self._producers = self._glue if self._glue_name == "kernels" else _ReferenceProducers
 
     @staticmethod
     def unsupported(model: nn.Module, max_len: int | None = None) -> str | None:
@@ -234,19 +242,20 @@ class StaticDecoder(nn.Module):
 
 class GraphedStep:
     """:meth:`StaticDecoder.step`, plus the greedy choice into ``decoder.tokens`` when ``greedy``, captured
-    once as a CUDA graph and replayed per call; on the CPU it runs eagerly (same code, same arithmetic). A
+    once as a CUDA graph and replayed per call; on the CPU (or with ``capture=False``) it runs eagerly (same code,
+    same arithmetic). A
     capture that fails raises, or with ``strict=False`` leaves the step eager and says why in
     ``capture_error`` (``generate`` keeps working, slower, and reports it)."""
 
     WARMUP = 2  # eager runs before capture: lazy initialisation (kernel modules, workspaces) happens outside it
 
-    def __init__(self, decoder: StaticDecoder, greedy: bool = True, strict: bool = True) -> None:
+    def __init__(self, decoder: StaticDecoder, greedy: bool = True, strict: bool = True, capture: bool = True) -> None:
         self.decoder = decoder
         self.greedy = greedy
         self.graph = None
         self.out: torch.Tensor | None = None
         self.capture_error: str | None = None  # why the step runs eagerly on a GPU (``strict=False`` only)
-        if decoder.device.type == "cuda":
+        if decoder.device.type == "cuda" and capture:  # capture=False: eager steps (checks that hook the ops)
             try:
                 self._capture()
             except RuntimeError as e:  # e.g. an operation that synchronises with the host inside the step

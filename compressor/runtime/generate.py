@@ -25,6 +25,7 @@ from ..artifact.store import Artifact
 from ..artifact.tokenizer import has_tokenizer, load_generation_config, load_tokenizer
 from ..errors import UserError
 from .decoder import GraphedStep, StaticDecoder
+from .linear import backend_kernels
 from .sampling import check_sampling, choose
 
 DEVICES = ("cpu", "cuda")
@@ -87,6 +88,7 @@ class Runtime:
     """An artifact loaded for generation (see :func:`load`)."""
 
     LENGTH_STEP = 256
+    graphs = True  # capture each decode step as a CUDA graph on a GPU (False: eager steps, e.g. to hook the ops)
 
     def __init__(self, path: Path, model: nn.Module, tokenizer, generation_config, device: torch.device,
                  backend: str, load_s: float) -> None:
@@ -96,6 +98,7 @@ class Runtime:
         self.generation_config = generation_config
         self.device = device
         self.backend = backend
+        self.kernels = backend_kernels(backend)  # the decode step's glue (None: transformers' modules)
         self.load_s = load_s
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         params = inspect.signature(model.forward).parameters
@@ -199,9 +202,9 @@ class Runtime:
         if self.static_unsupported is None:
             if self._decoder is None or self._decoder.max_len < need:
                 self._decoder = self._graph = None
-                self._decoder = StaticDecoder(self.model, 1, self.decoder_length(need))
+                self._decoder = StaticDecoder(self.model, 1, self.decoder_length(need), self.kernels)
             if self._graph is None:
-                self._graph = GraphedStep(self._decoder, greedy=False, strict=False)
+                self._graph = GraphedStep(self._decoder, greedy=False, strict=False, capture=self.graphs)
             return _StaticSession(self._decoder, self._graph, prompt_ids)
         return _CacheSession(self, prompt_ids)
 
@@ -229,6 +232,26 @@ class Runtime:
             s.feed(torch.tensor([int(t)], device=self.device))
             rows.append(s.advance().clone())  # a replayed graph returns its one static buffer
         return torch.cat(rows).float().cpu()
+
+    @torch.inference_mode()
+    def step_logits_batch(self, prompts: Sequence[Sequence[int]], new_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """float32 [1 + T, B, V]: :meth:`step_logits` for several prompts decoded together (left-padded, as
+        :meth:`generate_batch` runs them); ``new_ids`` holds T tokens per row."""
+        if self.static_unsupported is not None:
+            raise UserError(f"batched decoding needs the static decoder: {self.static_unsupported}")
+        rows = [list(map(int, r)) for r in prompts]
+        feed = [list(map(int, r)) for r in new_ids]
+        b, t = len(rows), max(len(r) for r in rows)
+        steps = len(feed[0]) if feed else 0
+        if len(feed) != b or any(len(f) != steps for f in feed):
+            raise UserError(f"new_ids must hold the same number of tokens for each of the {b} prompts")
+        dec, graph = self._batch_decoder(b, t + steps + 1)
+        out = [dec.prefill(torch.tensor([[0] * (t - len(r)) + r for r in rows], dtype=torch.long),
+                           [len(r) for r in rows]).float().cpu()]
+        for i in range(steps):
+            dec.tokens.copy_(torch.tensor([f[i] for f in feed], device=self.device))
+            out.append(graph().float().cpu())
+        return torch.stack(out)
 
     @torch.inference_mode()
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
@@ -300,8 +323,8 @@ class Runtime:
         dec, graph = self._batched.get(batch, (None, None))
         if dec is None or dec.max_len < need:
             self._batched.pop(batch, None)
-            dec = StaticDecoder(self.model, batch, self.decoder_length(need))
-            graph = GraphedStep(dec, greedy=False, strict=False)
+            dec = StaticDecoder(self.model, batch, self.decoder_length(need), self.kernels)
+            graph = GraphedStep(dec, greedy=False, strict=False, capture=self.graphs)
             self._batched[batch] = (dec, graph)
         return dec, graph
 
@@ -412,7 +435,7 @@ class _CacheSession:
 
 
 def load(path: str | Path, device: str = "cpu", backend: str | None = None, dynamic_pruning: bool = True,
-         tokenizer=None, fuse: bool | None = None) -> Runtime:
+         tokenizer=None, fuse: bool | None = None, dtype: torch.dtype | str | None = None) -> Runtime:
     """Load artifact ``path`` for generation on ``device`` (``"cpu"``: the kernels' arithmetic in torch, exact;
     ``"cuda"``: the artifact's CuPy kernels, needs CuPy and a GPU). ``backend`` overrides the linears' backend
     (``"reference"``: the kernels' numba CPU references, slow). The stored tokenizer is loaded when there is
@@ -420,7 +443,9 @@ def load(path: str | Path, device: str = "cpu", backend: str | None = None, dyna
     False ignores stored activation-sparsity thresholds. ``fuse`` runs the stored Q/K/V and gate/up linears of
     a block as one stacked product each (docs/runtime.md, "Fused linears"; default: on ``cuda``, where it
     saves launches, off on the CPU, whose reference arithmetic stays layer by layer); the model's
-    ``unionsparse_fusion`` says what was fused. ``Runtime.load_s`` holds the load time."""
+    ``unionsparse_fusion`` says what was fused. ``dtype``: the dense parts' dtype (embeddings, norms, attention,
+    lm_head; default float32 on the CPU, float16 on a GPU); ``float16`` on the CPU computes what the GPU computes
+    (docs/runtime.md, "Agreement"). ``Runtime.load_s`` holds the load time."""
     from .linear import BACKENDS
     from .model import build_model
 
@@ -440,9 +465,21 @@ def load(path: str | Path, device: str = "cpu", backend: str | None = None, dyna
     tok = tokenizer if tokenizer is not None else load_tokenizer(art) if has_tokenizer(art) else None
     gen_cfg = load_generation_config(art)
     fuse = device == "cuda" if fuse is None else bool(fuse)
-    model = build_model(art, backend, device, dynamic_pruning=dynamic_pruning, fuse=fuse)
+    model = build_model(art, backend, device, dtype=parse_dtype(dtype), dynamic_pruning=dynamic_pruning, fuse=fuse)
     rt = Runtime(Path(path), model, tok, gen_cfg, torch.device(device), backend, 0.0)
     if device == "cuda":  # kernel compilation and graph capture belong to the load, not to the first token
         rt.warm_up()
     rt.load_s = time.perf_counter() - t0
     return rt
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as a torch dtype ("auto" and None: the device's default, None)."""
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return None if dtype == "auto" else dtype
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype: unknown value {dtype!r} (choose from auto, {', '.join(DTYPES)})")
+    return DTYPES[dtype]

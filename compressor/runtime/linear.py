@@ -12,10 +12,13 @@ What a layer computes follows from how it was stored (:func:`layer_plan`):
 * fp16 activations otherwise (IE-BME W4A16, which has no kernel of its own): the decoded weight,
   ``fp16(fp16(x) @ W^T)`` with float32 sums.
 
-Backends (``backend``): ``"cpu"`` runs that arithmetic in torch (:mod:`.cpu`, the modules ``eval`` uses),
-``"reference"`` the kernels' numba CPU references on the stored arrays (:mod:`.reference`, slow),
-``"cuda"`` the CuPy kernels on torch's stream (:mod:`.cuda`; it needs CuPy and a GPU). All return float16
-``[N, M]``; the bias is added afterwards in the model's dtype.
+Backends (``backend``): ``"cpu"`` runs that arithmetic in torch (:mod:`.cpu`, the modules ``eval`` uses);
+``"cuda"`` runs the artifact's CuPy kernels on torch's stream (:mod:`.kernel_op` with ``kernels/cuda_ops.py``; it
+needs CuPy and a GPU); ``"reference"`` runs the very same op logic with the kernels' CPU references in place of
+the kernels (``kernels/reference_ops.py``; slow), so that the CUDA backend's Python path is tested without a GPU.
+All return float16 ``[N, M]``; the bias is added afterwards in the model's dtype. The ``cuda`` and ``reference``
+ops round an IE-BME layer's main product to float16 before adding the outlier side product (as the kernels do),
+the ``cpu`` op rounds once: agreement to fp16 rounding there, bit for bit elsewhere (docs/runtime.md).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class LayerPlan:
     sparse_inputs: bool            # the format's decode kernel skips inputs under tau (N = 1)
     tau: float | None              # the stored threshold (None: every input active)
     outliers: int                  # 8-bit outlier input channels (0: none)
+    every_row: bool = False        # the threshold applies to every row (eval, as TEAL measures), not only N = 1
 
     @property
     def label(self) -> str:
@@ -99,15 +103,25 @@ def make_op(rec: LayerRecord, plan: LayerPlan, backend: str, device: torch.devic
         from .cpu import CpuOp
 
         return CpuOp(rec, plan)
-    if backend == "reference":
-        from .reference import ReferenceOp
+    if backend not in BACKENDS:
+        raise UserError(f"backend: unknown value {backend!r} (choose from {', '.join(BACKENDS)})")
+    from .kernel_op import KernelOp
 
-        return ReferenceOp(rec, plan)
     if backend == "cuda":
-        from .cuda import CudaOp
+        from .cuda import require_cuda
 
-        return CudaOp(rec, plan, device)
-    raise UserError(f"backend: unknown value {backend!r} (choose from {', '.join(BACKENDS)})")
+        require_cuda()
+    return KernelOp(rec, plan, backend_kernels(backend), device or ("cuda" if backend == "cuda" else "cpu"))
+
+
+def backend_kernels(backend: str):
+    """The kernel implementation a backend's ops and decode step run (None for ``cpu``: torch arithmetic and
+    transformers' own modules)."""
+    if backend == "cpu":
+        return None
+    from ...kernels.runtime_ops import get
+
+    return get(backend)
 
 
 class CompressedLinear(RowwiseLinear):

@@ -74,3 +74,14 @@ def build_model(art: Artifact, backend: str = "cpu", device: str | torch.device 
     fusion["ops"] = sum(isinstance(m, CompressedLinear) for m in model.modules())
     model.unionsparse_fusion = fusion
     return model.eval()
+
+
+def thresholds_on_every_row(model: nn.Module) -> nn.Module:
+    """Apply every stored activation-sparsity threshold to every token row, not only at decode (N = 1): what
+    ``eval`` measures (TEAL's protocol, each row as one decode step). Returns ``model``."""
+    from dataclasses import replace
+
+    for m in model.modules():
+        if isinstance(m, CompressedLinear) and m.plan.tau is not None:
+            m.plan = m.op.plan = replace(m.plan, every_row=True)
+    return model

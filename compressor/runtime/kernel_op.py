@@ -1,0 +1,125 @@
+"""The compressed op of the ``cuda`` and ``reference`` backends: one stored layer through the artifact's kernels.
+
+The op decides which kernel runs, on which layout, with which threshold and outlier columns; the kernels come
+from a :class:`~unionsparse.kernels.runtime_ops.RuntimeKernels` implementation: the CuPy kernels on a GPU
+(``backend="cuda"``), or their CPU references (``backend="reference"``), which compute the same function, so
+this logic is tested without a GPU (docs/runtime.md, "Kernels"). Per layer, at load, the stored arrays are made
+ready once (uploaded as they are on a GPU). Per call:
+
+* quantized activations (IE-BME W4A4 / W2A4): the activation rule of ``formats.arithmetic`` (outlier gather,
+  quantization and padding; or the quantized input the producing op handed over, ``QuantizingOp``), then the
+  IE-BME product, whose float16 output gets the 8-bit outlier side product added in float32 and is rounded
+  again (one more float16 rounding than the ``cpu`` backend's single rounding);
+* activation-sparse layers (Tiled-CBC): N = 1 is the spMspV with the stored threshold; more rows are the SpMM
+  for fp16 values and one spMspV per row without threshold for int codes (no int-code SpMM);
+* IE-BME W4A16 (no kernel): the decoded weight in fp16 and one dense product (cuBLAS on a GPU).
+
+``act_quant`` and ``side_kernel`` ("kernel" or "torch") choose the one-launch kernels or the formats' torch
+functions for those two steps (the same values; "torch" launches about ten and five kernels on a GPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...formats.arithmetic.grouped import grouped_int_matmul
+from ...formats.arithmetic.weights import n_groups
+from ..activation_sparsity.calibrate import sparsify_input
+from ..artifact.store import LayerRecord
+from ..errors import UserError
+from ..model.rebuild import layer_weight
+from .linear import LayerPlan, QuantizingOp
+
+
+class KernelOp(QuantizingOp):
+    """``x2 [N, K] -> float16 [N, M]`` of one stored layer through ``kernels`` (see the module docstring)."""
+
+    act_quant = "kernel"    # IE-BME inputs: "kernel" (one launch) or "torch" (the formats' torch functions)
+    side_kernel = "kernel"  # the 8-bit outlier side product: "kernel" (one launch) or "torch" (grouped products)
+
+    def __init__(self, rec: LayerRecord, plan: LayerPlan, kernels, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.plan = plan
+        self.kernels = kernels
+        self.device = torch.device(device or "cpu")
+        self.kind = "dense"
+        gs = rec.attrs.get("group_size")
+        if plan.act_bits != 16:
+            self._init_iebme(rec, int(gs))
+        elif plan.sparse_inputs:
+            try:
+                self.layer = kernels.tcbc_layer(rec.encoding, rec.scales, gs)
+            except ValueError as e:
+                raise UserError(f"layer {rec.name}: {e}") from None
+            self.kind = "spmspv"
+        else:  # IE-BME W4A16 has no kernel: the decoded weight in fp16, one dense product
+            self.register_buffer("weight", torch.from_numpy(layer_weight(rec)).half().to(self.device))
+
+    def _init_iebme(self, rec: LayerRecord, group_size: int) -> None:
+        from ...formats import registry
+
+        if not registry.get(rec.format).outlier_side:  # the formats whose kernel takes b-bit activations
+            raise UserError(f"layer {rec.name}: no kernel computes {rec.format} with quantized activations; "
+                            "use --device cpu")
+        try:
+            self.layer = self.kernels.iebme_layer(rec.encoding, rec.scales, group_size)
+        except ValueError as e:
+            raise UserError(f"layer {rec.name}: {e}") from None
+        self.kind = "iebme"
+        act = dict(rec.attrs["activations"])
+        self.act = act
+        k = self.plan.shape[1]
+        side = rec.outliers
+        self.n_side = 0 if side is None else int(side.channels.size)
+        self.side_group = int(act.get("outlier_group_size") or min(group_size, self.n_side)) if side else None
+        if side is not None:
+            self.register_buffer("perm32", torch.from_numpy(side.perm.astype(np.int32)).to(self.device))
+            self.register_buffer("side_codes", torch.from_numpy(side.codes).to(torch.int8).contiguous().to(self.device))
+            s = torch.from_numpy(side.scales.astype(np.float32)).expand(-1, n_groups(self.n_side, self.side_group))
+            self.register_buffer("side_scales", s.contiguous().to(self.device))
+        else:
+            self.perm32 = None
+        from ...kernels.norm_quant import InputRule
+
+        self.rule = InputRule(self.plan.act_bits, min(int(act["group_size"]), k), float(act.get("clip", 1.0)),
+                              self.layer.kp, self.perm32, self.n_side, int(act.get("outlier_bits", 8)),
+                              self.side_group, float(act.get("outlier_clip", 1.0)))
+
+    def input_rule(self):
+        return self.rule if self.kind == "iebme" else None
+
+    def forward(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.kind == "dense":
+            return self.kernels.dense(x2, self.weight)
+        if self.kind == "iebme":
+            return self._iebme(x2 if x2.dtype in (torch.float16, torch.float32) else x2.float())
+        return self._tiled_cbc(x2.half().contiguous())
+
+    def _quantize(self, x: torch.Tensor) -> tuple:
+        offered = self.take(x)
+        if offered is not None:  # quantized by the op that produced x (kernels/norm_quant.cu)
+            return offered
+        if self.act_quant == "kernel":  # one launch: gather, quantize, pad (kernels/act_quant.cu)
+            return self.kernels.act_quant(x, self.rule)
+        return self.rule.reference(x)  # the formats' torch functions: about ten launches on a GPU
+
+    def _iebme(self, x: torch.Tensor) -> torch.Tensor:
+        xq, sx, oq, osx = self._quantize(x)
+        y = self.kernels.iebme_spmm(self.layer, xq, sx)
+        if not self.n_side:
+            return y
+        if self.side_kernel == "kernel":  # one launch (kernels/outlier_side.cu), the same arithmetic
+            return self.kernels.side_product(y, oq, osx, self.side_codes, self.side_scales, self.side_group)
+        return grouped_int_matmul(oq, osx, self.side_codes.float(), self.side_scales, self.side_group,
+                                  out=y.float()).half()
+
+    def _tiled_cbc(self, xh: torch.Tensor) -> torch.Tensor:
+        tau = self.plan.tau
+        if xh.shape[0] == 1:  # decode: spMspV with the stored threshold
+            return self.kernels.spmspv(self.layer, xh[0], tau)[None]
+        if not self.plan.every_row:  # prefill: every input active
+            tau = None
+        if self.layer.bits is None:  # the SpMM; with a threshold on every row, of the rows' active inputs
+            return self.kernels.tcbc_spmm(self.layer, xh if tau is None else sparsify_input(xh, tau).half())
+        return torch.stack([self.kernels.spmspv(self.layer, xh[i], tau) for i in range(xh.shape[0])])

@@ -1,0 +1,126 @@
+"""The runtime's kernels on a GPU (``runtime_ops.RuntimeKernels``): the CuPy RawKernels on torch tensors.
+
+Tensors cross between torch and CuPy through DLPack (no copies) and every launch goes to torch's current stream
+(a CuPy ``ExternalStream`` over it), so nothing is copied to the host inside a decode step. CuPy allocates through
+torch's caching allocator (:func:`share_torch_allocator`), so that a step captured as a CUDA graph keeps the
+outputs and workspaces the launchers allocate. Each function equals its reference in ``reference_ops`` bit for
+bit, except where the float32 summation order differs (split-K of the IE-BME product, the Tiled-CBC kernels,
+RMSNorm's sum of squares).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import cache
+
+import torch
+
+from . import glue, norm_quant
+from .norm_quant import InputRule, QuantizedInput
+
+_SHARED_ALLOCATOR = False
+
+
+def share_torch_allocator() -> None:
+    """Route CuPy's device allocations through torch's caching allocator (once per process).
+
+    Inside a CUDA-graph capture the launchers' allocations must come from the graph's private memory pool, which
+    only torch's allocator knows about: CuPy's own pool would hand the captured addresses to later, unrelated
+    arrays. Through torch, an allocation on the capturing stream lands in the graph's pool and stays reserved
+    for its replays."""
+    global _SHARED_ALLOCATOR
+    if _SHARED_ALLOCATOR:
+        return
+    import cupy as cp
+
+    def malloc(size: int, device: int) -> int:
+        return torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device))
+
+    def free(ptr: int, _device: int) -> None:
+        torch.cuda.caching_allocator_delete(ptr)
+
+    cp.cuda.set_allocator(cp.cuda.PythonFunctionAllocator(malloc, free).malloc)
+    _SHARED_ALLOCATOR = True
+
+
+@contextmanager
+def _on(device: torch.device):
+    """CuPy on ``device`` and torch's current stream there."""
+    import cupy as cp
+
+    with cp.cuda.Device(device.index or 0), cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+        yield cp
+
+
+class CudaKernels:
+    """See the module docstring."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        share_torch_allocator()
+
+    def glue_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float16,)
+
+    rms_norm = staticmethod(glue.rms_norm)
+    silu_mul = staticmethod(glue.silu_mul)
+    rotary_cache = staticmethod(glue.rotary_cache)
+    rms_norm_quant = staticmethod(norm_quant.rms_norm_quant)
+    silu_mul_quant = staticmethod(norm_quant.silu_mul_quant)
+
+    def act_quant(self, x: torch.Tensor, rule: InputRule) -> QuantizedInput:
+        from .act_quant import quantize_inputs
+
+        x = x if x.dtype in (torch.float16, torch.float32) else x.float()
+        with _on(x.device) as cp:
+            out = quantize_inputs(cp.from_dlpack(x.contiguous()), rule.bits, rule.group, rule.clip, rule.kp,
+                                  None if rule.perm is None else cp.from_dlpack(rule.perm), rule.n_side,
+                                  rule.side_bits, rule.side_group, rule.side_clip)
+        return tuple(None if a is None else torch.from_dlpack(a) for a in out)
+
+    def iebme_layer(self, m, scales, group_size: int):
+        from .iebme_spmm import prepare_layer
+
+        layer = prepare_layer(m, scales, group_size)
+        layer.kp = layer.tc * 64
+        return layer
+
+    def iebme_spmm(self, layer, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        from .iebme_spmm import spmm_iebme
+
+        with _on(xq.device) as cp:
+            y = spmm_iebme(layer, cp.from_dlpack(xq), cp.from_dlpack(sx.float().contiguous()), poison=False)
+        return torch.from_dlpack(y)
+
+    def side_product(self, y: torch.Tensor, oq: torch.Tensor, osx: torch.Tensor, wq: torch.Tensor,
+                     sw: torch.Tensor, group: int) -> torch.Tensor:
+        from .outlier_side import side_product
+
+        return side_product(y, oq.contiguous(), osx.float().contiguous(), wq, sw, group)
+
+    def dense(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.half(), weight)
+
+    def tcbc_layer(self, m, scales, group_size: int | None):
+        from .tiled_cbc_device import DeviceTiledCBC
+
+        return DeviceTiledCBC(m, scales, group_size)
+
+    def spmspv(self, layer, x: torch.Tensor, tau: float | None) -> torch.Tensor:
+        from .tiled_cbc_spmspv import spmspv
+
+        with _on(x.device) as cp:
+            return torch.from_dlpack(spmspv(layer, cp.from_dlpack(x.half().contiguous()), tau))
+
+    def tcbc_spmm(self, layer, x: torch.Tensor) -> torch.Tensor:
+        from .tiled_cbc_spmm import spmm
+
+        with _on(x.device) as cp:
+            return torch.from_dlpack(spmm(layer, cp.from_dlpack(x.half().contiguous())))
+
+
+@cache
+def cuda_kernels() -> CudaKernels:
+    """The process's :class:`CudaKernels`."""
+    return CudaKernels()

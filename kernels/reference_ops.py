@@ -1,0 +1,101 @@
+"""The runtime's kernels computed by their CPU references (``runtime_ops.RuntimeKernels``), on torch tensors.
+
+Every function returns exactly what its CUDA kernel returns (``cuda_ops``): the IE-BME product from the stored
+bitmaps, value streams and row permutations (``iebme_reference``), the Tiled-CBC products from ColInfo and the
+bitmaps (``tiled_cbc_reference``), the activation quantization, outlier side product and glue from the formats'
+and the glue's torch definitions. Results are on the input's device (CPU in practice); slow, but exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..formats.arithmetic.grouped import grouped_int_matmul
+from . import glue, norm_quant
+from .norm_quant import InputRule, QuantizedInput
+
+
+@dataclass(frozen=True)
+class ReferenceLayer:
+    """A stored layer for the references: the encoding, its scales and group size."""
+
+    m: Any
+    scales: Any
+    group_size: int | None
+
+    @property
+    def kp(self) -> int:
+        """K padded to whole 64-column tiles, as the IE-BME kernel reads its input codes."""
+        return -(-int(self.m.shape[1]) // 64) * 64
+
+    @property
+    def bits(self) -> int | None:
+        return self.m.geometry.bits
+
+
+def _numpy(x: torch.Tensor) -> np.ndarray:
+    return x.detach().cpu().numpy()
+
+
+class ReferenceKernels:
+    """See the module docstring."""
+
+    name = "reference"
+
+    def glue_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float16, torch.bfloat16, torch.float32)
+
+    rms_norm = staticmethod(glue.rms_norm_reference)
+    silu_mul = staticmethod(glue.silu_mul_reference)
+    rotary_cache = staticmethod(glue.rotary_cache_reference)
+    rms_norm_quant = staticmethod(norm_quant.rms_norm_quant_reference)
+    silu_mul_quant = staticmethod(norm_quant.silu_mul_quant_reference)
+
+    def act_quant(self, x: torch.Tensor, rule: InputRule) -> QuantizedInput:
+        return rule.reference(x)
+
+    def iebme_layer(self, m: Any, scales: Any, group_size: int) -> ReferenceLayer:
+        return ReferenceLayer(m, np.asarray(scales), int(group_size))
+
+    def iebme_spmm(self, layer: ReferenceLayer, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        from .iebme_reference import iebme_spmm_reference
+
+        k = int(layer.m.shape[1])
+        gs = min(int(layer.group_size), k)
+        y, _ = iebme_spmm_reference(layer.m, layer.scales, _numpy(xq[:, :k]), _numpy(sx), gs)
+        return torch.from_numpy(np.ascontiguousarray(y)).to(xq.device)
+
+    def side_product(self, y: torch.Tensor, oq: torch.Tensor, osx: torch.Tensor, wq: torch.Tensor,
+                     sw: torch.Tensor, group: int) -> torch.Tensor:
+        return grouped_int_matmul(oq, osx, wq, sw, group, out=y.float()).half()
+
+    def dense(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return (x.half().float() @ weight.float().T).half()
+
+    def tcbc_layer(self, m: Any, scales: Any, group_size: int | None) -> ReferenceLayer:
+        return ReferenceLayer(m, None if scales is None else np.asarray(scales),
+                              None if group_size is None else int(group_size))
+
+    def spmspv(self, layer: ReferenceLayer, x: torch.Tensor, tau: float | None) -> torch.Tensor:
+        from .tiled_cbc_reference import spmspv_reference
+
+        y = spmspv_reference(layer.m, _numpy(x.half().float()), tau, layer.scales, self._group(layer),
+                             out_dtype=np.float16)
+        return torch.from_numpy(y).to(x.device)
+
+    def tcbc_spmm(self, layer: ReferenceLayer, x: torch.Tensor) -> torch.Tensor:
+        from .tiled_cbc_reference import spmm_reference
+
+        y = spmm_reference(layer.m, _numpy(x.half().float()), layer.scales, self._group(layer), out_dtype=np.float16)
+        return torch.from_numpy(y).to(x.device)
+
+    @staticmethod
+    def _group(layer: ReferenceLayer) -> int | None:
+        return layer.group_size if layer.scales is not None else None
+
+
+REFERENCE = ReferenceKernels()
