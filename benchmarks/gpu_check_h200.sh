@@ -42,8 +42,8 @@ case "$STAGE" in
     timeout 330 $PYTEST -m "gpu and slow" tests/test_runtime_agreement.py 2>&1 | tee "$DEST/gpu_smollm2.log" | tail -8
     for a in /tmp/smol/*.zarr; do
       for dev in cuda cpu; do
-        timeout 60 python3 -m unionsparse.compressor.cli eval "$a" --text .gpudata/wikitext2_test.raw --seqlen 512 \
-          --max-windows 16 --device $dev --json > /tmp/ppl.json 2>>"$DEST/gpu_smollm2.log" \
+        timeout 90 python3 -m unionsparse.compressor.cli eval "$a" --text .gpudata/wikitext2_test.raw --seqlen 512 \
+          --max-windows 24 --device $dev --json > /tmp/ppl.json 2>>"$DEST/gpu_smollm2.log" \
           && python3 -c "import json,sys; r=json.load(open('/tmp/ppl.json')); r['case']='SmolLM2 '+sys.argv[1]; r['run']='eval '+sys.argv[2]; open('$DEST/agreement.jsonl','a').write(json.dumps(r)+'\n')" "$(basename $a .zarr)" $dev
       done
     done ;;

@@ -77,7 +77,9 @@ class CudaKernels:
             out = quantize_inputs(cp.from_dlpack(x.contiguous()), rule.bits, rule.group, rule.clip, rule.kp,
                                   None if rule.perm is None else cp.from_dlpack(rule.perm), rule.n_side,
                                   rule.side_bits, rule.side_group, rule.side_clip)
-        return tuple(None if a is None else torch.from_dlpack(a) for a in out)
+            # inside the stream's context: DLPack orders the hand-over on CuPy's current stream, which must be
+            # torch's (the legacy default stream would break a graph capture)
+            return tuple(None if a is None else torch.from_dlpack(a) for a in out)
 
     def iebme_layer(self, m, scales, group_size: int):
         from .iebme_spmm import prepare_layer
@@ -91,7 +93,7 @@ class CudaKernels:
 
         with _on(xq.device) as cp:
             y = spmm_iebme(layer, cp.from_dlpack(xq), cp.from_dlpack(sx.float().contiguous()), poison=False)
-        return torch.from_dlpack(y)
+            return torch.from_dlpack(y)  # inside the context (see act_quant)
 
     def side_product(self, y: torch.Tensor, oq: torch.Tensor, osx: torch.Tensor, wq: torch.Tensor,
                      sw: torch.Tensor, group: int) -> torch.Tensor:

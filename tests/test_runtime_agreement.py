@@ -332,7 +332,7 @@ def _smol_calib(tmp_path) -> list[str]:
         words = "the of and to in is was for on that with as by at from his her an which city river".split()
         with open(c4, "w") as f:
             f.writelines(json.dumps({"text": " ".join(rng.choice(words, 300))}) + "\n" for _ in range(16))
-    return ["--calib", c4, "--nsamples", "16", "--seqlen", "128"]
+    return ["--calib", c4, "--act-sparsity-calib", c4, "--nsamples", "16", "--seqlen", "128"]
 
 
 def first_true_near_tie(ref32: torch.Tensor, ref16: torch.Tensor) -> int:
@@ -360,7 +360,7 @@ def test_gpu_smollm2_agrees_op_by_op_and_in_greedy_tokens(case, tmp_path, run_cl
     out = (Path(keep) if keep else tmp_path) / f"smollm2-{case}.zarr"
     r = run_cli("compress", gguf, "-o", out, "--quiet", "--overwrite", *SMOL_CASES[case], *_smol_calib(tmp_path))
     assert r.code == 0, r.err
-    cpu = runtime.load(out)
+    cpu = runtime.load(out, fuse=True)  # fused as on the GPU, so that the ops pair up by name
     prompt = cpu.encode("The capital of France is")
     want = cpu.generate(prompt, max_new_tokens=64, ignore_eos=True).ids
     gpu = runtime.load(out, device="cuda", tokenizer=cpu.tokenizer)
