@@ -64,9 +64,11 @@ class CudaKernels:
         return (torch.float16,)
 
     rms_norm = staticmethod(glue.rms_norm)
+    add_rms_norm = staticmethod(glue.add_rms_norm)
     silu_mul = staticmethod(glue.silu_mul)
     rotary_cache = staticmethod(glue.rotary_cache)
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant)
+    add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant)
 
     def act_quant(self, x: torch.Tensor, rule: InputRule) -> QuantizedInput:

@@ -36,3 +36,17 @@ __device__ __forceinline__ float block_sum_squares(const u16* __restrict__ xr, i
     __syncthreads();
     return part[0];
 }
+
+// Row blockIdx.x of x (rows ld_x apart), or, with a residual delta (rows ld_d apart; null: none), that row replaced
+// by fp16(x + delta) and written to row blockIdx.x of x_out [R, K], which is returned. Thread t handles elements
+// t, t + blockDim.x, ..., as block_sum_squares and the callers' loops do, so each thread reads back only what it
+// wrote and no barrier is needed before them.
+__device__ __forceinline__ const u16* residual_row(const u16* __restrict__ x, long long ld_x, const u16* delta,
+                                                   long long ld_d, u16* x_out, int K) {
+    const u16* xr = x + (long long)blockIdx.x * ld_x;
+    if (delta == nullptr) return xr;
+    const u16* dr = delta + (long long)blockIdx.x * ld_d;
+    u16* xo = x_out + (long long)blockIdx.x * K;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) xo[k] = f2h(h2f(xr[k]) + h2f(dr[k]));
+    return xo;
+}

@@ -5,10 +5,13 @@
 // summation order differs (a float32 rounding).
 #include "fp16.cuh"
 
-// y[r, :] = w * fp16(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)); one block per row, x rows ld_x apart.
-extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ w,
+// y[r, :] = w * fp16(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)); one block per row, x rows ld_x apart. With a
+// residual delta (rows ld_d apart; null: none), x is first replaced by fp16(x + delta), written to x_out [R, K]
+// (the residual stream's next value), so the add and the norm are one launch.
+extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ delta,
+                                    long long ld_d, u16* __restrict__ x_out, const u16* __restrict__ w,
                                     u16* __restrict__ y, int K, float eps) {
-    const u16* xr = x + (long long)blockIdx.x * ld_x;
+    const u16* xr = residual_row(x, ld_x, delta, ld_d, x_out, K);
     const float ss = block_sum_squares(xr, K);
     const float r = rsqrtf(__fdiv_rn(ss, (float)K) + eps);
     u16* yr = y + (long long)blockIdx.x * K;

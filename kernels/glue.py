@@ -24,6 +24,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(x.dtype)
 
 
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its RMSNorm): the residual add in x's dtype, then :func:`rms_norm_reference`."""
+    x = x + delta
+    return x, rms_norm_reference(x, weight, eps)
+
+
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in the inputs' dtype."""
     return torch.nn.functional.silu(gate) * up
@@ -86,15 +93,36 @@ def _check(*ts: torch.Tensor) -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`rms_norm_reference` in one launch (float16 CUDA tensors)."""
-    _check(x, weight)
+    return _rms_norm(x, None, weight, eps)[1]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm_reference` in one launch: the residual add and the norm (float16 CUDA tensors)."""
+    return _rms_norm(x, delta, weight, eps)
+
+
+def residual_args(x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+    """(x as rows, the new residual rows or None, the kernels' (x, ld_x, delta, ld_d, x_out) arguments)."""
     x2, ld = _rows(x)
+    if delta is None:
+        return x2, None, (_ptr(x2), np.int64(ld), np.uint64(0), np.int64(0), np.uint64(0))
+    _check(delta)
+    d2, ld_d = _rows(delta)
+    xo = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    return x2, xo, (_ptr(x2), np.int64(ld), _ptr(d2), np.int64(ld_d), _ptr(xo))
+
+
+def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    _check(x, weight)
+    x2, xo, res = residual_args(x, delta)
     k = x2.shape[1]
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     with _stream(x.device):
         _functions()["rms_norm"]((x2.shape[0],), (THREADS,),
-                                 (_ptr(x2), np.int64(ld), _ptr(weight.contiguous()), _ptr(y), np.int32(k),
-                                  np.float32(eps)))
-    return y.reshape(x.shape)
+                                 (*res, _ptr(weight.contiguous()), _ptr(y), np.int32(k), np.float32(eps)))
+    return None if xo is None else xo.reshape(x.shape), y.reshape(x.shape)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

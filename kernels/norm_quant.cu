@@ -55,8 +55,10 @@ __device__ void quantize_row(const u16* v, const QuantArgs& a, int r) {
     for (int p = a.K + threadIdx.x; p < a.Kp; p += blockDim.x) a.codes[(long long)r * a.Kp + p] = 0;
 }
 
-// y[r, :] = w * fp16(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)) (glue.cu's rms_norm), then its quantized input.
-extern "C" __global__ void rms_norm_quant(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ w,
+// y[r, :] = w * fp16(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)) (glue.cu's rms_norm, residual add included), then its
+// quantized input.
+extern "C" __global__ void rms_norm_quant(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ delta,
+                                          long long ld_d, u16* __restrict__ x_out, const u16* __restrict__ w,
                                           u16* __restrict__ y, float eps, const int* __restrict__ perm, int K,
                                           int Kp, int n_side, int gm, int bits,
                                           float clip, float grid, int gs, int side_bits, float side_clip,
@@ -66,7 +68,7 @@ extern "C" __global__ void rms_norm_quant(const u16* __restrict__ x, long long l
     extern __shared__ u16 row[];
     const QuantArgs a{perm, K, Kp, n_side, gm, bits, gs, side_bits, clip, grid, side_clip, side_grid, tiny, codes,
                       scales, side_codes, side_scales};
-    const u16* xr = x + (long long)blockIdx.x * ld_x;
+    const u16* xr = residual_row(x, ld_x, delta, ld_d, x_out, K);  // glue.cu's residual add, when delta is given
     const float ss = block_sum_squares(xr, K);
     const float r = rsqrtf(__fdiv_rn(ss, (float)K) + eps);
     u16* yr = y + (long long)blockIdx.x * K;

@@ -14,7 +14,7 @@ import torch
 
 from ..formats.arithmetic.weights import FP16_TINY, grid_max, n_groups
 from .act_quant import quantize_inputs_reference
-from .glue import _check, _ptr, _rows, _stream, rms_norm_reference, silu_mul_reference
+from .glue import _check, _ptr, _rows, _stream, residual_args, rms_norm_reference, silu_mul_reference
 
 THREADS = 256
 QuantizedInput = tuple  # (codes int8 [N, kp], scales float32 [N, G], side codes int8 [N, n] | None, side scales | None)
@@ -48,6 +48,13 @@ def rms_norm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                              rule: InputRule) -> tuple[torch.Tensor, QuantizedInput]:
     y = rms_norm_reference(x, weight, eps)
     return y, rule.reference(y)
+
+
+def add_rms_norm_quant_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 rule: InputRule) -> tuple[torch.Tensor, torch.Tensor, QuantizedInput]:
+    x = x + delta
+    y, q = rms_norm_quant_reference(x, weight, eps, rule)
+    return x, y, q
 
 
 def silu_mul_quant_reference(gate: torch.Tensor, up: torch.Tensor, rule: InputRule) -> tuple[torch.Tensor,
@@ -105,15 +112,26 @@ def _quant_args(k: int, rule: InputRule, out: tuple) -> tuple:
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    rule: InputRule) -> tuple[torch.Tensor, QuantizedInput]:
     """:func:`rms_norm_quant_reference` in one launch (float16 CUDA tensors)."""
+    _, y, q = _rms_norm_quant(x, None, weight, eps, rule)
+    return y, q
+
+
+def add_rms_norm_quant(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                       rule: InputRule) -> tuple[torch.Tensor, torch.Tensor, QuantizedInput]:
+    """:func:`add_rms_norm_quant_reference` in one launch: residual add, norm and the consumer's input."""
+    return _rms_norm_quant(x, delta, weight, eps, rule)
+
+
+def _rms_norm_quant(x, delta, weight, eps, rule):
     _check(x, weight)
-    x2, ld = _rows(x)
+    x2, xo, res = residual_args(x, delta)
     rows, k = x2.shape
     y = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     out = _outputs(rows, k, rule, x.device)
     with _stream(x.device):
-        _launch("rms_norm_quant", (rows,), (_ptr(x2), np.int64(ld), _ptr(weight.contiguous()), _ptr(y),
+        _launch("rms_norm_quant", (rows,), (*res, _ptr(weight.contiguous()), _ptr(y),
                                             np.float32(eps), *_quant_args(k, rule, out)), 2 * k)
-    return y.reshape(x.shape), out
+    return None if xo is None else xo.reshape(x.shape), y.reshape(x.shape), out
 
 
 def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, rule: InputRule) -> tuple[torch.Tensor, QuantizedInput]:

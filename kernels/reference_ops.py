@@ -50,9 +50,11 @@ class ReferenceKernels:
         return (torch.float16, torch.bfloat16, torch.float32)
 
     rms_norm = staticmethod(glue.rms_norm_reference)
+    add_rms_norm = staticmethod(glue.add_rms_norm_reference)
     silu_mul = staticmethod(glue.silu_mul_reference)
     rotary_cache = staticmethod(glue.rotary_cache_reference)
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant_reference)
+    add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant_reference)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant_reference)
 
     def act_quant(self, x: torch.Tensor, rule: InputRule) -> QuantizedInput:

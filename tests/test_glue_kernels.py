@@ -53,6 +53,11 @@ def test_kernels_equal_their_references():
     got, want = glue.rms_norm(x, w, 1e-5), glue.rms_norm_reference(x, w, 1e-5)
     ulp = (got.float() - want.float()).abs() / want.float().abs().clamp(min=6e-5)
     assert float(ulp.max()) <= 2 ** -10 * 1.01  # the sum's order only: at most one float16 step
+    delta = (torch.randn(7, 576 + 8, device=dev, generator=g) * 2).half()[:, :576]  # a row view, as a fused op gives
+    (xs, got), (xs_ref, want) = glue.add_rms_norm(x, delta, w, 1e-5), glue.add_rms_norm_reference(x, delta, w, 1e-5)
+    assert torch.equal(xs, xs_ref)  # the residual add is one float16 add, exactly
+    ulp = (got.float() - want.float()).abs() / want.float().abs().clamp(min=6e-5)
+    assert float(ulp.max()) <= 2 ** -10 * 1.01
     stacked = (torch.randn(5, 2 * 1536 + 64, device=dev, generator=g) * 4).half()  # gate | up | padding rows
     gate, up = stacked[:, :1536], stacked[:, 1536 + 64:]
     assert torch.equal(glue.silu_mul(gate, up), glue.silu_mul_reference(gate, up))
@@ -108,7 +113,11 @@ def _rule(k: int, n_side: int, dev, bits: int = 4):
 
 
 def test_producer_references_are_the_glue_then_the_linears_rule():
-    from unionsparse.kernels.norm_quant import rms_norm_quant_reference, silu_mul_quant_reference
+    from unionsparse.kernels.norm_quant import (
+        add_rms_norm_quant_reference,
+        rms_norm_quant_reference,
+        silu_mul_quant_reference,
+    )
 
     x, w = torch.randn(3, 200), torch.randn(200)
     for n_side in (0, 16):
@@ -118,6 +127,10 @@ def test_producer_references_are_the_glue_then_the_linears_rule():
         for a, b in zip(q, rule.reference(y), strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
         assert q[0].shape == (3, 256) and not q[0][:, 200:].any()
+        d = torch.randn(3, 200)
+        xs, y2, q2 = add_rms_norm_quant_reference(x, d, w, 1e-5, rule)
+        assert torch.equal(xs, x + d) and torch.equal(y2, glue.rms_norm_reference(x + d, w, 1e-5))
+        assert torch.equal(q2[0], rule.reference(y2)[0])
         g, u = torch.randn(3, 200), torch.randn(3, 200)
         y, q = silu_mul_quant_reference(g, u, rule)
         assert torch.equal(y, glue.silu_mul_reference(g, u)) and torch.equal(q[0], rule.reference(y)[0])
@@ -138,6 +151,11 @@ def test_quantizing_producer_kernels_equal_their_references(k, n_side):
     w = torch.randn(k, device=dev, generator=g).half()
     y, q = norm_quant.rms_norm_quant(x, w, 1e-5, rule)
     assert torch.equal(y, glue.rms_norm(x, w, 1e-5))
+    for a, b in zip(q, rule.reference(y), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    delta = (torch.randn(5, k, device=dev, generator=g) * 2).half()
+    xs, y, q = norm_quant.add_rms_norm_quant(x, delta, w, 1e-5, rule)
+    assert torch.equal(xs, x + delta) and torch.equal(y, glue.add_rms_norm(x, delta, w, 1e-5)[1])
     for a, b in zip(q, rule.reference(y), strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
     gu = (torch.randn(5, 2 * k + 64, device=dev, generator=g) * 3).half()

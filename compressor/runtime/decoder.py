@@ -36,6 +36,7 @@ class _TorchGlue:
     """The glue as torch operations (the references of ``kernels/glue.py``)."""
 
     rms_norm = staticmethod(glue_ops.rms_norm_reference)
+    add_rms_norm = staticmethod(glue_ops.add_rms_norm_reference)
     silu_mul = staticmethod(glue_ops.silu_mul_reference)
     rotary_cache = staticmethod(glue_ops.rotary_cache_reference)
 
@@ -44,6 +45,7 @@ class _ReferenceProducers:
     """Quantizing producers as torch operations (the references of ``kernels/norm_quant.py``)."""
 
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant_reference)
+    add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant_reference)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant_reference)
 
 
@@ -190,19 +192,20 @@ class StaticDecoder(nn.Module):
         j, off = self.arange[None, None, :], self.offset[:, None, None]
         mask = ((j <= pos[None, :, None]) & ((j >= off) | (j == pos[None, :, None])))[:, None]  # [B, 1, T, L]
         rpos = (pos[None, :] - self.offset[:, None]).clamp(min=0)  # rotary positions [B, T]
+        pending = None  # the last block's MLP output, added to the residual stream by the next norm
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            h = self._norm(layer.input_layernorm, x, attn.q_proj)
+            x, h = self._norm(layer.input_layernorm, x, pending, attn.q_proj)
             q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim)
             k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim)
             v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim)
             q = glue.rotary_cache(q, k, v, self.cos, self.sin, pos, rpos, self.k_cache[i], self.v_cache[i])
             o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
                                                scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-            x = x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x,
-                                                    getattr(layer.mlp, "gate_proj", None)))
-        x = self._norm(inner.norm, x[:, -1])
+            o = attn.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+            x, h = self._norm(layer.post_attention_layernorm, x, o, getattr(layer.mlp, "gate_proj", None))
+            pending = self._mlp(layer.mlp, h)
+        _, x = self._norm(inner.norm, x[:, -1], None if pending is None else pending[:, -1])
         return self.model.lm_head(x).float()
 
     def _consumer(self, linear: nn.Module):
@@ -216,17 +219,31 @@ class StaticDecoder(nn.Module):
         op = linear.shared.stacked if isinstance(linear, SharedInputMember) else linear
         return op if isinstance(op, CompressedLinear) and op.input_rule() is not None else None
 
-    def _norm(self, norm: nn.Module, x: torch.Tensor, reader: nn.Module | None = None) -> torch.Tensor:
-        """``norm(x)``; with quantizing producers also the quantized input of ``reader``, handed to it."""
+    def _norm(self, norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None = None,
+              reader: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): the residual add (none without ``delta``) and the norm, one launch with the
+        glue kernels; with quantizing producers also the quantized input of ``reader``, handed to it."""
         eps = getattr(norm, "variance_epsilon", None)
-        consumer = self._consumer(reader) if reader is not None and eps is not None else None
-        if consumer is not None:
+        if eps is None or self.glue != "kernels":  # transformers' module, as the model runs it
+            x = x if delta is None else x + delta
+            consumer = self._consumer(reader) if reader is not None and eps is not None else None
+            if consumer is None:
+                return x, norm(x)
             y, quantized = self._producers.rms_norm_quant(x, norm.weight, float(eps), consumer.input_rule())
             consumer.offer(y.reshape(-1, y.shape[-1]), quantized)
-            return y
-        if self.glue == "kernels" and eps is not None:
-            return self._glue.rms_norm(x, norm.weight, float(eps))
-        return norm(x)
+            return x, y
+        consumer = self._consumer(reader) if reader is not None else None
+        if consumer is None:
+            if delta is None:
+                return x, self._glue.rms_norm(x, norm.weight, float(eps))
+            return self._glue.add_rms_norm(x, delta, norm.weight, float(eps))
+        if delta is None:
+            y, quantized = self._producers.rms_norm_quant(x, norm.weight, float(eps), consumer.input_rule())
+        else:
+            x, y, quantized = self._producers.add_rms_norm_quant(x, delta, norm.weight, float(eps),
+                                                                  consumer.input_rule())
+        consumer.offer(y.reshape(-1, y.shape[-1]), quantized)
+        return x, y
 
     def _mlp(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
         if not (self._silu and (self.glue == "kernels" or self.prequant)):
