@@ -437,15 +437,18 @@ _name_env_vars(cli)
 
 
 def _report_bug(e: BaseException) -> str:
-    """Write the traceback of an unexpected exception to a file; return its path."""
+    """Write the traceback of an unexpected exception to a file; where it went (or why it could not be kept)."""
     import tempfile
     import traceback
 
-    fd, path = tempfile.mkstemp(prefix="unionsparse-crash-", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.write(f"unionsparse {' '.join(sys.argv[1:])}\n\n")
-        traceback.print_exception(type(e), e, e.__traceback__, file=f)
-    return path
+    try:
+        fd, path = tempfile.mkstemp(prefix="unionsparse-crash-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"unionsparse {' '.join(sys.argv[1:])}\n\n")
+            traceback.print_exception(type(e), e, e.__traceback__, file=f)
+    except OSError as err:  # a full disk or a read-only temporary folder
+        return f"traceback not saved ({err.strerror or type(err).__name__}; UNIONSPARSE_DEBUG=1 prints it)"
+    return f"traceback in {path}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -470,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         click.echo(printable(f"unionsparse: internal error (a bug, please report it): {type(e).__name__}: {first}; ")
-                   + f"traceback in {_report_bug(e)}", err=True)
+                   + _report_bug(e), err=True)
         sys.exit(EXIT_BUG)
     sys.exit(0)
 

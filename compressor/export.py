@@ -37,6 +37,8 @@ from torch import nn
 from ..formats.errors import FormatError
 from .artifact.store import Artifact, tool_version
 from .errors import UserError
+from .files import environment_errors, file_mode
+from .output_lock import output_lock
 
 SIDECAR = "unionsparse.json"
 SIDECAR_KEY = "unionsparse_export"
@@ -156,10 +158,21 @@ def _shard_bytes(size: str | int) -> int:
 
 
 def _save_pretrained(model: nn.Module, folder: Path, shard: int) -> None:
+    """``save_pretrained``; safetensors' I/O errors (raised as SafetensorError) come back as the OSError they are."""
+    import re
+
+    from safetensors import SafetensorError
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model.save_pretrained(str(folder), max_shard_size=shard)
+    try:
+        model.save_pretrained(str(folder), max_shard_size=shard)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        n = int(code.group(1))
+        raise OSError(n, os.strerror(n), str(folder)) from None
 
 
 # ------------------------------------------------------------------------------ compressed-tensors
@@ -438,39 +451,36 @@ def _check_replaceable(out: Path) -> None:
 
 @contextlib.contextmanager
 def _output_folder(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Checks ``out``, yields a fresh ``out.partial`` (marked by a sidecar stub); removes it on any error."""
+    """Checks ``out``, yields a fresh ``out.partial`` (marked by a sidecar stub); removes it on any error. One
+    export at a time per ``out`` (``out.lock``); a full disk or a read-only file system is one line (UserError)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"-o: {out} exists and is not a folder")
     if not out.parent.is_dir():
         raise UserError(f"-o: folder {out.parent} does not exist")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise UserError(f"-o: {out} exists and is not empty (pass --overwrite to replace an earlier export)")
-        _check_replaceable(out)
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists() or tmp.is_symlink():
-        if not tmp.is_dir() or _read_sidecar(tmp) is None:
-            raise UserError(f"-o: {tmp} exists and was not left by unionsparse export; remove it first")
-        shutil.rmtree(tmp)  # an interrupted export's leftover
-    tmp.mkdir()
-    try:
-        (tmp / SIDECAR).write_text(json.dumps({SIDECAR_KEY: 1, "complete": False}) + "\n")
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    with output_lock(out, "-o"):
+        if out.is_dir() and any(out.iterdir()):
+            if not overwrite:
+                raise UserError(f"-o: {out} exists and is not empty (pass --overwrite to replace an earlier export)")
+            _check_replaceable(out)
+        tmp = out.with_name(out.name + ".partial")
+        if tmp.exists() or tmp.is_symlink():
+            if not tmp.is_dir() or _read_sidecar(tmp) is None:
+                raise UserError(f"-o: {tmp} exists and was not left by unionsparse export; remove it first")
+            shutil.rmtree(tmp)  # an interrupted export's leftover (no export runs now: we hold the lock)
+        with environment_errors("-o", out):
+            tmp.mkdir()
+            try:
+                (tmp / SIDECAR).write_text(json.dumps({SIDECAR_KEY: 1, "complete": False}) + "\n")
+                yield tmp
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # the partial this export made
+                raise
 
 
 def _finish(tmp: Path, out: Path, art: Artifact, target: str, lost: list[str], notes: list[str],
-            dense: dict[str, str]) -> ExportResult:
+            dense: dict[str, str], packing: list[dict] | None = None) -> ExportResult:
     """Write the sidecar, then move ``tmp`` to ``out`` (an earlier export there is replaced, nothing else)."""
-    mode = 0o666 & ~_umask()  # transformers writes safetensors files 0600; give every file the usual mode
+    mode = file_mode()  # transformers writes safetensors files 0600; give every file the usual mode
     for f in tmp.rglob("*"):
         if f.is_file():
             f.chmod(mode)

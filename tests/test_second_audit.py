@@ -7,7 +7,11 @@ inputs give identical manifests; compressed-tensors exports pack layers whose K 
 
 from __future__ import annotations
 
+import errno
+import io
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,3 +74,183 @@ def test_overwrite_keeps_a_user_file_inside_the_artifact(where, named, art, tmp_
     refused(r, str(out), named or where)
     assert snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.zarr"]
+
+
+# ------------------------------------------------------------------------- 3. two writers to one output
+
+
+def test_two_compress_runs_to_one_output(tmp_path, model_dirs, run_cli):
+    out = tmp_path / "race.zarr"
+    cmd = [str(CLI), "compress", str(model_dirs["llama"]), "-o", str(out), *FAST]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    assert sorted(code for code, _, _ in results) == [0, 2], results
+    (loser,) = [err for code, _, err in results if code == 2]
+    lines = [ln for ln in loser.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in loser, loser
+    assert "being written by another unionsparse run" in lines[0] or "already exists" in lines[0], lines[0]
+    assert run_cli("verify", out, "--n", "1", "--quiet").code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["race.zarr"]  # no partial, no lock left
+
+
+HOLD = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, b"unionsparse-lock pid %d host elsewhere\\n" % os.getpid())
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_live_writers_lock_is_respected_and_kept(tmp_path, model_dirs, run_cli):
+    out = tmp_path / "held.zarr"
+    lock = tmp_path / "held.zarr.lock"
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        r = run_cli("compress", model_dirs["llama"], "-o", out, *FAST)
+        refused(r, "being written by another unionsparse run", f"pid {p.pid} on elsewhere")
+        assert lock.read_text() == f"unionsparse-lock pid {p.pid} host elsewhere\n"  # never deleted
+        assert not out.exists() and not (tmp_path / "held.zarr.partial").exists()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_killed_writers_lock_is_taken_over(tmp_path, model_dirs, run_cli):
+    out = tmp_path / "stale.zarr"
+    (tmp_path / "stale.zarr.lock").write_text("unionsparse-lock pid 999999 host here\n")  # its holder is gone
+    assert run_cli("compress", model_dirs["llama"], "-o", out, *FAST).code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stale.zarr"]
+
+
+def test_a_user_file_named_like_the_lock_is_not_touched(tmp_path, model_dirs, run_cli):
+    (tmp_path / "x.zarr.lock").write_text("my notes")
+    refused(run_cli("compress", model_dirs["llama"], "-o", tmp_path / "x.zarr", *FAST), "x.zarr.lock",
+            "not a unionsparse lock file")
+    assert (tmp_path / "x.zarr.lock").read_text() == "my notes"
+
+
+# ----------------------------------------------------------------- 4. full and read-only file systems
+
+
+class _FullFile:
+    """A file object on a full disk: it opened (the file exists, empty), every write fails."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, _data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    writelines = write
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+@pytest.fixture
+def broken_fs(monkeypatch):
+    """``broken_fs(folder, "full" | "read-only")``: writes under ``folder`` fail as on a full disk (files open,
+    every write is ENOSPC) or a read-only file system (creating, writing, renaming is EROFS)."""
+
+    def apply(folder: Path, kind: str) -> None:
+        top = os.path.abspath(folder)
+        err = errno.ENOSPC if kind == "full" else errno.EROFS
+        fds: set[int] = set()
+        real_open, real_io_open = os.open, io.open
+        real_mkdir, real_replace, real_rename = os.mkdir, os.replace, os.rename
+
+        def under(p) -> bool:
+            if isinstance(p, int):
+                return p in fds
+            a = os.path.abspath(os.fsdecode(p))
+            return a == top or a.startswith(top + os.sep)
+
+        def fail(p):
+            raise OSError(err, os.strerror(err), str(p))
+
+        def os_open(path, flags, mode=0o777, *, dir_fd=None):
+            writes = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            if dir_fd is None and writes and under(path):
+                if kind != "full":
+                    fail(path)
+                fd = real_open(path, flags, mode)
+                fds.add(fd)
+                return fd
+            return real_open(path, flags, mode, dir_fd=dir_fd)
+
+        def io_open(file, mode="r", *args, **kwargs):
+            if any(c in mode for c in "wax+") and under(file):
+                if kind != "full":
+                    fail(file)
+                return _FullFile(real_io_open(file, mode, *args, **kwargs))
+            return real_io_open(file, mode, *args, **kwargs)
+
+        def guard(real):
+            def call(*args, **kwargs):
+                if kind != "full" and any(under(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
+                    fail(args[0])
+                return real(*args, **kwargs)
+            return call
+
+        monkeypatch.setattr(os, "open", os_open)
+        monkeypatch.setattr(io, "open", io_open)
+        monkeypatch.setattr("builtins.open", io_open)
+        monkeypatch.setattr(os, "mkdir", guard(real_mkdir))
+        monkeypatch.setattr(os, "replace", guard(real_replace))
+        monkeypatch.setattr(os, "rename", guard(real_rename))
+
+    return apply
+
+
+KINDS = [("full", "No space left on device"), ("read-only", "Read-only file system")]
+
+
+@pytest.mark.parametrize("kind,words", KINDS)
+@pytest.mark.parametrize("flag,name", [("--plot", "s.png"), ("--html", "s.html")])
+def test_inspect_plot_and_html_on_a_broken_disk(flag, name, kind, words, art, tmp_path, broken_fs, run_cli):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "figs"
+    out.mkdir()
+    broken_fs(out, kind)
+    refused(run_cli("inspect", art, flag, out / name), flag, str(out / name), words)
+    assert list(out.iterdir()) == []  # no truncated PNG, no empty page, no temporary file
+
+
+@pytest.mark.parametrize("kind,words", KINDS)
+@pytest.mark.parametrize("flag", ["--csv", "--md"])
+def test_summarize_files_on_a_broken_disk(flag, kind, words, art, tmp_path, broken_fs, run_cli):
+    out = tmp_path / "tables"
+    out.mkdir()
+    broken_fs(out, kind)
+    refused(run_cli("summarize", art.parent, flag, out / "t.txt"), flag, words)
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind,words", KINDS)
+def test_export_on_a_broken_disk(kind, words, art, tmp_path, broken_fs, run_cli):
+    out = tmp_path / "exports"
+    out.mkdir()
+    broken_fs(out, kind)
+    refused(run_cli("export", art, "-o", out / "hf"), "-o", words)
+    assert list(out.iterdir()) == []  # no DIR, DIR.partial or lock file
+
+
+@pytest.mark.parametrize("kind,words", KINDS)
+def test_eval_record_on_a_broken_disk(kind, words, art, tmp_path, text, broken_fs, run_cli):
+    d = tmp_path / "arts"
+    d.mkdir()
+    store = d / "a.zarr"
+    shutil.copytree(art, store)
+    broken_fs(d, kind)
+    refused(run_cli("eval", store, "--text", text, "--seqlen", "64", "--max-windows", "1", "--record"), "--record",
+            words)
+    assert sorted(p.name for p in d.iterdir()) == ["a.zarr"]

@@ -32,6 +32,7 @@ from ...formats import registry
 from ...formats.arithmetic.outlier_side import OutlierSide, side_arrays, side_from_arrays
 from ...formats.errors import FormatError
 from ..errors import UserError
+from ..files import atomic_write
 from . import ownership
 from .scan import MAX_JSON_BYTES, ArrayMeta, Store, StoreError, check_name
 
@@ -113,13 +114,17 @@ class ArtifactWriter:
             ownership.remove_zarr_temporaries(self.tmp)  # a write the kill interrupted
             self.root = zarr.open_group(str(self.tmp), mode="r+")
             self._drop_incomplete()
-        else:
-            ownership.remove_tree(self.tmp)  # our own partial, checked above
+            return
+        ownership.remove_tree(self.tmp)  # our own partial, checked above
+        try:
             self.root = zarr.open_group(str(self.tmp), mode="w")
             self.root.attrs.update({**root_attrs, MARKER: True, "format_version": FORMAT_VERSION,
                                     "complete": False})
             self.root.create_group("layers")
             self.root.create_group("dense")
+        except BaseException:
+            self.abort()  # the partial this writer began (a full disk, a read-only file system)
+            raise
 
     def _drop_incomplete(self) -> None:
         for group in ("layers", "dense"):  # killed right after the root was created
@@ -199,7 +204,7 @@ def write_manifest(root: Path) -> None:
         version = None
     body = json.dumps({"manifest": MANIFEST_VERSION, "hash": "sha256", "format_version": version,
                        "files": _file_entries(store)}, sort_keys=True, separators=(",", ":"))
-    (Path(root) / MANIFEST).write_text(_signed(body))
+    atomic_write(Path(root) / MANIFEST, _signed(body), "-o")
 
 
 @dataclass

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..files import atomic_write, environment_errors
 from .e2e_models import GPU_SPECS, GROUP_MEMBERS, GROUPS, SPECS, ModelSpec, build_model, clear_groups, install_group
 from .e2e_peers import (
     BASELINES,
@@ -751,14 +752,15 @@ def machine_slug(info: dict) -> str:
 def write_results(res: dict, out_dir: str | Path) -> Path:
     """``out_dir/e2e-<machine>-<date>.json`` (a -2, -3... suffix rather than overwrite) and the table beside it."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with environment_errors("--out", out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"e2e-{machine_slug(res['machine'])}-{res['date'][:10]}"
     path, i = out_dir / f"{stem}.json", 1
     while path.exists():
         i += 1
         path = out_dir / f"{stem}-{i}.json"
-    path.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    path.with_suffix(".md").write_text("```\n" + format_table(res) + "\n```\n")
+    atomic_write(path, json.dumps(res, indent=2, default=str) + "\n", "--out")
+    atomic_write(path.with_suffix(".md"), "```\n" + format_table(res) + "\n```\n", "--out")
     return path
 
 
@@ -820,9 +822,10 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
     partial = None
     if out_dir is not None:  # rows so far, rewritten after every case: a killed run keeps what it measured
         partial = Path(out_dir) / "e2e-partial.json"
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        res["_save"] = lambda: partial.write_text(json.dumps({k: v for k, v in res.items() if k != "_save"},
-                                                             indent=2, default=str) + "\n")
+        with environment_errors("--out", partial.parent):
+            partial.parent.mkdir(parents=True, exist_ok=True)
+        res["_save"] = lambda: atomic_write(partial, json.dumps({k: v for k, v in res.items() if k != "_save"},
+                                                                indent=2, default=str) + "\n", "--out")
     with torch.no_grad():
         if checks:
             t0 = time.perf_counter()

@@ -134,13 +134,12 @@ def to_markdown(rows: list[dict]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead of markdown.")
 def summarize_command(folder, csv_file, md_file, as_json) -> None:
     """One table over every artifact under FOLDER: bits/weight, CR, PMR, union density, verify."""
+    from ..files import atomic_write
+
     rows = summarize(folder)
-    for target, text in ((csv_file, to_csv), (md_file, to_markdown)):
+    for flag, target, text in (("--csv", csv_file, to_csv), ("--md", md_file, to_markdown)):
         if target:
-            p = Path(target)
-            if not p.parent.exists():
-                raise UserError(f"{'--csv' if text is to_csv else '--md'}: folder {p.parent} does not exist")
-            p.write_text(text(rows), encoding="utf-8")
+            atomic_write(target, text(rows), flag)
     click.echo(json.dumps(rows, indent=2, default=str) if as_json else to_markdown(rows), nl=False)
     if any(r.get("error") or r.get("verify", "").startswith("FAILED") for r in rows):
         sys.exit(1)
