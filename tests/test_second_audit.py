@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REFERENCE_FLAGS
 
 FAST = ("--quiet", "--reorder", "none")
 CLI = Path(sys.executable).parent / "unionsparse"
@@ -254,3 +256,19 @@ def test_eval_record_on_a_broken_disk(kind, words, art, tmp_path, text, broken_f
     refused(run_cli("eval", store, "--text", text, "--seqlen", "64", "--max-windows", "1", "--record"), "--record",
             words)
     assert sorted(p.name for p in d.iterdir()) == ["a.zarr"]
+
+
+# ------------------------------------------------------------------------- 7. identical manifests
+
+
+def test_identical_inputs_give_identical_manifests(reference_artifact, tmp_path, model_dirs, run_cli):
+    again = tmp_path / "again.zarr"
+    assert run_cli("compress", model_dirs["llama"], "-o", again, *REFERENCE_FLAGS).code == 0
+    digests = []
+    for store in (reference_artifact, again):
+        r = run_cli("verify", store, "--n", "1", "--json")
+        assert r.code == 0, r.out
+        digests.append(json.loads(r.out)["manifest_sha256"])
+    assert digests[0] == digests[1]
+    assert (reference_artifact / "unionsparse_manifest.json").read_bytes() == \
+        (again / "unionsparse_manifest.json").read_bytes()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -437,5 +436,4 @@ def new_root_attrs(source: str, fp: str, config: dict, model_config: dict) -> di
         "source": {"model": source, "fingerprint": fp},
         "config": config,
         "model_config": model_config,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -23,7 +23,7 @@ from ..terminal import printable
 
 COLUMNS = ("artifact", "model", "prune", "sparsity_target", "quant", "format", "tile", "reorder", "layers",
            "sparsity", "bits_per_weight", "cr", "pmr", "union_density_before", "union_density_after",
-           "best_baseline", "best_baseline_bits", "total_bytes", "seconds", "verify", "error")
+           "best_baseline", "best_baseline_bits", "total_bytes", "verify", "error")
 
 
 def find_artifacts(folder: Path) -> list[Path]:
@@ -74,12 +74,6 @@ def artifact_row(path: Path, root: Path) -> dict:
         "union_density_before": m.get("union_density_before_reorder"),
         "union_density_after": m.get("union_density_after_reorder", m.get("union_density")),
     })
-    try:
-        from ..artifact.store import Artifact
-
-        row["seconds"] = (Artifact(path).attrs.get("summary") or {}).get("seconds")
-    except UserError:
-        pass
     sparse = {k: v for k, v in data.get("model_baselines", {}).items() if not k.startswith("dense")}
     if sparse:
         best = min(sparse, key=lambda k: sparse[k]["bits_per_weight"])
