@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REFERENCE_FLAGS
+from conftest import REFERENCE_FLAGS, tiny_model
 
 FAST = ("--quiet", "--reorder", "none")
 CLI = Path(sys.executable).parent / "unionsparse"
@@ -272,3 +272,49 @@ def test_identical_inputs_give_identical_manifests(reference_artifact, tmp_path,
     assert digests[0] == digests[1]
     assert (reference_artifact / "unionsparse_manifest.json").read_bytes() == \
         (again / "unionsparse_manifest.json").read_bytes()
+
+
+# ------------------------------------------------------- 8. compressed-tensors: a group size that divides K
+
+
+def test_compressed_tensors_picks_a_group_size_dividing_k(tmp_path, run_cli):
+    """Hidden 192 (K = 192 for Q/K/V/O and gate/up, 384 for down_proj) under --group-size 128: exported with group
+    size 64, every layer packed (nothing dense but lm_head), the codes and weights the artifact's."""
+    pytest.importorskip("compressed_tensors")
+    import torch
+    from transformers import AutoModelForCausalLM
+    from unionsparse.compressor.artifact.store import Artifact
+    from unionsparse.compressor.model.rebuild import rebuild_model
+
+    model = tmp_path / "llama192"
+    tiny_model("llama", hidden=192).save_pretrained(model)
+    store = tmp_path / "g.zarr"
+    assert run_cli("compress", model, "-o", store, *FAST, "--quant", "w4a16").code == 0
+    out = tmp_path / "ct"
+    r = run_cli("export", store, "-o", out, "--to", "compressed-tensors")
+    assert r.code == 0, r.err
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["lm_head"]
+    (grp,) = qc["config_groups"].values()
+    assert grp["weights"]["group_size"] == 64 and grp["weights"]["strategy"] == "group"
+    meta = json.loads((out / "unionsparse.json").read_text())
+    assert meta["dense_layers"] == {}
+    assert meta["packing"] == [{"bits": 4, "group_size": 64, "layers": 14, "artifact_group_size": 128}]
+    assert any("group size 64 instead of the artifact's 128" in ln and "K = 192" in ln for ln in r.err.splitlines())
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ref = rebuild_model(store, act_quant=False)
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # transformers decompresses on the first forward
+        torch.testing.assert_close(loaded(tokens).logits.float(), ref(tokens).logits.float(), rtol=0, atol=1e-2)
+    for name in Artifact(store).layer_names:  # decompressed by compressed-tensors: the artifact's weights
+        assert torch.equal(loaded.get_submodule(name).weight.detach(), ref.get_submodule(name).weight.detach().half())
+
+
+def test_export_group_rule():
+    from unionsparse.compressor.export import export_group
+
+    assert export_group(128, [576, 1536]) == 64  # SmolLM2: hidden 576, intermediate 1536
+    assert export_group(128, [256, 512]) == 128
+    assert export_group(128, [192]) == 64 and export_group(128, [96]) == 32
+    assert export_group(128, [80]) is None  # below 32: those layers stay dense
+    assert export_group(192, [256]) is None
