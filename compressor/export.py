@@ -75,9 +75,10 @@ class ExportResult:
 
 
 def export_hf(artifact: str | Path | Artifact, out_dir: str | Path, *, overwrite: bool = False,
-              max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> ExportResult:
-    """Write ``out_dir`` as a Hugging Face folder of the artifact's decoded fp16 weights."""
-    art = _open(artifact)
+              max_shard_size: str | int = DEFAULT_SHARD_SIZE, verify: bool = True) -> ExportResult:
+    """Write ``out_dir`` as a Hugging Face folder of the artifact's decoded fp16 weights (``verify``: its files
+    checked against its manifest as they are read)."""
+    art = _open(artifact, verify)
     shard = _shard_bytes(max_shard_size)
     out = Path(out_dir)
     with _output_folder(out, overwrite) as tmp:
@@ -91,9 +92,9 @@ def export_hf(artifact: str | Path | Artifact, out_dir: str | Path, *, overwrite
 
 
 def export_compressed_tensors(artifact: str | Path | Artifact, out_dir: str | Path, *, overwrite: bool = False,
-                              max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> ExportResult:
+                              max_shard_size: str | int = DEFAULT_SHARD_SIZE, verify: bool = True) -> ExportResult:
     """Write ``out_dir`` as a compressed-tensors ``pack-quantized`` checkpoint of an integer-coded artifact."""
-    art = _open(artifact)
+    art = _open(artifact, verify)
     shard = _shard_bytes(max_shard_size)
     plan = _pack_plan(art)
     _require_compressed_tensors()
@@ -127,8 +128,8 @@ def _stage(description: str) -> Iterator[None]:
     log.info("%s in %.1f s", description, time.perf_counter() - t0)
 
 
-def _open(artifact: str | Path | Artifact) -> Artifact:
-    return artifact if isinstance(artifact, Artifact) else Artifact(artifact)
+def _open(artifact: str | Path | Artifact, verify: bool = True) -> Artifact:
+    return artifact if isinstance(artifact, Artifact) else Artifact(artifact, verify=verify)
 
 
 def _fp16_model(art: Artifact) -> nn.Module:
@@ -136,7 +137,7 @@ def _fp16_model(art: Artifact) -> nn.Module:
     from .model.rebuild import rebuild_model
 
     try:
-        model = rebuild_model(art.path, act_quant=False, dtype=torch.float16)
+        model = rebuild_model(art, act_quant=False, dtype=torch.float16)
     except FormatError as e:
         raise UserError(f"{art.path}: {e} (run `unionsparse verify`)") from None
     for name, t in model.state_dict().items():

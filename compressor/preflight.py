@@ -322,7 +322,7 @@ def check_loaded_model(cfg, out: Path, loaded, blocks, prefix: str) -> None:
 
 
 
-def check_eval_args(source: str, seqlen: int, max_windows: int | None) -> None:
+def check_eval_args(source: str, seqlen: int, max_windows: int | None, verify: bool = True) -> None:
     """``eval``'s numbers, and ``--seqlen`` against the context of the model or the artifact's stored config,
     before anything is loaded (a window beyond the context only costs memory: attention is quadratic)."""
     if seqlen < 2:
@@ -333,7 +333,7 @@ def check_eval_args(source: str, seqlen: int, max_windows: int | None) -> None:
     if attrs is not None:  # an artifact: opened through the scanned store (links and special files refused)
         from .artifact.store import Artifact
 
-        attrs = Artifact(source).attrs
+        attrs = Artifact(source, verify=verify).attrs  # its manifest too, unless --no-verify
     context = model_context(attrs.get("model_config")) if attrs is not None else source_context(str(source))
     check_seqlen("--seqlen", seqlen, context, str(source))
 

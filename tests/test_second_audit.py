@@ -78,6 +78,54 @@ def test_overwrite_keeps_a_user_file_inside_the_artifact(where, named, art, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.zarr"]
 
 
+# ------------------------------------------------------------- 2. nothing used that verify rejects
+
+
+def swapped_scales(art: Path, tmp: Path) -> Path:
+    """Two layers' scale chunks of the same size swapped: every file keeps its size, two change content."""
+    d = tmp / "swapped.zarr"
+    shutil.copytree(art, d)
+    a, b = (d / "layers" / n / "scales" / "c" / "0" / "0" for n in (Q, O))
+    ra, rb = a.read_bytes(), b.read_bytes()
+    assert len(ra) == len(rb) and ra != rb
+    a.write_bytes(rb)
+    b.write_bytes(ra)
+    return d
+
+
+def no_manifest(art: Path, tmp: Path) -> Path:
+    d = tmp / "nomanifest.zarr"
+    shutil.copytree(art, d)
+    (d / "unionsparse_manifest.json").unlink()
+    return d
+
+
+def reading_commands(store: Path, tmp: Path, text: Path) -> dict[str, list]:
+    return {"generate": ["generate", store, "--prompt", "the sparse", "--max-new-tokens", "2", "--quiet"],
+            "export": ["export", store, "-o", tmp / "exported"],
+            "eval": ["eval", store, "--text", text, "--seqlen", "64", "--max-windows", "1"],
+            "bench": ["bench", "--e2e", store, "--device", "cpu"]}
+
+
+@pytest.mark.parametrize("make,needle", [(swapped_scales, "scales/c/0/0 differs from the artifact's manifest"),
+                                         (no_manifest, "unionsparse_manifest.json is missing")])
+@pytest.mark.parametrize("command", ["generate", "export", "eval", "bench"])
+def test_reading_commands_refuse_what_verify_rejects(command, make, needle, art, tmp_path, text, run_cli):
+    store = make(art, tmp_path)
+    assert run_cli("verify", store, "--n", "1", "--quiet").code == 1  # verify rejects it
+    r = run_cli(*reading_commands(store, tmp_path, text)[command])
+    refused(r, needle, "verify")
+    assert not (tmp_path / "exported").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "export", "eval"])
+def test_no_verify_uses_it_and_says_so(command, art, tmp_path, text, run_cli):
+    store = swapped_scales(art, tmp_path)
+    r = run_cli(*reading_commands(store, tmp_path, text)[command], "--no-verify")
+    assert r.code == 0, r.err
+    assert f"note: --no-verify: {store} is used without checking" in r.err
+
+
 # ------------------------------------------------------------------------- 3. two writers to one output
 
 
@@ -256,6 +304,57 @@ def test_eval_record_on_a_broken_disk(kind, words, art, tmp_path, text, broken_f
     refused(run_cli("eval", store, "--text", text, "--seqlen", "64", "--max-windows", "1", "--record"), "--record",
             words)
     assert sorted(p.name for p in d.iterdir()) == ["a.zarr"]
+
+
+# ------------------------------------------------------------------------ 5. progress and message order
+
+
+def test_eval_shows_progress_on_a_terminal(art, text, run_cli, monkeypatch):
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich draws as on a terminal
+    r = run_cli("eval", art, "--text", text, "--seqlen", "64", "--max-windows", "2")
+    assert r.code == 0, r.err
+    assert "rebuilding the artifact" in r.err and "perplexity windows of 64 tokens" in r.err, r.err
+
+
+def test_eval_logs_one_line_per_stage(art, text, run_cli):
+    from unionsparse.compressor.progress import configure_logging
+
+    try:
+        r = run_cli("eval", art, "--text", text, "--seqlen", "64", "--max-windows", "2", "--log-level", "info")
+    finally:
+        configure_logging("warning")
+    assert r.code == 0, r.err
+    assert "perplexity windows of 64 tokens: 2/2 in" in r.err, r.err
+
+
+def test_generate_refuses_a_long_prompt_before_loading(art, run_cli, monkeypatch):
+    from unionsparse.compressor import runtime
+
+    def boom(*_a, **_k):
+        raise AssertionError("the model was loaded before the prompt was checked")
+
+    monkeypatch.setattr(runtime, "load", boom)
+    r = run_cli("generate", art, "--prompt", "sparse kernel " * 40)  # byte-level tokens: > 256 positions
+    refused(r, "--prompt", "positions")
+    assert "loaded" not in r.err
+
+
+# ------------------------------------------------------------------------------------------ 6. --help
+
+
+def test_help_describes_every_option(run_cli):
+    from unionsparse.compressor.cli import cli
+
+    verify = {p.name: p for p in cli.commands["verify"].params}
+    for name in ("backend", "seed", "quiet", "as_json"):
+        assert verify[name].help, name
+    assert "[hf|compressed-tensors]" in run_cli("export", "--help").out
+    r = run_cli("export", "x.zarr", "-o", "y", "--to", "onnx")
+    refused(r, "--to", "hf", "compressed-tensors")
+    text = run_cli("eval", "--help").out
+    assert "--act-sparsity / --no-act-sparsity" in text and "--dp" not in text
+    ctx = cli.commands["eval"].make_context("eval", ["m", "--no-dp"])  # the old name still works
+    assert ctx.params["dp_old"] is False
 
 
 # ------------------------------------------------------------------------- 7. identical manifests
