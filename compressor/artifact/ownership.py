@@ -83,8 +83,8 @@ def _foreign_in_node(p: Path, rel: str, top: bool = False) -> list[str]:
     """What under ``p`` (an entry of a zarr node) no store holds."""
     if ZARR_TEMP.fullmatch(p.name) and _plain_file(p):  # zarr's, left by a killed write
         return []
-    if p.is_symlink() or not p.is_dir():
-        return [] if not top and p.name == "zarr.json" and _plain_file(p) else [rel]
+    if p.is_symlink() or not p.is_dir():  # a node's metadata, or the one chunk of a 0-d array
+        return [] if not top and p.name in ("zarr.json", "c") and _plain_file(p) else [rel]
     if p.name == "c" and not top and not (p / "zarr.json").exists():
         return _foreign_in_chunks(p, rel)
     if not _plain_file(p / "zarr.json"):
