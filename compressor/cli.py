@@ -36,6 +36,22 @@ def _ns(text: str) -> list[int]:
     return ns
 
 
+def _check_artifact(path: str, no_verify: bool, open_now: bool = True, every_file: bool = False) -> None:
+    """Commands that use an artifact open it with its manifest checked (signature, files, sizes; then each file as
+    it is read: one line, exit 2, when one differs); ``open_now``: here, before any other work; ``every_file``:
+    every file's SHA-256 too (bench, which reads them all after its own checks). ``--no-verify`` skips the checks
+    and says so on stderr."""
+    from .artifact.store import Artifact
+
+    if no_verify:
+        click.echo(printable(f"note: --no-verify: {path} is used without checking its files against its manifest"),
+                   err=True)
+    elif open_now:
+        art = Artifact(path)
+        if every_file:
+            art.check_files()
+
+
 def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """`--config`: the recipe's values become the command's defaults (flags and env vars win)."""
     from .recipe import load_into_context
@@ -199,11 +215,13 @@ def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> 
 
 @cli.command()
 @click.argument("artifact")
-@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "cupy", "cpu"]))
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "cupy", "cpu"]),
+              help="Kernel checks: cupy (the GPU kernels), cpu (their CPU references), auto (cupy with a GPU).")
 @click.option("--n", "ns", default="1,8,32", show_default=True, help="Decode widths to check.")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--quiet", is_flag=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the random activations.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print {ok, backend, layers, failures, notes, manifest_sha256} as JSON.")
 def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
     """Decode and re-encode every layer and check the kernels on it; exit 1 if any check fails."""
     from .config import choice
@@ -215,7 +233,7 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
     from .artifact.store import Artifact
 
     try:
-        n_layers = len(Artifact(artifact).layer_names)
+        n_layers = len(Artifact(artifact, verify=False).layer_names)
     except UserError:
         n_layers = 0  # verify() decides: corruption of one of our stores is a failed check (exit 1)
     with Reporter(quiet=quiet or as_json) as rep, rep.stage("verifying layers", n_layers) as bar:
@@ -260,12 +278,17 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
 @click.option("--out", "out_dir", default=None, help="--e2e: write DIR/e2e-<machine>-<date>.json (and .md).")
 @click.option("--record", is_flag=True, default=None,
               help="--e2e ARTIFACT: keep its time per token beside it (OUT.zarr.figures.json) for inspect.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option("--no-verify", is_flag=True,
+              help="Use the artifact without checking its files against its manifest (said on stderr).")
 def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kinds, steps, device, time_budget,
-          out_dir, record, as_json) -> None:
+          out_dir, record, as_json, no_verify) -> None:
     """Time the project's kernels beside cuBLAS fp16 (and int8) on the same shapes (needs a GPU); --e2e: whole
     decode steps."""
     from .config import choice
+
+    if artifact:
+        _check_artifact(artifact, no_verify, every_file=True)
 
     e2e_only = {"--spec": spec, "--batch": batches, "--context": contexts, "--kinds": kinds, "--steps": steps,
                 "--device": device, "--time-budget": time_budget, "--out": out_dir, "--record": record or None}
@@ -276,7 +299,7 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
             raise UserError(f"--time-budget must be a positive number of seconds, got {time_budget}")
         log = None if as_json else (lambda msg: click.echo(printable(msg), err=True))
         data = e2e_command(artifact, spec, batches, contexts, kinds, steps, device or "cuda", out_dir, time_budget,
-                           record=bool(record), log=log)
+                           record=bool(record), log=log, verify=not no_verify)
         if as_json:
             click.echo(json.dumps(data, indent=2, default=str))
         else:
@@ -292,7 +315,7 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
     if not 0.0 <= sparsity < 1.0:
         raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")
     choice("--format", fmt, registry.names())
-    data = bench_command(artifact, shapes, _ns(ns), sparsity, as_json, fmt=fmt)
+    data = bench_command(artifact, shapes, _ns(ns), sparsity, as_json, fmt=fmt, verify=not no_verify)
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
@@ -311,34 +334,42 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
 @click.option("--limit", default=None, type=int, help="--tasks: score only the first N items of each task.")
 @click.option("--batch-size", default=None, type=int, help="--tasks: requests per forward pass (default 1).")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
-@click.option("--act-sparsity/--no-act-sparsity", "--dp/--no-dp", "dp", default=True, show_default=True,
+@click.option("--act-sparsity/--no-act-sparsity", "dp", default=True, show_default=True,
               help="Tiled-CBC artifacts: apply the stored dynamic-pruning thresholds to every token.")
+@click.option("--dp/--no-dp", "dp_old", default=None, hidden=True)  # the old name, kept for one release
 @click.option("--tokenizer", default=None,
               help="Tokenizer: a model folder, .gguf file or tokenizer folder (an artifact without one needs it).")
 @click.option("--record", is_flag=True,
               help="Keep the result beside the artifact (OUT.zarr.figures.json, outside the store) for inspect.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_cmd(source, text_path, seqlen, max_windows, tasks, tasks_data, limit, batch_size, device, dp, tokenizer,
-             record, as_json) -> None:
+@click.option("--no-verify", is_flag=True,
+              help="Use the artifact without checking its files against its manifest (said on stderr).")
+def eval_cmd(source, text_path, seqlen, max_windows, tasks, tasks_data, limit, batch_size, device, dp, dp_old,
+             tokenizer, record, as_json, no_verify) -> None:
     """Perplexity (--text) or lm-eval task accuracy (--tasks) of a model or of an artifact (rebuilt)."""
     from .artifact.ownership import store_attrs
     from .evaluate.perplexity import evaluate_source
     from .evaluate.tasks import check_eval_mode, evaluate_tasks, format_table
 
-    if record and store_attrs(Path(source)) is None:
+    dp = dp if dp_old is None else dp_old
+    is_artifact = store_attrs(Path(source)) is not None
+    if record and not is_artifact:
         raise UserError(f"--record: {source} is not a unionsparse artifact (figures are kept beside artifacts)")
+    if is_artifact:
+        _check_artifact(source, no_verify)
     from .report.figures import record as keep
 
     if check_eval_mode(text_path, max_windows, tasks, limit, batch_size):
         res = evaluate_tasks(source, tasks, tasks_data, limit, batch_size, device, dynamic_pruning=dp,
-                             tokenizer=tokenizer)
+                             tokenizer=tokenizer, verify=not no_verify)
         if record:
             for name, t in res["tasks"].items():
                 keep(source, "tasks", name + (f", {limit} items" if limit else ""),
                      {m: v["value"] for m, v in t["metrics"].items()})
         click.echo(json.dumps(res, indent=2) if as_json else format_table(res))
         return
-    res = evaluate_source(source, text_path, seqlen, max_windows, device, dynamic_pruning=dp, tokenizer=tokenizer)
+    res = evaluate_source(source, text_path, seqlen, max_windows, device, dynamic_pruning=dp, tokenizer=tokenizer,
+                          verify=not no_verify, quiet=as_json)
     if record:
         key = f"{Path(text_path).name}, seqlen {seqlen}" + (f", {max_windows} windows" if max_windows else "")
         keep(source, "perplexity", key + ("" if dp else ", no activation sparsity"),
@@ -352,17 +383,22 @@ def eval_cmd(source, text_path, seqlen, max_windows, tasks, tasks_data, limit, b
 @cli.command()
 @click.argument("artifact")
 @click.option("-o", "--output", required=True, help="Output folder DIR (new, or empty).")
-@click.option("--to", "target", default="hf", show_default=True, help="hf|compressed-tensors")
+@click.option("--to", "target", default="hf", show_default=True, type=click.Choice(["hf", "compressed-tensors"]),
+              help="A Hugging Face folder of fp16 weights, or packed int4/int2 codes (export.TARGETS).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file, e.g. 500MB.")
 @click.option("--overwrite", is_flag=True, help="Replace DIR if an earlier export wrote it.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON on stdout.")
-def export(artifact, output, target, max_shard_size, overwrite, as_json) -> None:
+@click.option("--no-verify", is_flag=True,
+              help="Use the artifact without checking its files against its manifest (said on stderr).")
+def export(artifact, output, target, max_shard_size, overwrite, as_json, no_verify) -> None:
     """Write ARTIFACT as a Hugging Face folder or a compressed-tensors checkpoint in DIR."""
     from .config import choice
     from .export import EXPORTERS, TARGETS
 
     choice("--to", target, TARGETS)
-    res = EXPORTERS[target](artifact, output, overwrite=overwrite, max_shard_size=max_shard_size)
+    _check_artifact(artifact, no_verify, open_now=False)  # the exporter opens it first thing
+    res = EXPORTERS[target](artifact, output, overwrite=overwrite, max_shard_size=max_shard_size,
+                            verify=not no_verify)
     for line in res.not_expressed:
         click.echo(f"note: not expressed in {target}: {line}", err=True)
     for line in res.notes:
@@ -392,13 +428,16 @@ def export(artifact, output, target, max_shard_size, overwrite, as_json) -> None
               help="Tiled-CBC artifacts: apply the stored activation-sparsity thresholds at decode.")
 @click.option("--quiet", is_flag=True, help="No load time and speed lines on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of streaming text.")
+@click.option("--no-verify", is_flag=True,
+              help="Use the artifact without checking its files against its manifest (said on stderr).")
 def generate(artifact, prompt, batch_file, batch_size, max_new_tokens, temperature, top_p, seed, device, chat,
-             act_sparsity, quiet, as_json) -> None:
+             act_sparsity, quiet, as_json, no_verify) -> None:
     """Generate text from ARTIFACT, streaming it to stdout (needs nothing but the artifact)."""
     from .runtime.command import generate_command
 
+    _check_artifact(artifact, no_verify, open_now=False)  # opened once the arguments are checked
     generate_command(artifact, prompt, batch_file, max_new_tokens, temperature, top_p, seed, device, chat,
-                     act_sparsity, quiet, as_json, batch_size)
+                     act_sparsity, quiet, as_json, batch_size, verify=not no_verify)
 
 
 cli.add_command(summarize_command)  # compressor/batch.py: one table over a folder of artifacts
@@ -437,15 +476,18 @@ _name_env_vars(cli)
 
 
 def _report_bug(e: BaseException) -> str:
-    """Write the traceback of an unexpected exception to a file; return its path."""
+    """Write the traceback of an unexpected exception to a file; where it went (or why it could not be kept)."""
     import tempfile
     import traceback
 
-    fd, path = tempfile.mkstemp(prefix="unionsparse-crash-", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.write(f"unionsparse {' '.join(sys.argv[1:])}\n\n")
-        traceback.print_exception(type(e), e, e.__traceback__, file=f)
-    return path
+    try:
+        fd, path = tempfile.mkstemp(prefix="unionsparse-crash-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"unionsparse {' '.join(sys.argv[1:])}\n\n")
+            traceback.print_exception(type(e), e, e.__traceback__, file=f)
+    except OSError as err:  # a full disk or a read-only temporary folder
+        return f"traceback not saved ({err.strerror or type(err).__name__}; UNIONSPARSE_DEBUG=1 prints it)"
+    return f"traceback in {path}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -470,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         click.echo(printable(f"unionsparse: internal error (a bug, please report it): {type(e).__name__}: {first}; ")
-                   + f"traceback in {_report_bug(e)}", err=True)
+                   + _report_bug(e), err=True)
         sys.exit(EXIT_BUG)
     sys.exit(0)
 

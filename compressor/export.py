@@ -37,6 +37,8 @@ from torch import nn
 from ..formats.errors import FormatError
 from .artifact.store import Artifact, tool_version
 from .errors import UserError
+from .files import environment_errors, file_mode
+from .output_lock import output_lock
 
 SIDECAR = "unionsparse.json"
 SIDECAR_KEY = "unionsparse_export"
@@ -61,19 +63,22 @@ class ExportResult:
     not_expressed: list[str]  # one line per feature of the artifact the target cannot hold
     notes: list[str] = field(default_factory=list)  # tokenizer / generation config: copied or why not
     dense_layers: dict[str, str] = field(default_factory=dict)  # compressed-tensors: layer -> why it is fp16
+    packing: list[dict] = field(default_factory=list)  # compressed-tensors: bits, group size, layers per scheme
 
     def to_json(self) -> dict:
         return {"output": str(self.out), "target": self.target, "files": self.files,
-                "not_expressed": self.not_expressed, "notes": self.notes, "dense_layers": self.dense_layers}
+                "not_expressed": self.not_expressed, "notes": self.notes, "dense_layers": self.dense_layers,
+                "packing": self.packing}
 
 
 # ------------------------------------------------------------------------------------------ targets
 
 
 def export_hf(artifact: str | Path | Artifact, out_dir: str | Path, *, overwrite: bool = False,
-              max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> ExportResult:
-    """Write ``out_dir`` as a Hugging Face folder of the artifact's decoded fp16 weights."""
-    art = _open(artifact)
+              max_shard_size: str | int = DEFAULT_SHARD_SIZE, verify: bool = True) -> ExportResult:
+    """Write ``out_dir`` as a Hugging Face folder of the artifact's decoded fp16 weights (``verify``: its files
+    checked against its manifest as they are read)."""
+    art = _open(artifact, verify)
     shard = _shard_bytes(max_shard_size)
     out = Path(out_dir)
     with _output_folder(out, overwrite) as tmp:
@@ -87,9 +92,9 @@ def export_hf(artifact: str | Path | Artifact, out_dir: str | Path, *, overwrite
 
 
 def export_compressed_tensors(artifact: str | Path | Artifact, out_dir: str | Path, *, overwrite: bool = False,
-                              max_shard_size: str | int = DEFAULT_SHARD_SIZE) -> ExportResult:
+                              max_shard_size: str | int = DEFAULT_SHARD_SIZE, verify: bool = True) -> ExportResult:
     """Write ``out_dir`` as a compressed-tensors ``pack-quantized`` checkpoint of an integer-coded artifact."""
-    art = _open(artifact)
+    art = _open(artifact, verify)
     shard = _shard_bytes(max_shard_size)
     plan = _pack_plan(art)
     _require_compressed_tensors()
@@ -104,9 +109,9 @@ def export_compressed_tensors(artifact: str | Path | Artifact, out_dir: str | Pa
             compressor.update_config(str(tmp))
         with _stage("reading the checkpoint back through compressed-tensors"):
             _check_packed(tmp, art, plan)
-        notes = _copy_tokenizer(art, tmp)
+        notes = _regroup_notes(plan) + _copy_tokenizer(art, tmp)
         lost = _not_expressed(art, "compressed-tensors", plan.dense)
-        return _finish(tmp, out, art, "compressed-tensors", lost, notes, plan.dense)
+        return _finish(tmp, out, art, "compressed-tensors", lost, notes, plan.dense, _packing(plan))
 
 
 EXPORTERS: dict[str, Callable[..., ExportResult]] = {"hf": export_hf, "compressed-tensors": export_compressed_tensors}
@@ -123,8 +128,8 @@ def _stage(description: str) -> Iterator[None]:
     log.info("%s in %.1f s", description, time.perf_counter() - t0)
 
 
-def _open(artifact: str | Path | Artifact) -> Artifact:
-    return artifact if isinstance(artifact, Artifact) else Artifact(artifact)
+def _open(artifact: str | Path | Artifact, verify: bool = True) -> Artifact:
+    return artifact if isinstance(artifact, Artifact) else Artifact(artifact, verify=verify)
 
 
 def _fp16_model(art: Artifact) -> nn.Module:
@@ -132,7 +137,7 @@ def _fp16_model(art: Artifact) -> nn.Module:
     from .model.rebuild import rebuild_model
 
     try:
-        model = rebuild_model(art.path, act_quant=False, dtype=torch.float16)
+        model = rebuild_model(art, act_quant=False, dtype=torch.float16)
     except FormatError as e:
         raise UserError(f"{art.path}: {e} (run `unionsparse verify`)") from None
     for name, t in model.state_dict().items():
@@ -156,13 +161,27 @@ def _shard_bytes(size: str | int) -> int:
 
 
 def _save_pretrained(model: nn.Module, folder: Path, shard: int) -> None:
+    """``save_pretrained``; safetensors' I/O errors (raised as SafetensorError) come back as the OSError they are."""
+    import re
+
+    from safetensors import SafetensorError
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model.save_pretrained(str(folder), max_shard_size=shard)
+    try:
+        model.save_pretrained(str(folder), max_shard_size=shard)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        n = int(code.group(1))
+        raise OSError(n, os.strerror(n), str(folder)) from None
 
 
 # ------------------------------------------------------------------------------ compressed-tensors
+
+
+MIN_EXPORT_GROUP = 32  # the smallest group size the export picks (vLLM's 4-bit kernels take 32, 64, 128)
 
 
 @dataclass
@@ -171,13 +190,36 @@ class PackPlan:
 
     schemes: dict[tuple[int, int], list[str]]  # (bits, group size; 0 = one scale per output row) -> layers
     dense: dict[str, str]
+    stored_group: dict[str, int] = field(default_factory=dict)  # layer -> the artifact's group size
+    regrouped: list[dict] = field(default_factory=list)  # schemes whose group size is smaller than the artifact's
+
+    def scales(self, name: str, stored: np.ndarray, k: int) -> np.ndarray:
+        """The exported scales of ``name``: the stored ones, each repeated over the smaller exported groups it
+        covers (the same weights: every exported group lies inside one stored group)."""
+        g = self.stored_group[name]
+        size = next(size for (_, size), names in self.schemes.items() if name in names) or g  # 0: per channel
+        return np.ascontiguousarray(stored[:, np.arange(-(-k // size)) * size // g])
+
+
+def export_group(g: int, ks: list[int]) -> int | None:
+    """The group size a scheme is exported with: the artifact's ``g`` when it divides every K, else the largest
+    ``g / 2^i`` (at least :data:`MIN_EXPORT_GROUP`) that does, which also divides ``g``; None when none does."""
+    e = g
+    while e >= MIN_EXPORT_GROUP:
+        if all(k % e == 0 for k in ks):
+            return e
+        if e % 2:
+            break
+        e //= 2
+    return None
 
 
 def _pack_plan(art: Artifact) -> PackPlan:
-    """Group the artifact's layers by pack-quantized scheme; UserError when none can be packed."""
+    """Group the artifact's layers by pack-quantized scheme; UserError when none can be packed. A group size that
+    does not divide some K is exported as the largest smaller one that divides every K (:func:`export_group`)."""
     requested = (art.attrs.get("config") or {}).get("group_size")
-    schemes: dict[tuple[int, int], list[str]] = {}
-    dense: dict[str, str] = {}
+    grouped: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    plan = PackPlan({}, {})
     for name in art.layer_names:
         a = art.layer_attrs(name)
         bits, (_, k) = a.get("bits"), a["shape"]
@@ -185,18 +227,50 @@ def _pack_plan(art: Artifact) -> PackPlan:
             raise UserError(f"--to compressed-tensors: {art.path} holds fp16 values (quant "
                             f"{a.get('quant', 'none')}), not integer codes; use --to hf")
         g = min(int(a["group_size"]), k)
+        plan.stored_group[name] = g
         if (a.get("activations") or {}).get("outlier_channels"):
-            dense[name] = "outlier channels (8-bit side matrix)"
-        elif k % g:
-            dense[name] = f"ragged last group (K={k} is not a multiple of group size {g})"
-        else:  # a group size the quantizer clamped to K is one scale per row: compressed-tensors' "channel"
-            per_channel = g == k and isinstance(requested, int) and requested > k
-            schemes.setdefault((int(bits), 0 if per_channel else g), []).append(name)
-    if not schemes:
-        first = next(iter(dense.values()), "no layers")
-        raise UserError(f"--to compressed-tensors: no layer of {art.path} can be packed ({len(dense)} layers: "
+            plan.dense[name] = "outlier channels (8-bit side matrix)"
+        elif g == k and isinstance(requested, int) and requested > k:  # clamped to K: compressed-tensors' "channel"
+            plan.schemes.setdefault((int(bits), 0), []).append(name)
+        else:
+            grouped.setdefault((int(bits), g), []).append((name, k))
+    for (bits, g), members in grouped.items():
+        e = export_group(g, [k for _, k in members])
+        if e is None:  # no common group size: the layers whose K it divides keep it, the others stay dense
+            e = g
+            for name, k in members:
+                if k % g:
+                    plan.dense[name] = f"ragged last group (K={k} is not a multiple of group size {g})"
+        elif e != g:
+            ks = sorted({k for _, k in members if k % g})
+            plan.regrouped.append({"bits": bits, "group_size": e, "artifact_group_size": g, "layers": len(members),
+                                   "k": ks})
+        names = [n for n, _ in members if n not in plan.dense]
+        if names:
+            plan.schemes.setdefault((bits, e), []).extend(names)
+    if not plan.schemes:
+        first = next(iter(plan.dense.values()), "no layers")
+        raise UserError(f"--to compressed-tensors: no layer of {art.path} can be packed ({len(plan.dense)} layers: "
                         f"{first}); use --to hf")
-    return PackPlan(schemes, dense)
+    return plan
+
+
+def _packing(plan: PackPlan) -> list[dict]:
+    """The schemes written, for the sidecar: bits, group size (``channel``: one scale per row), layers, and the
+    artifact's group size where the export's is smaller."""
+    out = []
+    for (bits, size), names in plan.schemes.items():
+        stored = sorted({plan.stored_group[n] for n in names})
+        out.append({"bits": bits, "group_size": size or "channel", "layers": len(names),
+                    "artifact_group_size": stored[0] if len(stored) == 1 else stored})
+    return out
+
+
+def _regroup_notes(plan: PackPlan) -> list[str]:
+    return [f"group size {r['group_size']} instead of the artifact's {r['artifact_group_size']} for {r['layers']} "
+            f"{r['bits']}-bit layers (K = {', '.join(map(str, r['k']))} is not a multiple of "
+            f"{r['artifact_group_size']}): each stored scale is written {r['artifact_group_size'] // r['group_size']} "
+            "times, the same weights" for r in plan.regrouped]
 
 
 def _require_compressed_tensors() -> None:
@@ -245,7 +319,8 @@ def _compress(model: nn.Module, art: Artifact, plan: PackPlan):
         apply_quantization_config(model, qconfig)
         for name in packed:
             lin = model.get_submodule(name)
-            scales = torch.from_numpy(art.read_layer(name).scales)
+            rec = art.read_layer(name)
+            scales = torch.from_numpy(plan.scales(name, rec.scales, rec.encoding.shape[1]))
             if getattr(lin, "weight_scale", None) is None or lin.weight_scale.shape != scales.shape:
                 raise RuntimeError(f"compressed-tensors made no weight_scale of shape {tuple(scales.shape)} "
                                    f"for {name}")
@@ -291,7 +366,8 @@ def _check_packed(folder: Path, art: Artifact, plan: PackPlan) -> None:
             got = unpack_from_int32(t["weight_packed"], bits, torch.Size(t["weight_shape"].tolist()))
             if not np.array_equal(got.numpy(), codes):
                 raise RuntimeError(f"{name}: packed codes differ from the artifact's")
-            if t["weight_scale"].dtype != torch.float16 or not np.array_equal(t["weight_scale"].numpy(), rec.scales):
+            scales = plan.scales(name, rec.scales, codes.shape[1])
+            if t["weight_scale"].dtype != torch.float16 or not np.array_equal(t["weight_scale"].numpy(), scales):
                 raise RuntimeError(f"{name}: weight_scale differs from the artifact's scales")
             w = PackedQuantizationCompressor.decompress(t, scheme)["weight"]
             want = torch.from_numpy(dequantize(codes, rec.scales, int(rec.attrs["group_size"]))).half()
@@ -438,46 +514,44 @@ def _check_replaceable(out: Path) -> None:
 
 @contextlib.contextmanager
 def _output_folder(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Checks ``out``, yields a fresh ``out.partial`` (marked by a sidecar stub); removes it on any error."""
+    """Checks ``out``, yields a fresh ``out.partial`` (marked by a sidecar stub); removes it on any error. One
+    export at a time per ``out`` (``out.lock``); a full disk or a read-only file system is one line (UserError)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"-o: {out} exists and is not a folder")
     if not out.parent.is_dir():
         raise UserError(f"-o: folder {out.parent} does not exist")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise UserError(f"-o: {out} exists and is not empty (pass --overwrite to replace an earlier export)")
-        _check_replaceable(out)
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists() or tmp.is_symlink():
-        if not tmp.is_dir() or _read_sidecar(tmp) is None:
-            raise UserError(f"-o: {tmp} exists and was not left by unionsparse export; remove it first")
-        shutil.rmtree(tmp)  # an interrupted export's leftover
-    tmp.mkdir()
-    try:
-        (tmp / SIDECAR).write_text(json.dumps({SIDECAR_KEY: 1, "complete": False}) + "\n")
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    with output_lock(out, "-o"):
+        if out.is_dir() and any(out.iterdir()):
+            if not overwrite:
+                raise UserError(f"-o: {out} exists and is not empty (pass --overwrite to replace an earlier export)")
+            _check_replaceable(out)
+        tmp = out.with_name(out.name + ".partial")
+        if tmp.exists() or tmp.is_symlink():
+            if not tmp.is_dir() or _read_sidecar(tmp) is None:
+                raise UserError(f"-o: {tmp} exists and was not left by unionsparse export; remove it first")
+            shutil.rmtree(tmp)  # an interrupted export's leftover (no export runs now: we hold the lock)
+        with environment_errors("-o", out):
+            tmp.mkdir()
+            try:
+                (tmp / SIDECAR).write_text(json.dumps({SIDECAR_KEY: 1, "complete": False}) + "\n")
+                yield tmp
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # the partial this export made
+                raise
 
 
 def _finish(tmp: Path, out: Path, art: Artifact, target: str, lost: list[str], notes: list[str],
-            dense: dict[str, str]) -> ExportResult:
+            dense: dict[str, str], packing: list[dict] | None = None) -> ExportResult:
     """Write the sidecar, then move ``tmp`` to ``out`` (an earlier export there is replaced, nothing else)."""
-    mode = 0o666 & ~_umask()  # transformers writes safetensors files 0600; give every file the usual mode
+    mode = file_mode()  # transformers writes safetensors files 0600; give every file the usual mode
     for f in tmp.rglob("*"):
         if f.is_file():
             f.chmod(mode)
     files = [f for f in _files(tmp) if f != SIDECAR]
     meta = {SIDECAR_KEY: 1, "tool_version": tool_version(), "target": target, "artifact": str(art.path.resolve()),
             "source": art.attrs.get("source"), "recipe": art.attrs.get("config"), "not_expressed": lost,
-            "notes": notes, "dense_layers": dense, "files": files, "complete": True}
+            "notes": notes, "dense_layers": dense, **({"packing": packing} if packing else {}), "files": files,
+            "complete": True}
     (tmp / SIDECAR).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     if out.is_dir() and any(out.iterdir()):
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
@@ -486,4 +560,4 @@ def _finish(tmp: Path, out: Path, art: Artifact, target: str, lost: list[str], n
         shutil.rmtree(old)
     else:
         os.replace(tmp, out)
-    return ExportResult(out, target, files, lost, notes, dense)
+    return ExportResult(out, target, files, lost, notes, dense, packing or [])

@@ -2,14 +2,14 @@
 
 - Output: ``-o`` ends in .zarr, its folder exists and is writable and holds the estimated artifact size, it is
   not the input model nor inside it, and it replaces only a unionsparse artifact (``artifact.ownership``).
-- Environment: a full disk or a read-only file system met while writing is bad input (exit 2), not a bug.
+- Environment: a full disk or a read-only file system met while writing is bad input (exit 2), not a bug
+  (``files.is_environment_error``).
 - Input: NaN/inf in kept tensors, fp16 scale overflow, ``--seqlen`` beyond the model's context, calibration
   memory beyond what the machine has, and hub ids that cannot be reached are refused in one line.
 """
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import os
@@ -30,10 +30,6 @@ FP16_MAX = 65504.0
 MAX_SEQLEN = 1 << 20  # no model has a longer context; larger values are typos
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-
-ENV_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
-
-ACCESS_ERRNOS = (errno.EACCES, errno.EPERM)
 
 
 
@@ -90,15 +86,6 @@ def check_output(out: Path, model: str, overwrite: bool, resume: bool, config: d
     if partial.exists() or partial.is_symlink():
         check_partial(partial, config, None, resume)
     check_writable(parent)
-
-
-
-def is_environment_error(e: OSError, out: Path) -> bool:
-    """A full disk, a quota, a read-only file system, or permissions on ``out``: bad input, not a bug."""
-    if e.errno in ENV_ERRNOS:
-        return True
-    name = getattr(e, "filename", None)
-    return e.errno in ACCESS_ERRNOS and bool(name) and _inside(Path(str(name)).resolve(), out.parent.resolve())
 
 
 
@@ -335,7 +322,7 @@ def check_loaded_model(cfg, out: Path, loaded, blocks, prefix: str) -> None:
 
 
 
-def check_eval_args(source: str, seqlen: int, max_windows: int | None) -> None:
+def check_eval_args(source: str, seqlen: int, max_windows: int | None, verify: bool = True) -> None:
     """``eval``'s numbers, and ``--seqlen`` against the context of the model or the artifact's stored config,
     before anything is loaded (a window beyond the context only costs memory: attention is quadratic)."""
     if seqlen < 2:
@@ -346,7 +333,7 @@ def check_eval_args(source: str, seqlen: int, max_windows: int | None) -> None:
     if attrs is not None:  # an artifact: opened through the scanned store (links and special files refused)
         from .artifact.store import Artifact
 
-        attrs = Artifact(source).attrs
+        attrs = Artifact(source, verify=verify).attrs  # its manifest too, unless --no-verify
     context = model_context(attrs.get("model_config")) if attrs is not None else source_context(str(source))
     check_seqlen("--seqlen", seqlen, context, str(source))
 

@@ -170,8 +170,8 @@ def test_source_quantization_config_is_not_exported(arts, tmp_path, run_cli, mon
     """A GGUF source's model config holds quantization_config {quant_method: gguf}: the decoded folder must not."""
     init = Artifact.__init__
 
-    def gguf_source(self, path):
-        init(self, path)
+    def gguf_source(self, path, *args, **kwargs):
+        init(self, path, *args, **kwargs)
         gguf = {"quant_method": "gguf", "gguf_file": "m.gguf", "dequantize": False}
         self.attrs["model_config"] = {**self.attrs["model_config"], "quantization_config": gguf}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import UserError
 
-ZARR_TEMP = re.compile(r"zarr\.[0-9a-f]{32}\.partial")  # zarr's atomic-write temporary file
+ZARR_TEMP = re.compile(r"(zarr|\d+)\.[0-9a-f]{32}\.partial")  # zarr's atomic-write temporary file (metadata, chunk)
 
 MAX_ROOT_META = 64 << 20  # a root zarr.json larger than this is not ours
 
@@ -46,36 +46,91 @@ def store_attrs(path: Path) -> dict | None:
 
 
 def foreign_entries(path: Path) -> list[str]:
-    """Top-level entries of ``path`` that no unionsparse store holds (a user's files, links).
+    """Entries of ``path``, at any depth, that no unionsparse store holds (a user's files, links), as paths
+    relative to ``path``.
 
-    A store holds its root ``zarr.json``, the manifest, zarr groups (folders with a ``zarr.json``) and the
-    ``tokenizer/`` folder of plain files; a new kind of top-level file in the artifact must be added here, or
-    ``--overwrite`` refuses it.
+    A store holds its root ``zarr.json``, the manifest, the ``tokenizer/`` folder of plain files, and zarr nodes:
+    folders with a ``zarr.json`` holding nodes, an array's ``c/`` tree of chunk files (numeric names), and zarr's
+    temporary files. When the manifest lists the files, any other file is foreign too. A new kind of file in the
+    artifact must be added here, or ``--overwrite`` refuses it.
     """
     from .store import MANIFEST
     from .tokenizer import TOKENIZER_DIR
 
-    out = []
+    root = Path(path)
+    out: list[str] = []
     try:
-        entries = sorted(Path(path).iterdir())
+        for p in sorted(root.iterdir()):
+            if p.name in ("zarr.json", MANIFEST) and _plain_file(p):
+                continue
+            if p.name == TOKENIZER_DIR and p.is_dir() and not p.is_symlink() and _plain_files(p):
+                continue
+            out += _foreign_in_node(p, p.name, top=True)
     except OSError as e:
-        return [f"(unreadable: {e.strerror or type(e).__name__})"]
-    for p in entries:
-        if p.name in ("zarr.json", MANIFEST) and p.is_file() and not p.is_symlink():
-            continue
-        if p.is_dir() and not p.is_symlink() and (p / "zarr.json").is_file():
-            continue
-        if p.name == TOKENIZER_DIR and p.is_dir() and not p.is_symlink() and _plain_files(p):
-            continue
-        if ZARR_TEMP.fullmatch(p.name) and p.is_file() and not p.is_symlink():  # zarr's, left by a killed write
-            continue
-        out.append(p.name)
+        return out + [f"(unreadable: {e.strerror or type(e).__name__})"]
+    if not out:
+        listed = _manifest_files(root)
+        if listed is not None:
+            out = [rel for rel in _all_files(root) if rel != MANIFEST and rel not in listed]
     return out
 
 
+def _plain_file(p: Path) -> bool:
+    return p.is_file() and not p.is_symlink()
+
+
+def _foreign_in_node(p: Path, rel: str, top: bool = False) -> list[str]:
+    """What under ``p`` (an entry of a zarr node) no store holds."""
+    if ZARR_TEMP.fullmatch(p.name) and _plain_file(p):  # zarr's, left by a killed write
+        return []
+    if p.is_symlink() or not p.is_dir():  # a node's metadata, or the one chunk of a 0-d array
+        return [] if not top and p.name in ("zarr.json", "c") and _plain_file(p) else [rel]
+    if p.name == "c" and not top and not (p / "zarr.json").exists():
+        return _foreign_in_chunks(p, rel)
+    if not _plain_file(p / "zarr.json"):
+        return [rel]
+    out = []
+    for q in sorted(p.iterdir()):
+        out += _foreign_in_node(q, f"{rel}/{q.name}")
+    return out
+
+
+def _foreign_in_chunks(p: Path, rel: str) -> list[str]:
+    """An array's chunk tree: folders and files with numeric names only (``c/0/1``)."""
+    out = []
+    for q in sorted(p.iterdir()):
+        name = f"{rel}/{q.name}"
+        if ZARR_TEMP.fullmatch(q.name) and _plain_file(q):
+            continue
+        if q.is_symlink() or not q.name.isdigit() or not (q.is_dir() or q.is_file()):
+            out.append(name)
+        elif q.is_dir():
+            out += _foreign_in_chunks(q, name)
+    return out
+
+
+def _all_files(root: Path) -> list[str]:
+    return [Path(d, f).relative_to(root).as_posix() for d, _, files in os.walk(root) for f in files]
+
+
+def _manifest_files(root: Path) -> set[str] | None:
+    """The file list of the store's manifest (its JSON first line), or None when there is none to read."""
+    from .store import MANIFEST
+
+    m = root / MANIFEST
+    try:
+        if not _plain_file(m) or m.stat().st_size > MAX_ROOT_META:
+            return None
+        files = json.loads(m.read_text(encoding="utf-8").split("\n", 1)[0]).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return set(files) if isinstance(files, dict) else None
+
+
 def remove_zarr_temporaries(store: Path) -> int:
-    """Delete the temporary files zarr writes (``zarr.<uuid hex>.partial``, renamed into place when a write
-    completes) that a killed run left in our own partial store; links are never followed. Returns how many."""
+    """Delete the temporary files zarr writes (``zarr.<uuid hex>.partial``, ``<chunk>.<uuid hex>.partial``,
+    renamed into place when a write completes) that a killed run left in our own partial store; links are never
+    followed. Returns how many."""
     n = 0
     for dirpath, _, files in os.walk(store):
         for f in files:

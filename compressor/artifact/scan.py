@@ -12,6 +12,7 @@ grid, chunk keys ``c/i/j``, codecs ``bytes`` (little endian) + ``crc32c``, numer
   with exactly ``prod(chunk) * itemsize + 4`` bytes) before anything is allocated, and every chunk's
   trailing CRC-32C is checked.
 - JSON documents are bounded (:data:`MAX_JSON_BYTES`) and must be objects.
+- Once :meth:`Store.expect` is given the manifest's digests, every file read must match its SHA-256.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class Store:
         self._stack: list[tuple[str, int]] = []  # open folders: (name, fd), root first
         self._root_fd: int | None = None
         self.files = scan(self.root)
+        self._expected: dict[str, str] | None = None  # path -> SHA-256 every read must give (expect())
         self._children: dict[str, list[str]] = {}
         for rel in self.files:
             if rel.endswith("/zarr.json"):
@@ -212,12 +214,20 @@ class Store:
         finally:
             os.close(fd)
 
+    def expect(self, digests: dict[str, str], fix: str) -> None:
+        """From now on, :meth:`read` returns a file only when its SHA-256 is ``digests[rel]`` (the manifest's);
+        anything else is StoreError naming the file and ``fix``."""
+        self._expected, self._fix = dict(digests), fix
+
     def read(self, rel: str, limit: int | None = None) -> bytes:
         """The whole file ``rel`` (at most ``limit`` bytes, else StoreError)."""
         size = self.size(rel)
         if limit is not None and size > limit:
             raise StoreError(f"{rel}: {size} bytes, more than the {limit} allowed")
-        return b"".join(self.blocks(rel))
+        data = b"".join(self.blocks(rel))
+        if self._expected is not None and hashlib.sha256(data).hexdigest() != self._expected.get(rel):
+            raise StoreError(f"{self.root}: {rel} differs from the artifact's manifest ({self._fix})")
+        return data
 
     def sha256(self, rel: str) -> str:
         h = hashlib.sha256()

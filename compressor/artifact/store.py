@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from ...formats import registry
 from ...formats.arithmetic.outlier_side import OutlierSide, side_arrays, side_from_arrays
 from ...formats.errors import FormatError
 from ..errors import UserError
+from ..files import atomic_write
 from . import ownership
 from .scan import MAX_JSON_BYTES, ArrayMeta, Store, StoreError, check_name
 
@@ -113,13 +113,17 @@ class ArtifactWriter:
             ownership.remove_zarr_temporaries(self.tmp)  # a write the kill interrupted
             self.root = zarr.open_group(str(self.tmp), mode="r+")
             self._drop_incomplete()
-        else:
-            ownership.remove_tree(self.tmp)  # our own partial, checked above
+            return
+        ownership.remove_tree(self.tmp)  # our own partial, checked above
+        try:
             self.root = zarr.open_group(str(self.tmp), mode="w")
             self.root.attrs.update({**root_attrs, MARKER: True, "format_version": FORMAT_VERSION,
                                     "complete": False})
             self.root.create_group("layers")
             self.root.create_group("dense")
+        except BaseException:
+            self.abort()  # the partial this writer began (a full disk, a read-only file system)
+            raise
 
     def _drop_incomplete(self) -> None:
         for group in ("layers", "dense"):  # killed right after the root was created
@@ -199,7 +203,7 @@ def write_manifest(root: Path) -> None:
         version = None
     body = json.dumps({"manifest": MANIFEST_VERSION, "hash": "sha256", "format_version": version,
                        "files": _file_entries(store)}, sort_keys=True, separators=(",", ":"))
-    (Path(root) / MANIFEST).write_text(_signed(body))
+    atomic_write(Path(root) / MANIFEST, _signed(body), "-o")
 
 
 @dataclass
@@ -212,6 +216,7 @@ class ManifestCheck:
     newer: bool = False  # a valid manifest of a newer writer (manifest or format version)
     format_version: object = None
     digest: str | None = None  # SHA-256 of the whole manifest file: pins the artifact
+    files: dict | None = None  # path -> {"sha256", "size"}, once the signature and versions hold
 
 
 def _where(rel: str) -> str:
@@ -254,9 +259,9 @@ def _check_legacy(store: Store, body: str, want: str) -> ManifestCheck:
     return res
 
 
-def check_manifest(root: Path | Store) -> ManifestCheck:
-    """Every difference between the store's files and its manifest, one message each (empty: all match)."""
-    store = root if isinstance(root, Store) else Store(root)
+def _load_manifest(store: Store, legacy_content: bool = True) -> ManifestCheck:
+    """The manifest read and its signature and versions checked, without hashing the files it lists
+    (``files``); ``legacy_content``: compare an old crc32c manifest's files too (verify)."""
     if MANIFEST not in store.files:
         return ManifestCheck([f"{MANIFEST} is missing: nothing binds the files' content (every artifact "
                               "unionsparse writes has one)"], present=False)
@@ -267,7 +272,8 @@ def check_manifest(root: Path | Store) -> ManifestCheck:
     except (UnicodeDecodeError, ValueError):
         return ManifestCheck([f"{MANIFEST} is corrupt"])
     if kind == "crc32c":
-        return _check_legacy(store, body, want)
+        return _check_legacy(store, body, want) if legacy_content else ManifestCheck(
+            [f"{MANIFEST}: an old crc32c manifest, which does not bind the files' content"], legacy=True)
     if kind != "sha256" or hashlib.sha256(body.encode()).hexdigest() != want:
         return ManifestCheck([f"{MANIFEST} fails its SHA-256 (the manifest itself was changed)"])
     res = ManifestCheck(digest=hashlib.sha256(raw).hexdigest())
@@ -285,8 +291,43 @@ def check_manifest(root: Path | Store) -> ManifestCheck:
         return res
     if version != MANIFEST_VERSION or doc.get("hash") != "sha256":
         return ManifestCheck([f"{MANIFEST} is corrupt (unknown version or hash)"])
-    res.problems = _compare(doc.get("files"), _file_entries(store), "size or SHA-256")
+    files = doc.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("sha256"), str) and type(e.get("size")) is int
+            for e in files.values()):
+        return ManifestCheck([f"{MANIFEST} is corrupt (no file list)"])
+    res.files = files
     return res
+
+
+def check_manifest(root: Path | Store) -> ManifestCheck:
+    """Every difference between the store's files and its manifest, one message each (empty: all match)."""
+    store = root if isinstance(root, Store) else Store(root)
+    res = _load_manifest(store)
+    if res.files is not None:
+        res.problems = _compare(res.files, _file_entries(store), "size or SHA-256")
+    return res
+
+
+def manifest_digests(store: Store, path: object) -> dict[str, str]:
+    """For commands that use an artifact: the SHA-256 the manifest records for each file, once the manifest's
+    signature holds and the store holds exactly its files at its sizes (nothing hashed here: each file is
+    checked as it is read, :meth:`~.scan.Store.expect`). UserError in one line otherwise."""
+    fix = f"`unionsparse verify {path}` lists what differs; --no-verify uses it anyway"
+    res = _load_manifest(store, legacy_content=False)
+    if res.newer:
+        raise UserError(f"{path}: its manifest is newer than this unionsparse reads; upgrade unionsparse")
+    if res.legacy:
+        raise UserError(f"{path}: {res.problems[0]}; recompress it (unionsparse compress --config OLD.zarr -o "
+                        "NEW.zarr), or pass --no-verify")
+    if res.files is None:
+        raise UserError(f"{path}: {res.problems[0]} ({fix})")
+    problems = _compare({rel: e["size"] for rel, e in res.files.items()},
+                        {rel: size for rel, size in store.files.items() if rel != MANIFEST}, "size")
+    if problems:
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        raise UserError(f"{path}: differs from its manifest: {problems[0]}{more} ({fix})")
+    return {rel: e["sha256"] for rel, e in res.files.items()}
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -305,9 +346,12 @@ class Artifact:
     """Read access to a finished artifact. Opening checks the marker, version and completeness.
 
     Everything is read through :class:`~.store.Store`: no links, reads bounded by declared and physical sizes.
+    With ``verify`` (the default: every command that uses an artifact), the manifest must hold (signature,
+    the store's files and sizes) and each file read must have the SHA-256 it records, else UserError; verify,
+    inspect and summarize, which report on a store rather than use it, open it with ``verify=False``.
     """
 
-    def __init__(self, path: str | Path, store: Store | None = None):
+    def __init__(self, path: str | Path, store: Store | None = None, verify: bool = True):
         self.path = Path(path)
         if not self.path.exists():
             raise UserError(f"{path}: no such artifact")
@@ -316,17 +360,35 @@ class Artifact:
         self.store = store if store is not None else Store(self.path)
         if "zarr.json" not in self.store.files:
             raise UserError(f"{path}: not a unionsparse artifact (no zarr.json)")
+        self.attrs = self._root_attrs()
+        self.verified = verify
+        if verify:  # from here on every file read is checked against the manifest, the root's attrs first
+            self.store.expect(manifest_digests(self.store, path),
+                              f"run `unionsparse verify {path}`; --no-verify uses it anyway")
+            self.attrs = self._root_attrs()
+
+    def check_files(self) -> None:
+        """Read every file now, so each is checked against the manifest before any work (a command that reads them
+        all anyway, e.g. bench); UserError naming the first that differs."""
+        for rel in self.store.files:
+            if rel != MANIFEST:
+                self.store.read(rel)
+
+    def _root_attrs(self) -> dict:
+        """The root's attributes: the marker, a format version this reads, and ``complete`` (else UserError)."""
+        path = self.path
         try:
-            self.attrs = self.store.group_attrs("")
+            attrs = self.store.group_attrs("")
         except StoreError as e:
             raise UserError(f"{path}: not a readable zarr store ({e})") from None
-        if self.attrs.get(MARKER) is not True:
+        if attrs.get(MARKER) is not True:
             raise UserError(f"{path}: not a unionsparse artifact (root attrs lack the marker)")
-        problem = _format_version_problem(path, self.attrs.get("format_version"))
+        problem = _format_version_problem(path, attrs.get("format_version"))
         if problem:
             raise UserError(problem)
-        if self.attrs.get("complete") is not True:
+        if attrs.get("complete") is not True:
             raise UserError(f"{path}: incomplete artifact (interrupted compress? rerun with --resume)")
+        return attrs
 
     def _names(self, key: str, folder: str) -> list[str]:
         index = self.attrs.get(key)
@@ -432,5 +494,4 @@ def new_root_attrs(source: str, fp: str, config: dict, model_config: dict) -> di
         "source": {"model": source, "fingerprint": fp},
         "config": config,
         "model_config": model_config,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

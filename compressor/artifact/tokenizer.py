@@ -133,23 +133,23 @@ def _artifact(artifact: Artifact | str | Path) -> Artifact:
 
 
 def stored_files(artifact: Artifact | str | Path) -> dict[str, bytes]:
-    """The files of the artifact's ``tokenizer/`` folder (empty when it has none). Only regular files with plain
-    names count; a link, or a file larger than ``MAX_FILE_BYTES``, is refused."""
+    """The files of the artifact's ``tokenizer/`` folder (empty when it has none), read through its store (no
+    links; checked against the manifest when the artifact was opened so). Only plain names count; a subfolder,
+    or a file larger than ``MAX_FILE_BYTES``, is refused."""
     art = _artifact(artifact)
-    d = Path(art.path) / TOKENIZER_DIR
-    if d.is_symlink():
-        raise UserError(f"{art.path}: {TOKENIZER_DIR}/ is a symbolic link (refused)")
-    if not d.is_dir():
-        return {}
+    prefix = f"{TOKENIZER_DIR}/"
     out = {}
-    for p in sorted(d.iterdir()):
-        if p.is_symlink() or not p.is_file():
-            raise UserError(f"{art.path}: {TOKENIZER_DIR}/{p.name} is not a regular file (refused)")
-        if not _SAFE_NAME.match(p.name):
+    for rel, size in art.store.files.items():
+        if not rel.startswith(prefix):
             continue
-        if p.stat().st_size > MAX_FILE_BYTES:
-            raise UserError(f"{art.path}: {TOKENIZER_DIR}/{p.name} is larger than {MAX_FILE_BYTES >> 20} MiB")
-        out[p.name] = p.read_bytes()
+        name = rel[len(prefix):]
+        if "/" in name:
+            raise UserError(f"{art.path}: {TOKENIZER_DIR}/{name.split('/')[0]} is not a regular file (refused)")
+        if not _SAFE_NAME.match(name):
+            continue
+        if size > MAX_FILE_BYTES:
+            raise UserError(f"{art.path}: {TOKENIZER_DIR}/{name} is larger than {MAX_FILE_BYTES >> 20} MiB")
+        out[name] = art.store.read(rel)
     return out
 
 

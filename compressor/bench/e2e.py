@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..files import atomic_write, environment_errors
 from .e2e_models import GPU_SPECS, GROUP_MEMBERS, GROUPS, SPECS, ModelSpec, build_model, clear_groups, install_group
 from .e2e_peers import (
     BASELINES,
@@ -751,14 +752,15 @@ def machine_slug(info: dict) -> str:
 def write_results(res: dict, out_dir: str | Path) -> Path:
     """``out_dir/e2e-<machine>-<date>.json`` (a -2, -3... suffix rather than overwrite) and the table beside it."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with environment_errors("--out", out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"e2e-{machine_slug(res['machine'])}-{res['date'][:10]}"
     path, i = out_dir / f"{stem}.json", 1
     while path.exists():
         i += 1
         path = out_dir / f"{stem}-{i}.json"
-    path.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    path.with_suffix(".md").write_text("```\n" + format_table(res) + "\n```\n")
+    atomic_write(path, json.dumps(res, indent=2, default=str) + "\n", "--out")
+    atomic_write(path.with_suffix(".md"), "```\n" + format_table(res) + "\n```\n", "--out")
     return path
 
 
@@ -769,9 +771,10 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
                 contexts: str | None = None, kinds: str | None = None, steps: int | None = None,
                 device: str = "cuda", out_dir: str | None = None, time_budget: float | None = None,
                 hf_generate: bool = True, checks: bool = True, seed: int = 0, record: bool = False,
-                log: Callable[[str], None] | None = None) -> dict:
+                log: Callable[[str], None] | None = None, verify: bool = True) -> dict:
     """What `unionsparse bench --e2e` runs; returns the result (see the module docstring). ``record``: keep the
-    artifact's time per token beside it (``OUT.zarr.figures.json``, shown by ``inspect``; GPU only)."""
+    artifact's time per token beside it (``OUT.zarr.figures.json``, shown by ``inspect``; GPU only). ``verify``:
+    the artifact's files are checked against its manifest as they are read."""
     if device not in ("cuda", "cpu"):
         raise UserError(f"--device: unknown value {device!r} (choose from cuda, cpu)")
     if record and artifact is None:
@@ -820,9 +823,10 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
     partial = None
     if out_dir is not None:  # rows so far, rewritten after every case: a killed run keeps what it measured
         partial = Path(out_dir) / "e2e-partial.json"
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        res["_save"] = lambda: partial.write_text(json.dumps({k: v for k, v in res.items() if k != "_save"},
-                                                             indent=2, default=str) + "\n")
+        with environment_errors("--out", partial.parent):
+            partial.parent.mkdir(parents=True, exist_ok=True)
+        res["_save"] = lambda: atomic_write(partial, json.dumps({k: v for k, v in res.items() if k != "_save"},
+                                                                indent=2, default=str) + "\n", "--out")
     with torch.no_grad():
         if checks:
             t0 = time.perf_counter()
@@ -841,7 +845,7 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
                 f"{time.perf_counter() - t0:.1f} s" + (f"; FAILED: {', '.join(bad)}" if bad else ""))
         if artifact is not None:
             _run_artifact(res, artifact, dev, batch_list, context_list, steps, repeats, hf_generate, seed, deadline,
-                          say)
+                          say, verify)
         for name in spec_list:
             _run_spec(res, SPECS[name], kind_list, dev, batch_list, context_list, steps, repeats, hf_generate, seed,
                       deadline, say)
@@ -1063,7 +1067,7 @@ def artifact_spec(model: nn.Module, name: str) -> ModelSpec:
 
 
 def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_generate, seed, deadline,
-                  say) -> None:
+                  say, verify: bool = True) -> None:
     """The artifact's own model (its stored layers as the runtime runs them: one launch per stored linear), then
     fp16 and W4A16 peers built from its decoded layers (Q/K/V and gate/up stacked)."""
     from ..artifact.store import Artifact
@@ -1075,7 +1079,8 @@ def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_g
     from .e2e_models import snapshot_linears
 
     t0 = time.perf_counter()
-    rt = load(path, device=dev.type, fuse=True)  # Q/K/V and gate/up stacked, as for every peer
+    art = Artifact(path, verify=verify)
+    rt = load(art, device=dev.type, fuse=True)  # Q/K/V and gate/up stacked, as for every peer
     model = rt.model
     why = StaticDecoder.unsupported(model)
     if why is not None:
@@ -1083,7 +1088,6 @@ def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_g
     spec = artifact_spec(model, Path(str(path)).name)
     if spec.head_dim * spec.heads != spec.hidden or getattr(model.config, "head_dim", spec.head_dim) != spec.head_dim:
         raise UserError(f"{path}: head_dim differs from hidden / heads; bench --e2e needs the LLaMA layout")
-    art = Artifact(path)
     stored = set(art.layer_names)
     weights: dict = {}
     for layer in range(spec.layers):

@@ -322,8 +322,9 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def bench_command(artifact: str | None, shapes: str, ns: list[int], sparsity: float, as_json: bool,
-                  fmt: str = iebme.NAME) -> dict:
-    """What `unionsparse bench` runs; returns {'rows', 'summary'}."""
+                  fmt: str = iebme.NAME, verify: bool = True) -> dict:
+    """What `unionsparse bench` runs; returns {'rows', 'summary'} (``verify``: the artifact's files checked against
+    its manifest as they are read)."""
     from ...kernels import available
 
     if not available():
@@ -331,7 +332,7 @@ def bench_command(artifact: str | None, shapes: str, ns: list[int], sparsity: fl
 
         raise UserError("bench needs CuPy and a CUDA device (none found here)")
     if artifact:
-        rows = bench_artifact(artifact, ns)
+        rows = bench_artifact(artifact, ns, verify)
         if not rows:
             from ..errors import UserError
 
@@ -366,7 +367,7 @@ def _tiled_cbc_shapes(shapes, ns: list[int], sparsity: float, log) -> dict:
 _SHAPE_BENCHES = {iebme.NAME: _iebme_shapes, tiled_cbc.NAME: _tiled_cbc_shapes}  # each format's kernels
 
 
-def bench_artifact(path: str, ns: list[int]) -> list[dict]:
+def bench_artifact(path: str, ns: list[int], verify: bool = True) -> list[dict]:
     """Time every IE-BME W4/W2 and Tiled-CBC layer of an artifact (its real arrays) beside cuBLAS fp16 on its
     shape, and IE-BME beside dense int8 too (Tiled-CBC: ``tiled_cbc_bench.bench_layer``)."""
     import cupy as cp
@@ -379,7 +380,7 @@ def bench_artifact(path: str, ns: list[int]) -> list[dict]:
     from ..artifact.store import Artifact
     from .tiled_cbc import bench_layer
 
-    art = Artifact(path)
+    art = Artifact(path, verify=verify)
     rows = []
     for name in art.layer_names:
         rec = art.read_layer(name)

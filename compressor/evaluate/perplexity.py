@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,8 +48,10 @@ def window_nlls(
     seqlen: int = 2048,
     max_windows: int | None = None,
     device: str | torch.device | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[float]:
-    """Mean next-token NLL (nats) of each non-overlapping ``seqlen`` window of ``ids [1, L]``."""
+    """Mean next-token NLL (nats) of each non-overlapping ``seqlen`` window of ``ids [1, L]``; ``progress(n)`` is
+    called once with the number of windows, then with 0 after each one (a progress bar's total, then advances)."""
     if seqlen < 2:
         raise UserError(f"--seqlen must be >= 2, got {seqlen}")
     n = ids.numel() // seqlen
@@ -63,6 +66,8 @@ def window_nlls(
         device = p.device if p is not None else torch.device("cpu")
     was_training = model.training
     model.eval()
+    if progress is not None:
+        progress(n)
     out = []
     try:
         for i in range(n):
@@ -70,6 +75,8 @@ def window_nlls(
             logits = model(x, use_cache=False).logits
             loss = nn.functional.cross_entropy(logits[0, :-1, :].float(), x[0, 1:], reduction="mean")
             out.append(float(loss))
+            if progress is not None:
+                progress(0)
     finally:
         model.train(was_training)
     return out
@@ -117,13 +124,14 @@ def load_artifact_tokenizer(art, tokenizer: str | Path | None = None):
 
 
 def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynamic_pruning: bool = True,
-                  tokenizer: str | Path | None = None):
+                  tokenizer: str | Path | None = None, verify: bool = True):
     """``(model, tokenizer, kind)`` for MODEL (folder, .gguf, hub id) or an artifact (rebuilt).
 
     An artifact's tokenizer is ``tokenizer`` or the one stored in it (:func:`load_artifact_tokenizer`);
     MODEL's is its own unless ``tokenizer`` is given. Tiled-CBC layers compute the decode kernel's
     arithmetic, every token with the layer's stored dynamic-pruning threshold unless ``dynamic_pruning``
-    is False (:mod:`.dp_linear`).
+    is False (:mod:`.dp_linear`). ``verify``: an artifact's files are checked against its manifest as they are
+    read (``--no-verify``: not).
     """
     from ..calibrate.layerwise import load_tokenizer
 
@@ -134,8 +142,9 @@ def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynami
             from ..artifact.store import rebuild_model  # the lead's reader, when it provides one
         except ImportError:
             from ..model.rebuild import rebuild_model
-        tok = load_artifact_tokenizer(Artifact(source), tokenizer)  # before the slow rebuild
-        model = rebuild_model(source, dynamic_pruning=dynamic_pruning)
+        art = Artifact(source, verify=verify)
+        tok = load_artifact_tokenizer(art, tokenizer)  # before the slow rebuild
+        model = rebuild_model(art, dynamic_pruning=dynamic_pruning)
         return model.eval(), tok, "artifact"
     from ..model.loading import load_model
 
@@ -145,7 +154,8 @@ def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynami
     return loaded.model.eval(), tok, loaded.kind
 
 
-def load_artifact_on_gpu(source: str | Path, dynamic_pruning: bool = True, tokenizer: str | Path | None = None):
+def load_artifact_on_gpu(source: str | Path, dynamic_pruning: bool = True, tokenizer: str | Path | None = None,
+                         verify: bool = True):
     """``(model, tokenizer, "artifact")``: the artifact as ``generate --device cuda`` runs it (its CuPy kernels,
     fused Q/K/V and gate/up, float16 dense parts), with the stored thresholds applied to every token as the CPU
     path's eval does (docs/runtime.md, "eval on a GPU")."""
@@ -154,7 +164,7 @@ def load_artifact_on_gpu(source: str | Path, dynamic_pruning: bool = True, token
     from ..runtime.model import build_model, thresholds_on_every_row
 
     require_cuda()
-    art = Artifact(source)
+    art = Artifact(source, verify=verify)
     tok = load_artifact_tokenizer(art, tokenizer)  # before the slow build
     model = build_model(art, "cuda", "cuda", dynamic_pruning=dynamic_pruning, fuse=True)
     return thresholds_on_every_row(model), tok, "artifact"
@@ -168,13 +178,16 @@ def evaluate_source(
     device: str = "cpu",
     dynamic_pruning: bool = True,
     tokenizer: str | Path | None = None,
+    verify: bool = True,
+    quiet: bool = False,
 ) -> dict:
     """Perplexity of MODEL or an artifact on ``text_path``; returns a dict for the CLI (and ``--json``).
 
     ``dynamic_pruning``: a Tiled-CBC artifact's thresholds are applied to every token (see
     :mod:`.dp_linear`); the result's ``dynamic_pruning`` then gives the fraction of weight reads skipped.
     ``tokenizer``: a model folder, .gguf file, tokenizer folder or hub id to tokenize with (an artifact
-    without a stored tokenizer needs it).
+    without a stored tokenizer needs it). ``verify`` False: an artifact's manifest is not checked (``--no-verify``).
+    Progress bars on stderr (a terminal) unless ``quiet``; at ``--log-level info`` a line per stage.
     """
     import time
 
@@ -185,15 +198,23 @@ def evaluate_source(
     text = load_eval_text(text_path)  # check the text before the slow model load
     from ..preflight import check_eval_args
 
-    check_eval_args(str(source), seqlen, max_windows)  # and the window length against the model's context
+    check_eval_args(str(source), seqlen, max_windows, verify)  # and the window length against the context
+    from ..progress import Reporter
+
     t0 = time.perf_counter()
-    if device == "cuda" and is_artifact(source):  # the runtime users run: the artifact's kernels, float16
-        model, tok, kind = load_artifact_on_gpu(source, dynamic_pruning, tokenizer)
-    else:
-        model, tok, kind = load_for_eval(source, dynamic_pruning=dynamic_pruning, tokenizer=tokenizer)
-        model.to(device)
-    ids = tokenize_eval_text(tok, text)
-    nlls = window_nlls(model, ids, seqlen, max_windows, device)
+    with Reporter(quiet=quiet) as rep:
+        what = "rebuilding the artifact" if is_artifact(source) else f"loading {Path(str(source)).name}"
+        with rep.stage(what, total=None):
+            if device == "cuda" and is_artifact(source):  # the runtime users run: the artifact's kernels, float16
+                model, tok, kind = load_artifact_on_gpu(source, dynamic_pruning, tokenizer, verify)
+            else:
+                model, tok, kind = load_for_eval(source, dynamic_pruning=dynamic_pruning, tokenizer=tokenizer,
+                                                 verify=verify)
+                model.to(device)
+        ids = tokenize_eval_text(tok, text)
+        with rep.stage(f"perplexity windows of {seqlen} tokens", total=None) as bar:
+            nlls = window_nlls(model, ids, seqlen, max_windows, device,
+                               progress=lambda n: bar.update(0, n) if n else bar.advance())
     from ..activation_sparsity.linear import activation_sparsity_summary
 
     return {

@@ -365,8 +365,9 @@ def summarize(raw: dict, names: list[str]) -> dict:
 
 def evaluate_tasks(source: str, tasks: str, data_dir: str | None, limit: int | None = None,
                    batch_size: int | None = None, device: str = "cpu", dynamic_pruning: bool = True,
-                   tokenizer: str | None = None) -> dict:
-    """lm-eval task metrics of MODEL or an artifact (rebuilt), offline; returns a dict for the CLI and --json."""
+                   tokenizer: str | None = None, verify: bool = True) -> dict:
+    """lm-eval task metrics of MODEL or an artifact (rebuilt; ``verify``: its manifest checked), offline; returns a
+    dict for the CLI and --json."""
     names, folder = check_task_args(tasks, data_dir, limit, batch_size, device)
     lm_eval = require_lm_eval()
     plans = task_plan(names, folder)  # every file checked before the model is loaded
@@ -375,7 +376,8 @@ def evaluate_tasks(source: str, tasks: str, data_dir: str | None, limit: int | N
 
     with offline():
         manager, task_objs = load_tasks(plans, limit)
-        model, tok, kind = perplexity.load_for_eval(source, dynamic_pruning=dynamic_pruning, tokenizer=tokenizer)
+        model, tok, kind = perplexity.load_for_eval(source, dynamic_pruning=dynamic_pruning, tokenizer=tokenizer,
+                                                    verify=verify)
         model.to(device)
         raw = run_tasks(model, tok, manager, task_objs, limit, batch_size or 1)
     from ..activation_sparsity.linear import activation_sparsity_summary

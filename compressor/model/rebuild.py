@@ -132,18 +132,19 @@ def missing_tensors(model: nn.Module, state: dict[str, torch.Tensor], skip: tupl
             if k not in state and v.is_floating_point() and not k.startswith(skip)]
 
 
-def rebuild_model(path: str | Path, act_quant: bool = True, dtype: torch.dtype = torch.float32,
+def rebuild_model(path: str | Path | Artifact, act_quant: bool = True, dtype: torch.dtype = torch.float32,
                   dynamic_pruning: bool = True) -> nn.Module:
-    """The model stored in artifact ``path``, on CPU, in eval mode.
+    """The model stored in artifact ``path`` (a path: opened with its manifest checked; or an open Artifact),
+    on CPU, in eval mode.
 
     With ``act_quant``, Tiled-CBC layers with fp16 activations become :class:`~.dp_linear.TiledCBCLinear`
     (the decode kernel's arithmetic), with their stored ``dp_threshold`` when ``dynamic_pruning``.
     """
-    art = Artifact(path)
+    art = path if isinstance(path, Artifact) else Artifact(path)
     try:
         return _rebuild(art, act_quant, dtype, dynamic_pruning)
     except FormatError as e:
-        raise UserError(f"{path}: {e} (run unionsparse verify)") from None
+        raise UserError(f"{art.path}: {e} (run unionsparse verify)") from None
 
 
 def _rebuild(art: Artifact, act_quant: bool, dtype: torch.dtype, dynamic_pruning: bool) -> nn.Module:

@@ -18,11 +18,13 @@ from ..artifact.tokenizer import store_tokenizer
 from ..calibrate import layerwise
 from ..config import CompressConfig, parse_nm
 from ..errors import UserError
+from ..files import cannot_write, environment_errors, is_environment_error
 from ..layer_rules import describe as describe_rules
 from ..layer_rules import resolve as resolve_rules
 from ..model.loading import LoadedModel, block_linears, find_blocks
 from ..model.shared_inputs import shared_input_sets
 from ..model.streaming import StreamingModel, block_loader, layer_weight, model_dense_tensors, open_model
+from ..output_lock import output_lock
 from ..progress import Reporter
 from ..pruning import methods as pruning
 from ..quantize.act_clip import shared_act_clip
@@ -139,6 +141,11 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     out = Path(cfg.output)
     recipe = {**cfg.to_dict(), "model": preflight.model_reference(cfg.model)}  # absolute: eval works elsewhere
     preflight.check_output(out, cfg.model, cfg.overwrite, cfg.resume, recipe)  # what -o may replace, writable
+    with output_lock(out, "-o"):  # one writer per output: a second run is refused, nothing of the first lost
+        return _compress(cfg, reporter, out, recipe, t0)
+
+
+def _compress(cfg: CompressConfig, reporter: Reporter, out: Path, recipe: dict, t0: float) -> dict:
     loaded = load_source(cfg, reporter)
     blocks, prefix = find_blocks(loaded.model)
     in_features = {f"{prefix}.{i}.{n}": lin.weight.shape[1]
@@ -146,8 +153,9 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
     check_outlier_count(cfg.keep_outliers, in_features)
     layer_cfg = layer_configs(cfg, list(in_features))  # per-layer rules, checked against the model's layers
     preflight.check_loaded_model(cfg, out, loaded, blocks, prefix)  # context, memory, disk, finite dense tensors
-    writer = ArtifactWriter(out, new_root_attrs(recipe["model"], loaded.fingerprint, recipe, loaded.config),
-                            resume=cfg.resume, overwrite=cfg.overwrite)
+    with environment_errors("-o", out):  # the writer removes a partial it began itself
+        writer = ArtifactWriter(out, new_root_attrs(recipe["model"], loaded.fingerprint, recipe, loaded.config),
+                                resume=cfg.resume, overwrite=cfg.overwrite)
     totals = LayerTotals()
     encoder = None
     try:
@@ -162,7 +170,7 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         dense, tied = write_dense(run)
         with reporter.stage("storing the tokenizer", total=None):  # generate needs nothing but the artifact
             reporter.note(store_tokenizer(writer.tmp, cfg.model, loaded.config))
-        summary = {**totals.summary(), "seconds": time.perf_counter() - t0}
+        summary = totals.summary()  # no timings in the store: identical inputs give identical bytes
         writer.finalize({"layers": totals.layers, "dense": sorted(dense), "tied": tied, "summary": summary,
                          "block_prefix": prefix, "n_blocks": len(blocks),
                          "layer_rules": describe_rules(layer_cfg, cfg),
@@ -172,14 +180,14 @@ def compress(cfg: CompressConfig, reporter: Reporter) -> dict:
         writer.abort()
         raise
     except OSError as e:  # a full disk or a read-only file system while writing: bad input, nothing left
-        if not preflight.is_environment_error(e, out):
+        if not is_environment_error(e, out):
             raise
         writer.abort()
-        raise UserError(f"-o: cannot write {out}: {e.strerror or e}") from None
+        raise cannot_write("-o", out, e) from None
     finally:
         if encoder is not None:
             encoder.close()
-    return summary
+    return {**summary, "seconds": time.perf_counter() - t0}
 
 
 def layer_configs(cfg: CompressConfig, names: list[str]) -> dict[str, CompressConfig | None]:

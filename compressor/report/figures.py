@@ -9,12 +9,11 @@ tool version and the time of the measurement; a newer measurement of the same ke
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 from ..errors import UserError
+from ..files import atomic_write
 
 SUFFIX = ".figures.json"
 MAX_BYTES = 4 << 20  # a sidecar larger than this is not ours
@@ -49,12 +48,4 @@ def record(artifact: str | Path, kind: str, key: str, value: dict) -> Path:
     data = read_figures(artifact) or {"unionsparse_figures": 1}
     entry = {**value, "tool_version": tool_version(), "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     data.setdefault(kind, {})[key] = entry
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)  # the temporary file this function made
-        raise
-    return p
+    return atomic_write(p, json.dumps(data, indent=2, sort_keys=True), "--record")

@@ -75,8 +75,9 @@ def render(data: dict, png: bytes | None) -> str:
 
 
 def write_html(data: dict, path: str | Path, png: bytes | None) -> Path:
+    from ..files import atomic_write
+
     p = Path(path)
     if not p.parent.exists():
         raise UserError(f"--html: folder {p.parent} does not exist")
-    p.write_text(render(data, png), encoding="utf-8")
-    return p
+    return atomic_write(p, render(data, png), "--html")

@@ -129,10 +129,11 @@ def render(data: dict, dpi: int = DPI) -> bytes:
 
 
 def write_plot(data: dict, path: str | Path) -> Path:
+    from ..files import atomic_write
+
     p = Path(path)
     if not p.parent.exists():
         raise UserError(f"--plot: folder {p.parent} does not exist")
     if p.suffix.lower() != ".png":
         raise UserError(f"--plot: {path} must end in .png")
-    p.write_bytes(render(data))
-    return p
+    return atomic_write(p, render(data), "--plot")

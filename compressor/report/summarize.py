@@ -23,7 +23,7 @@ from ..terminal import printable
 
 COLUMNS = ("artifact", "model", "prune", "sparsity_target", "quant", "format", "tile", "reorder", "layers",
            "sparsity", "bits_per_weight", "cr", "pmr", "union_density_before", "union_density_after",
-           "best_baseline", "best_baseline_bits", "total_bytes", "seconds", "verify", "error")
+           "best_baseline", "best_baseline_bits", "total_bytes", "verify", "error")
 
 
 def find_artifacts(folder: Path) -> list[Path]:
@@ -74,12 +74,6 @@ def artifact_row(path: Path, root: Path) -> dict:
         "union_density_before": m.get("union_density_before_reorder"),
         "union_density_after": m.get("union_density_after_reorder", m.get("union_density")),
     })
-    try:
-        from ..artifact.store import Artifact
-
-        row["seconds"] = (Artifact(path).attrs.get("summary") or {}).get("seconds")
-    except UserError:
-        pass
     sparse = {k: v for k, v in data.get("model_baselines", {}).items() if not k.startswith("dense")}
     if sparse:
         best = min(sparse, key=lambda k: sparse[k]["bits_per_weight"])
@@ -134,13 +128,12 @@ def to_markdown(rows: list[dict]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead of markdown.")
 def summarize_command(folder, csv_file, md_file, as_json) -> None:
     """One table over every artifact under FOLDER: bits/weight, CR, PMR, union density, verify."""
+    from ..files import atomic_write
+
     rows = summarize(folder)
-    for target, text in ((csv_file, to_csv), (md_file, to_markdown)):
+    for flag, target, text in (("--csv", csv_file, to_csv), ("--md", md_file, to_markdown)):
         if target:
-            p = Path(target)
-            if not p.parent.exists():
-                raise UserError(f"{'--csv' if text is to_csv else '--md'}: folder {p.parent} does not exist")
-            p.write_text(text(rows), encoding="utf-8")
+            atomic_write(target, text(rows), flag)
     click.echo(json.dumps(rows, indent=2, default=str) if as_json else to_markdown(rows), nl=False)
     if any(r.get("error") or r.get("verify", "").startswith("FAILED") for r in rows):
         sys.exit(1)

@@ -31,6 +31,21 @@ def read_prompts(prompt: str | None, batch_file: str | None) -> list[str]:
     return prompts
 
 
+def check_prompt_lengths(art: Artifact, tok, prompts: list[str], chat: bool, flag: str) -> None:
+    """Every prompt leaves room for a new token in the stored model's context: checked before the model loads."""
+    from ..preflight import model_context
+
+    context = model_context(art.attrs.get("model_config"))
+    if context is None:
+        return
+    for i, p in enumerate(prompts, 1):
+        ids = (tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) if chat else tok(p, verbose=False)["input_ids"])
+        if len(ids) >= context:
+            where = flag if flag == "--prompt" else f"{flag}: prompt {i}"
+            raise UserError(f"{where}: the prompt has {len(ids)} tokens; the model holds at most {context} positions")
+
+
 def _speed_line(g: Generation) -> str:
     rate = f"{g.tokens_per_s:.2f} tokens/s" if g.tokens_per_s is not None else "- tokens/s"
     seed = f", seed {g.seed}" if g.seed is not None else ""
@@ -42,8 +57,9 @@ def _speed_line(g: Generation) -> str:
 
 def generate_command(artifact: str, prompt: str | None, batch_file: str | None, max_new_tokens: int,
                      temperature: float, top_p: float, seed: int, device: str, chat: bool, dp: bool,
-                     quiet: bool, as_json: bool, batch_size: int = 1) -> None:
-    """Run ``generate`` (see the module docstring); library errors propagate as ``UserError``."""
+                     quiet: bool, as_json: bool, batch_size: int = 1, verify: bool = True) -> None:
+    """Run ``generate`` (see the module docstring); library errors propagate as ``UserError``. ``verify``: the
+    artifact's files are checked against its manifest as they are read (``--no-verify``: not)."""
     from . import load
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -56,14 +72,15 @@ def generate_command(artifact: str, prompt: str | None, batch_file: str | None, 
         from .cuda import require_cuda
 
         require_cuda()
-    art = Artifact(artifact)
+    art = Artifact(artifact, verify=verify)
     if not has_tokenizer(art):
         raise UserError(f"{artifact}: the artifact holds no tokenizer (written before unionsparse stored one, or its "
                         "model had none); compress the model again to store it")
     tok = load_tokenizer(art)
     if chat and not getattr(tok, "chat_template", None):
         raise UserError(f"--chat: the tokenizer stored in {artifact} has no chat template")
-    rt = load(artifact, device=device, dynamic_pruning=dp, tokenizer=tok)
+    check_prompt_lengths(art, tok, prompts, chat, "--prompt" if prompt is not None else "--batch-file")
+    rt = load(art, device=device, dynamic_pruning=dp, tokenizer=tok)
     if not quiet and not as_json:
         st = rt.step_stats()
         step = "static KV cache" + (", one CUDA graph per step" if st["graph"] else "")

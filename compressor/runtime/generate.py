@@ -434,7 +434,7 @@ class _CacheSession:
         return self.rt._forward(self.token, self.cache)
 
 
-def load(path: str | Path, device: str = "cpu", backend: str | None = None, dynamic_pruning: bool = True,
+def load(path: str | Path | Artifact, device: str = "cpu", backend: str | None = None, dynamic_pruning: bool = True,
          tokenizer=None, fuse: bool | None = None, dtype: torch.dtype | str | None = None) -> Runtime:
     """Load artifact ``path`` for generation on ``device`` (``"cpu"``: the kernels' arithmetic in torch, exact;
     ``"cuda"``: the artifact's CuPy kernels, needs CuPy and a GPU). ``backend`` overrides the linears' backend
@@ -445,7 +445,8 @@ def load(path: str | Path, device: str = "cpu", backend: str | None = None, dyna
     saves launches, off on the CPU, whose reference arithmetic stays layer by layer); the model's
     ``unionsparse_fusion`` says what was fused. ``dtype``: the dense parts' dtype (embeddings, norms, attention,
     lm_head; default float32 on the CPU, float16 on a GPU); ``float16`` on the CPU computes what the GPU computes
-    (docs/runtime.md, "Agreement"). ``Runtime.load_s`` holds the load time."""
+    (docs/runtime.md, "Agreement"). ``Runtime.load_s`` holds the load time. A path is opened with its manifest
+    checked (:class:`~..artifact.store.Artifact`); an open Artifact is used as it was opened."""
     from .linear import BACKENDS
     from .model import build_model
 
@@ -461,12 +462,12 @@ def load(path: str | Path, device: str = "cpu", backend: str | None = None, dyna
         from .cuda import require_cuda
 
         require_cuda()
-    art = Artifact(path)
+    art = path if isinstance(path, Artifact) else Artifact(path)
     tok = tokenizer if tokenizer is not None else load_tokenizer(art) if has_tokenizer(art) else None
     gen_cfg = load_generation_config(art)
     fuse = device == "cuda" if fuse is None else bool(fuse)
     model = build_model(art, backend, device, dtype=parse_dtype(dtype), dynamic_pruning=dynamic_pruning, fuse=fuse)
-    rt = Runtime(Path(path), model, tok, gen_cfg, torch.device(device), backend, 0.0)
+    rt = Runtime(Path(art.path), model, tok, gen_cfg, torch.device(device), backend, 0.0)
     if device == "cuda":  # kernel compilation and graph capture belong to the load, not to the first token
         rt.warm_up()
     rt.load_s = time.perf_counter() - t0
