@@ -365,8 +365,8 @@ def load_tokenizer(source: str, flag: str = "MODEL", purpose: str = " for calibr
 
     from transformers import AutoTokenizer
 
+    from ..model.hub import hub_local_only
     from ..model.loading import classify_source
-    from ..preflight import hub_local_only
 
     p = Path(source)
     try:
