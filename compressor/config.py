@@ -9,9 +9,9 @@ from pathlib import Path
 from ..formats import registry
 from ..formats.errors import FormatError
 from .errors import UserError
+from .quantize.modes import QUANT_MODES, QuantMode
 
 PRUNE_METHODS = ("wanda", "sparsegpt", "magnitude", "none")
-QUANT_MODES = ("w4a4", "w2a4", "w4a16", "none")
 FORMATS = registry.names()
 REORDER_METHODS = ("auto", "dp", "cpsat", "none")
 CALIB_SUFFIXES = (".json", ".jsonl", ".json.gz", ".parquet")
@@ -52,12 +52,18 @@ class CompressConfig:
 
     # ------------------------------------------------------------------ derived
     @property
-    def bits(self) -> int | None:
-        return {"w4a4": 4, "w2a4": 2, "w4a16": 4, "none": None}[self.quant]
+    def quant_mode(self) -> QuantMode:
+        return QUANT_MODES[self.quant]
 
     @property
-    def act_bits(self) -> int | None:
-        return {"w4a4": 4, "w2a4": 4, "w4a16": None, "none": None}[self.quant]
+    def bits(self) -> int | None:
+        """Weight bits (None: float16 weights)."""
+        return self.quant_mode.weight_bits
+
+    @property
+    def act_bits(self) -> int:
+        """Activation bits (16: float16 activations, ``quantize.modes.FP16_ACTIVATIONS``)."""
+        return self.quant_mode.act_bits
 
     @property
     def fmt(self) -> registry.Format:
@@ -119,7 +125,7 @@ class CompressConfig:
     def validate_options(self) -> CompressConfig:
         """The options alone (also each layer's options under the per-layer rules)."""
         choice("--prune", self.prune, PRUNE_METHODS)
-        choice("--quant", self.quant, QUANT_MODES)
+        choice("--quant", self.quant, tuple(QUANT_MODES))
         choice("--format", self.format, FORMATS)
         choice("--reorder", self.reorder, REORDER_METHODS)
         choice("--device", self.device, ("cpu", "cuda"))
@@ -132,7 +138,7 @@ class CompressConfig:
         if self.act_sparsity > 0 and not self.fmt.activation_sparsity:
             raise UserError(f"--act-sparsity: {self.format} has no activation-sparsity kernel; use --format "
                             f"{' or '.join(f.name for f in map(registry.get, FORMATS) if f.activation_sparsity)}")
-        if self.act_sparsity > 0 and self.act_bits is not None:
+        if self.act_sparsity > 0 and self.quant_mode.quantizes_activations:
             raise UserError(f"--act-sparsity: the spMspV kernel takes fp16 activations, not --quant {self.quant}; "
                             "use --quant none or w4a16")
         if self.act_sparsity_profile == "greedy" and self.act_sparsity == 0:
@@ -199,7 +205,7 @@ class CompressConfig:
             raise UserError(f"--keep-outliers must be a non-negative integer, got {n!r}")
         if n == 0:
             return
-        if self.quant not in ("w4a4", "w2a4"):
+        if not self.quant_mode.quantizes_activations:
             raise UserError(f"--keep-outliers {n}: outlier channels are kept at 8 bits next to 4-bit activations; "
                             f"use --quant w4a4 or w2a4, not {self.quant}")
         if not self.fmt.outlier_side:

@@ -201,7 +201,7 @@ def compress_blocks(run: _Run, plan: layerwise.CalibrationPlan) -> None:
     cfg, model, load = run.cfg, run.loaded.model, block_loader(run.loaded)
     kind = hessian_kind(plan.kind) if cfg.gptq or cfg.clip_search else plan.kind  # GPTQ needs H
     # a token sample of every layer's input calibrates its activation clip ratio
-    any_act = any(c is not None and c.act_bits for c in run.layer_cfg.values())
+    any_act = any(c is not None and c.quant_mode.quantizes_activations for c in run.layer_cfg.values())
     tap = TokenTap(run.blocks, block_linears, run.prefix) if kind is not None and any_act else None
     # activation sparsity (TEAL): thresholds from their own calibration stream through the compressed blocks
     with layerwise.non_block_weights(model, load if cfg.act_sparsity > 0 else None):
@@ -313,7 +313,7 @@ def submit(run: _Run, name: str, payload, thresholds: dict) -> None:
         run.encoder.done(name, run.writer.layer_attrs(name))
         return
     cfg = run.layer_cfg[name]
-    if not (cfg.fmt.activation_sparsity and cfg.act_bits is None):  # a layer whose kernel skips no input
+    if not (cfg.fmt.activation_sparsity and not cfg.quant_mode.quantizes_activations):  # its kernel skips no input
         thresholds = {}
     extra = {"overrides": diff} if (diff := describe_rules({name: cfg}, run.cfg).get(name)) else {}
     run.encoder.submit(name, payload, cfg, {**thresholds, **extra})

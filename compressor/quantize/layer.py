@@ -18,12 +18,12 @@ import torch
 from ...formats.arithmetic.activations import activation_scheme
 from ...formats.arithmetic.outlier_side import OutlierSide, dequantize_layer, split_outliers
 from ...formats.arithmetic.weights import QuantizedWeight
+from ..errors import UserError
 from .act_clip import ACT_CLIP_GRID, act_clip_errors, best_clip
 from .fake_quant import FakeQuantLinear
+from .modes import FP16_ACTIVATIONS, quant_mode
 from .outliers import permute_hessian, select_outlier_channels
 from .weights import quantize_weight
-
-MODES = {"w4a16": (4, 16), "w4a4": (4, 4), "w2a4": (2, 4)}
 
 
 @dataclass
@@ -31,7 +31,7 @@ class QuantSpec:
     """What to do to every layer."""
 
     weight_bits: int
-    act_bits: int  # 4, or 16 for weight-only
+    act_bits: int  # 4, or FP16_ACTIVATIONS for weight-only
     group_size: int = 128
     gptq: bool = False
     clip_search: bool = False
@@ -42,12 +42,13 @@ class QuantSpec:
 
     @classmethod
     def from_mode(cls, mode: str, **kw) -> QuantSpec:
-        if mode not in MODES:
-            raise ValueError(f"quantization mode must be one of {', '.join(MODES)}, got {mode!r}")
-        wb, ab = MODES[mode]
-        spec = cls(wb, ab, **kw)
-        if spec.keep_outliers and ab == 16:
-            raise ValueError("outlier channels need quantized activations (w4a4 or w2a4), not w4a16")
+        """The spec of a ``--quant`` mode that quantizes weights (not ``none``)."""
+        bits = quant_mode(mode)
+        if bits.weight_bits is None:
+            raise UserError(f"--quant {mode} quantizes nothing: no QuantSpec (use w4a4, w2a4 or w4a16)")
+        spec = cls(bits.weight_bits, bits.act_bits, **kw)
+        if spec.keep_outliers and not bits.quantizes_activations:
+            raise UserError(f"outlier channels need quantized activations (w4a4 or w2a4), not {mode}")
         return spec
 
     @property
@@ -56,7 +57,7 @@ class QuantSpec:
 
     @property
     def needs_tokens(self) -> bool:
-        return self.act_bits != 16 and self.act_clip
+        return self.act_bits != FP16_ACTIVATIONS and self.act_clip
 
 
 @dataclass
