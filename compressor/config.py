@@ -83,6 +83,8 @@ class CompressConfig:
         if self.prune == "none":
             return 0.0
         if self.nm:
+            from .pruning.nm import parse_nm
+
             n, m = parse_nm(self.nm)
             return 1 - n / m
         return float(self.sparsity)
@@ -147,10 +149,11 @@ class CompressConfig:
             raise UserError(f"--act-sparsity-profile greedy: --act-sparsity {self.act_sparsity} exceeds the "
                             "per-layer cap 0.95")
         if self.nm is not None:
-            n, m = parse_nm(self.nm)
+            from .pruning.nm import parse_nm
+
+            parse_nm(self.nm)
             if self.prune == "none":
                 raise UserError("--nm needs a pruning method (--prune magnitude|wanda|sparsegpt)")
-            del n, m
         if self.prune == "none" and self.sparsity_profile != "uniform":
             raise UserError("--sparsity-profile owl needs a pruning method")
         if self.group_size <= 0:
@@ -230,16 +233,6 @@ def parse_grid(flag: str, text: str) -> tuple[int, int]:
     if a <= 0 or b <= 0:
         raise UserError(f"{flag}: both sides must be positive, got {text!r}")
     return a, b
-
-
-def parse_nm(text: str) -> tuple[int, int]:
-    try:
-        n, m = (int(v) for v in str(text).split(":"))
-    except ValueError:
-        raise UserError(f"--nm: expected N:M such as 2:4, got {text!r}") from None
-    if not (0 < n < m):
-        raise UserError(f"--nm: need 0 < N < M, got {text!r}")
-    return n, m
 
 
 def check_calib_path(path: str, flag: str = "--calib") -> None:

@@ -148,3 +148,26 @@ def test_prune_model_owl_and_magnitude():
         layerwise.prune_model(_llama(), None, "wanda", 0.5)
     with pytest.raises(UserError, match="--prune"):
         layerwise.prune_model(_llama(), None, "gptq", 0.5)
+
+
+def test_compress_and_prune_model_prune_through_one_dispatch(llama_with_tokenizer, tmp_path, run_cli):
+    """`compress --prune sparsegpt` and ``layerwise.prune_model`` on the same windows leave the same weights
+    (SparseGPT moves the kept weights too, so the options and statistics must be the same)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from unionsparse.compressor.artifact.store import Artifact
+    from unionsparse.compressor.calibrate.samples import load_calibration
+
+    model, calib = llama_with_tokenizer
+    out = tmp_path / "s.zarr"
+    res = run_cli("compress", model, "-o", out, "--prune", "sparsegpt", "--sparsity", "0.5", "--quant", "none",
+                  "--format", "tiled-cbc", "--calib", calib, "--nsamples", "4", "--seqlen", "32", "--quiet")
+    assert res.code == 0, res.err
+    ref = AutoModelForCausalLM.from_pretrained(model).eval()
+    samples = load_calibration(str(calib), AutoTokenizer.from_pretrained(model), 4, 32, 0)
+    layerwise.prune_model(ref, samples, "sparsegpt", 0.5)
+    art = Artifact(out)
+    for name in art.layer_names:
+        got = art.read_layer(name).encoding.decode()
+        want = ref.get_submodule(name).weight.detach().to(torch.float16).numpy()
+        np.testing.assert_array_equal(got, want, err_msg=name)

@@ -226,3 +226,29 @@ def test_owl_sparsities_mean_range_and_order():
     assert pruning.owl_sparsities([0.2, 0.2], 0.5) == [0.5, 0.5]
     with pytest.raises(UserError, match="lambda"):
         pruning.owl_sparsities([0.0, 1.0], 0.95, lam=0.2)
+
+
+def test_prune_layer_dispatches_by_name():
+    """``pruning.prune_layer``: each method's function by name, ``none`` and sparsity 0 untouched, and one line
+    for an unknown method or missing statistics."""
+    from types import SimpleNamespace
+
+    from unionsparse.compressor.pruning import prune_layer
+
+    g = torch.Generator().manual_seed(0)
+    W, X = torch.randn(8, 16, generator=g), torch.randn(64, 16, generator=g)
+    stats = SimpleNamespace(x_sq_norm=(X**2).sum(0) / 4, H=2 / 64 * X.t() @ X)
+    w, m = prune_layer("magnitude", W, 0.5)
+    assert torch.equal(m, pruning.magnitude(W, 0.5)) and torch.equal(w, W * m)
+    w, m = prune_layer("wanda", W, 0.5, "2:4", stats)
+    assert torch.equal(m, pruning.wanda(W, stats.x_sq_norm, 0.5, nm=(2, 4))) and torch.equal(w, W * m)
+    w, m = prune_layer("sparsegpt", W, 0.5, None, stats, blocksize=8)
+    w2, m2 = pruning.sparsegpt(W, stats.H, 0.5, blocksize=8)
+    assert torch.equal(w, w2) and torch.equal(m, m2)
+    for name, s in (("none", 0.5), ("wanda", 0.0)):
+        w, m = prune_layer(name, W, s)
+        assert w is W and torch.equal(m, W != 0)
+    with pytest.raises(UserError, match="--prune must be one of"):
+        prune_layer("gptq", W, 0.5)
+    with pytest.raises(UserError, match="needs calibration statistics"):
+        prune_layer("sparsegpt", W, 0.5, None, SimpleNamespace(x_sq_norm=None, H=None))

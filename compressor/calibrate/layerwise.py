@@ -17,7 +17,10 @@ from torch import nn
 
 from ..errors import UserError
 from ..model.loading import block_linears, find_blocks
+from ..pruning import dispatch
 from ..pruning import methods as pruning
+from ..pruning.dispatch import METHODS, prune_layer
+from ..pruning.nm import parse_nm
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,6 @@ __all__ = [
     "PruneReport",
 ]
 
-METHODS = ("magnitude", "wanda", "sparsegpt")
 #: ``load(module, path)``: a context manager holding ``module``'s weights (read from the checkpoint) while
 #: open; the streaming runs pass ``streaming.loaded_weights``.
 LoadWeights = Callable[[nn.Module, str], contextlib.AbstractContextManager]
@@ -248,10 +250,6 @@ class PruneReport:
         return zeros / total if total else 0.0
 
 
-def _stats_kind(method: str) -> str | None:
-    return {"magnitude": None, "wanda": "wanda", "sparsegpt": "sparsegpt"}[method]
-
-
 @torch.no_grad()
 def owl_block_sparsities(
     model: nn.Module,
@@ -412,7 +410,7 @@ def calibration_plan(
     if profile == "owl" and nm is not None:
         raise UserError("--sparsity-profile owl applies to unstructured sparsity; drop --nm or use uniform")
     blocks, _ = find_blocks(model)
-    kind = _stats_kind(prune) if prune in METHODS else None
+    kind = METHODS[prune].statistics if prune in METHODS else None
     needs = kind is not None or (prune in METHODS and profile == "owl")
     if not needs:
         return CalibrationPlan(None, None, [float(sparsity)] * len(blocks))
@@ -450,20 +448,20 @@ def prune_model(
 ) -> PruneReport:
     """Prune every nn.Linear of every decoder block in place, block by block.
 
-    ``method`` is magnitude | wanda | sparsegpt. Calibration ``samples`` ([n, seqlen] token ids) are
+    ``method`` is magnitude | wanda | sparsegpt, each layer pruned by ``pruning.dispatch.prune_layer`` as in
+    ``compress``. Calibration ``samples`` ([n, seqlen] token ids) are
     needed by wanda, sparsegpt and by ``profile="owl"``. Block i's statistics come from the outputs
     of the already-pruned blocks 0..i-1. ``on_layer(path, module, mask)`` is called right after each
     layer is pruned (path = full module path of the linear, mask True = kept); ``skip(path)`` leaves a
     layer dense. lm_head and embeddings are never pruned.
     """
-    if method not in METHODS:
-        raise UserError(f"--prune must be one of {', '.join(METHODS)} or none, got {method!r}")
+    kind = dispatch.method(method).statistics
     if profile not in ("uniform", "owl"):
         raise UserError(f"--sparsity-profile must be uniform or owl, got {profile!r}")
-    nm_t = pruning.parse_nm(nm)
+    nm_t = parse_nm(nm)
     if nm_t is not None and profile == "owl":
         raise UserError("--sparsity-profile owl applies to unstructured sparsity; drop --nm or use uniform")
-    needs_data = method != "magnitude" or profile == "owl"
+    needs_data = kind is not None or profile == "owl"
     if needs_data and (samples is None or samples.numel() == 0):
         raise UserError(f"--prune {method} needs calibration samples (--calib)")
     t0 = time.perf_counter()
@@ -476,25 +474,16 @@ def prune_model(
     else:
         sps = [pruning._check_sparsity(sparsity)] * len(blocks)
     report.block_sparsity = list(sps)
-
-    kind = _stats_kind(method)
+    options = {"blocksize": blocksize, "percdamp": percdamp} if method == "sparsegpt" else {}
     for bi, block, stats in calibrated_blocks(model, samples, kind, device):
         linears = [(n, m) for n, m in block_linears(block) if not (skip and skip(f"{prefix}.{bi}.{n}"))]
-        for name, mod in linears:
-            path = f"{prefix}.{bi}.{name}"
+        for sub, mod in linears:
+            path = f"{prefix}.{bi}.{sub}"
             tl = time.perf_counter()
             W = mod.weight.data
-            if method == "magnitude":
-                mask = pruning.magnitude(W, sps[bi], nm=nm_t)
-                W[~mask] = 0
-            elif method == "wanda":
-                mask = pruning.wanda(W, stats[name].x_sq_norm, sps[bi], nm=nm_t)
-                W[~mask] = 0
-            else:
-                W_new, mask = pruning.sparsegpt(W, stats[name].H, sps[bi], blocksize, percdamp, nm=nm_t)
-                W.copy_(W_new)
-                del W_new
-            stats.pop(name, None)
+            W_new, mask = prune_layer(method, W, sps[bi], nm_t, stats.pop(sub, None), **options)
+            W.copy_(W_new)
+            del W_new
             zeros = int((W == 0).sum())
             report.layers[path] = {
                 "shape": list(W.shape),

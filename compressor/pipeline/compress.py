@@ -16,15 +16,15 @@ from ..activation_sparsity.calibrate import ThresholdCalibrator
 from ..artifact.store import ArtifactWriter, new_root_attrs
 from ..artifact.tokenizer import store_tokenizer
 from ..calibrate import layerwise
-from ..config import CompressConfig, parse_nm
+from ..config import CompressConfig
 from ..errors import UserError
 from ..layer_rules import describe as describe_rules
 from ..layer_rules import resolve as resolve_rules
 from ..model.loading import LoadedModel, block_linears, find_blocks
 from ..model.shared_inputs import shared_input_sets
-from ..model.streaming import StreamingModel, block_loader, layer_weight, model_dense_tensors, open_model
+from ..model.streaming import StreamingModel, block_loader, model_dense_tensors, open_model, source_weight
 from ..progress import Reporter
-from ..pruning import methods as pruning
+from ..pruning.dispatch import prune_layer
 from ..quantize.act_clip import shared_act_clip
 from ..quantize.layer import QuantizedLayer, TokenTap, hessian_kind, quantize_layer, spec_from_config
 from ..quantize.outliers import check_outlier_count
@@ -84,23 +84,6 @@ class LayerTotals:
         if self.dense_linears:
             out["dense_linears"] = len(self.dense_linears)
         return out
-
-
-def prune_weight(w: torch.Tensor, cfg: CompressConfig, sparsity: float, calib_stats: dict | None):
-    """Dispatch to one pruning method. Returns (pruned weight, kept mask)."""
-    nm = parse_nm(cfg.nm) if cfg.nm else None
-    if cfg.prune == "none" or (sparsity == 0 and nm is None):
-        return w, w != 0
-    if cfg.prune == "magnitude":
-        mask = pruning.magnitude(w, sparsity, nm=nm)
-        return w * mask, mask
-    if calib_stats is None:
-        raise RuntimeError(f"--prune {cfg.prune} needs calibration statistics")
-    if cfg.prune == "wanda":
-        mask = pruning.wanda(w, calib_stats["x_sq_norm"], sparsity, nm=nm)
-        return w * mask, mask
-    w2, mask = pruning.sparsegpt(w, calib_stats["H"], sparsity, nm=nm)
-    return w2, mask
 
 
 def to_storage_dtype(t: torch.Tensor) -> np.ndarray:
@@ -263,10 +246,10 @@ def prepare_layer(run: _Run, full: str, lin: torch.nn.Linear, sparsity: float, s
     tokens = tap.pop(full) if tap is not None else None
     if full in run.done and not forward:  # --resume, and nothing later needs its weight
         return full, None
-    w = layer_weight(run.loaded, full, lin)
+    w = source_weight(run.loaded, full, lin)
     if not torch.isfinite(w.sum()) and not torch.isfinite(w).all():  # a finite sum: all finite
         raise UserError(f"MODEL: layer {full} has NaN or inf weights")
-    w_pruned, mask = prune_weight(w, cfg, sparsity, stats)
+    w_pruned, mask = prune_layer(cfg.prune, w, sparsity, cfg.nm, stats)
     payload: QuantizedLayer | torch.Tensor | None = w_pruned.cpu()
     if cfg.bits is not None:  # also for a stored layer that later blocks see: they must see the same weights
         payload = quantize_layer(w_pruned, spec_from_config(cfg), mask=mask, h=stats and stats.H,

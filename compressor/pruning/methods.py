@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..errors import UserError
+from .nm import parse_nm
 
 __all__ = [
     "magnitude",
@@ -33,7 +34,6 @@ __all__ = [
     "SqNormAccumulator",
     "outlier_ratio",
     "owl_sparsities",
-    "parse_nm",
 ]
 
 
@@ -46,23 +46,6 @@ def _check_sparsity(sparsity: float) -> float:
     if not (0.0 <= s < 1.0) or math.isnan(s):
         raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")
     return s
-
-
-def parse_nm(nm: str | Sequence[int] | None) -> tuple[int, int] | None:
-    """Parse ``"2:4"`` (or ``(2, 4)``) into ``(N, M)``: keep N of every M consecutive inputs."""
-    if nm is None:
-        return None
-    if isinstance(nm, str):
-        parts = nm.replace("x", ":").split(":")
-        try:
-            n, m = (int(p) for p in parts)
-        except ValueError:
-            raise UserError(f"--nm must look like N:M (e.g. 2:4), got {nm!r}") from None
-    else:
-        n, m = (int(v) for v in nm)
-    if not (0 < n < m):
-        raise UserError(f"--nm N:M needs 0 < N < M, got {n}:{m}")
-    return n, m
 
 
 def _check_nm(nm: Sequence[int] | str | None, k: int) -> tuple[int, int] | None:
