@@ -9,9 +9,9 @@ from pathlib import Path
 from ..formats import registry
 from ..formats.errors import FormatError
 from .errors import UserError
+from .quantize.modes import QUANT_MODES, QuantMode
 
 PRUNE_METHODS = ("wanda", "sparsegpt", "magnitude", "none")
-QUANT_MODES = ("w4a4", "w2a4", "w4a16", "none")
 FORMATS = registry.names()
 REORDER_METHODS = ("auto", "dp", "cpsat", "none")
 CALIB_SUFFIXES = (".json", ".jsonl", ".json.gz", ".parquet")
@@ -52,12 +52,18 @@ class CompressConfig:
 
     # ------------------------------------------------------------------ derived
     @property
-    def bits(self) -> int | None:
-        return {"w4a4": 4, "w2a4": 2, "w4a16": 4, "none": None}[self.quant]
+    def quant_mode(self) -> QuantMode:
+        return QUANT_MODES[self.quant]
 
     @property
-    def act_bits(self) -> int | None:
-        return {"w4a4": 4, "w2a4": 4, "w4a16": None, "none": None}[self.quant]
+    def bits(self) -> int | None:
+        """Weight bits (None: float16 weights)."""
+        return self.quant_mode.weight_bits
+
+    @property
+    def act_bits(self) -> int:
+        """Activation bits (16: float16 activations, ``quantize.modes.FP16_ACTIVATIONS``)."""
+        return self.quant_mode.act_bits
 
     @property
     def fmt(self) -> registry.Format:
@@ -77,6 +83,8 @@ class CompressConfig:
         if self.prune == "none":
             return 0.0
         if self.nm:
+            from .pruning.nm import parse_nm
+
             n, m = parse_nm(self.nm)
             return 1 - n / m
         return float(self.sparsity)
@@ -119,7 +127,7 @@ class CompressConfig:
     def validate_options(self) -> CompressConfig:
         """The options alone (also each layer's options under the per-layer rules)."""
         choice("--prune", self.prune, PRUNE_METHODS)
-        choice("--quant", self.quant, QUANT_MODES)
+        choice("--quant", self.quant, tuple(QUANT_MODES))
         choice("--format", self.format, FORMATS)
         choice("--reorder", self.reorder, REORDER_METHODS)
         choice("--device", self.device, ("cpu", "cuda"))
@@ -132,7 +140,7 @@ class CompressConfig:
         if self.act_sparsity > 0 and not self.fmt.activation_sparsity:
             raise UserError(f"--act-sparsity: {self.format} has no activation-sparsity kernel; use --format "
                             f"{' or '.join(f.name for f in map(registry.get, FORMATS) if f.activation_sparsity)}")
-        if self.act_sparsity > 0 and self.act_bits is not None:
+        if self.act_sparsity > 0 and self.quant_mode.quantizes_activations:
             raise UserError(f"--act-sparsity: the spMspV kernel takes fp16 activations, not --quant {self.quant}; "
                             "use --quant none or w4a16")
         if self.act_sparsity_profile == "greedy" and self.act_sparsity == 0:
@@ -141,10 +149,11 @@ class CompressConfig:
             raise UserError(f"--act-sparsity-profile greedy: --act-sparsity {self.act_sparsity} exceeds the "
                             "per-layer cap 0.95")
         if self.nm is not None:
-            n, m = parse_nm(self.nm)
+            from .pruning.nm import parse_nm
+
+            parse_nm(self.nm)
             if self.prune == "none":
                 raise UserError("--nm needs a pruning method (--prune magnitude|wanda|sparsegpt)")
-            del n, m
         if self.prune == "none" and self.sparsity_profile != "uniform":
             raise UserError("--sparsity-profile owl needs a pruning method")
         if self.group_size <= 0:
@@ -199,7 +208,7 @@ class CompressConfig:
             raise UserError(f"--keep-outliers must be a non-negative integer, got {n!r}")
         if n == 0:
             return
-        if self.quant not in ("w4a4", "w2a4"):
+        if not self.quant_mode.quantizes_activations:
             raise UserError(f"--keep-outliers {n}: outlier channels are kept at 8 bits next to 4-bit activations; "
                             f"use --quant w4a4 or w2a4, not {self.quant}")
         if not self.fmt.outlier_side:
@@ -224,16 +233,6 @@ def parse_grid(flag: str, text: str) -> tuple[int, int]:
     if a <= 0 or b <= 0:
         raise UserError(f"{flag}: both sides must be positive, got {text!r}")
     return a, b
-
-
-def parse_nm(text: str) -> tuple[int, int]:
-    try:
-        n, m = (int(v) for v in str(text).split(":"))
-    except ValueError:
-        raise UserError(f"--nm: expected N:M such as 2:4, got {text!r}") from None
-    if not (0 < n < m):
-        raise UserError(f"--nm: need 0 < N < M, got {text!r}")
-    return n, m
 
 
 def check_calib_path(path: str, flag: str = "--calib") -> None:

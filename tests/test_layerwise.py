@@ -148,3 +148,101 @@ def test_prune_model_owl_and_magnitude():
         layerwise.prune_model(_llama(), None, "wanda", 0.5)
     with pytest.raises(UserError, match="--prune"):
         layerwise.prune_model(_llama(), None, "gptq", 0.5)
+
+
+def test_compress_and_prune_model_prune_through_one_dispatch(llama_with_tokenizer, tmp_path, run_cli):
+    """`compress --prune sparsegpt` and ``layerwise.prune_model`` on the same windows leave the same weights
+    (SparseGPT moves the kept weights too, so the options and statistics must be the same)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from unionsparse.compressor.artifact.store import Artifact
+    from unionsparse.compressor.calibrate.samples import load_calibration
+
+    model, calib = llama_with_tokenizer
+    out = tmp_path / "s.zarr"
+    res = run_cli("compress", model, "-o", out, "--prune", "sparsegpt", "--sparsity", "0.5", "--quant", "none",
+                  "--format", "tiled-cbc", "--calib", calib, "--nsamples", "4", "--seqlen", "32", "--quiet")
+    assert res.code == 0, res.err
+    ref = AutoModelForCausalLM.from_pretrained(model).eval()
+    samples = load_calibration(str(calib), AutoTokenizer.from_pretrained(model), 4, 32, 0)
+    layerwise.prune_model(ref, samples, "sparsegpt", 0.5)
+    art = Artifact(out)
+    for name in art.layer_names:
+        got = art.read_layer(name).encoding.decode()
+        want = ref.get_submodule(name).weight.detach().to(torch.float16).numpy()
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def _compress_counting_block_calls(monkeypatch, run_cli, model, out, *flags) -> int:
+    """Run `compress`; return how many times a decoder block was called."""
+    from transformers.models.llama import modeling_llama
+
+    calls = [0]
+    orig = modeling_llama.LlamaDecoderLayer.__call__
+
+    def counted(self, *a, **kw):
+        calls[0] += 1
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "__call__", counted)
+    res = run_cli("compress", model, "-o", out, *flags, "--quiet")
+    assert res.code == 0, res.err
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "__call__", orig)
+    return calls[0]
+
+
+def test_one_forward_per_block_and_pass_serves_every_statistic(llama_with_tokenizer, tmp_path, monkeypatch, run_cli):
+    """Wanda's x_sq_norm, the activation clip's token sample and, on the same text, the activation-sparsity
+    counts come from one forward of each block per pass: 2 passes x n windows x blocks (the statistics of the
+    block before it is compressed, then the compressed block advancing the stream, which the thresholds tap).
+    A second copy of the text makes the thresholds' stream its own (n more per block, the last block's advance
+    skipped) and gives the same artifact."""
+    import shutil
+
+    import numpy as np
+    from unionsparse.compressor.artifact.store import Artifact
+
+    model, calib = llama_with_tokenizer
+    copy_of_calib = tmp_path / "copy.jsonl"
+    shutil.copy(calib, copy_of_calib)
+    n, blocks = 4, 2
+    flags = ["--prune", "wanda", "--quant", "w4a4", "--format", "ie-bme", "--reorder", "none", "--calib", calib,
+             "--nsamples", str(n), "--seqlen", "32"]
+    assert _compress_counting_block_calls(monkeypatch, run_cli, model, tmp_path / "q.zarr", *flags) == \
+        n * (2 * blocks - 1)  # the last block's outputs feed nothing
+    teal = ["--prune", "wanda", "--quant", "w4a16", "--format", "tiled-cbc", "--act-sparsity", "0.3",
+            "--calib", calib, "--nsamples", str(n), "--seqlen", "32"]
+    shared = _compress_counting_block_calls(monkeypatch, run_cli, model, tmp_path / "s.zarr", *teal,
+                                            "--act-sparsity-calib", calib)
+    own = _compress_counting_block_calls(monkeypatch, run_cli, model, tmp_path / "o.zarr", *teal,
+                                         "--act-sparsity-calib", copy_of_calib)
+    assert (shared, own) == (2 * n * blocks, 3 * n * blocks - n)
+    a, b = Artifact(tmp_path / "s.zarr"), Artifact(tmp_path / "o.zarr")
+    for name in a.layer_names:
+        ra, rb = a.read_layer(name), b.read_layer(name)
+        assert ra.attrs["dp_threshold"] == rb.attrs["dp_threshold"], name
+        for key, arr in ra.arrays().items():
+            np.testing.assert_array_equal(arr, rb.arrays()[key], err_msg=f"{name} {key}")
+
+
+def test_input_taps_feed_every_collector_from_one_hook_and_leave_none_behind():
+    """One hook per tapped module feeds all its collectors; ``TokenTap`` (benchmarks) draws the same token
+    sample as ``collect_block_stats(tokens=True)``; nothing stays registered."""
+    from unionsparse.compressor.calibrate.statistics import InputTaps, TokenSampler
+    from unionsparse.compressor.quantize.layer import TokenTap
+
+    model = _llama()
+    x = _samples()
+    inps, kwargs = layerwise.capture_block_inputs(model, x)
+    block = layerwise.find_blocks(model)[0][0]
+    stats = layerwise.collect_block_stats(block, None, inps, kwargs, kind="both", tokens=True)
+    tap = TokenTap([block], layerwise.block_linears, "b")
+    with InputTaps() as taps:
+        mod = dict(layerwise.block_linears(block))["mlp.up_proj"]
+        s1, s2 = taps.add("up", mod, TokenSampler(4)), taps.add("up", mod, TokenSampler(4))
+        assert len(mod._forward_hooks) == 2  # the tap's one hook, and TokenTap's
+        layerwise.forward_block(block, inps, kwargs)
+    assert torch.equal(s1.tokens(), s2.tokens()) and s1.tokens().shape == (4 * x.shape[0], mod.in_features)
+    for name, _ in layerwise.block_linears(block):
+        assert torch.equal(tap.pop(f"b.0.{name}"), stats[name].tokens), name
+    assert all(not m._forward_hooks for m in block.modules())

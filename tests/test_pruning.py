@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from unionsparse.compressor.calibrate import statistics
 from unionsparse.compressor.errors import UserError
 from unionsparse.compressor.pruning import methods as pruning
+from unionsparse.compressor.pruning.nm import parse_nm
 
 
 def _correlated_inputs(n_tokens: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -69,7 +71,7 @@ def test_per_row_sparsity_exact(sparsity):
 def test_accumulators_match_definitions():
     g = torch.Generator().manual_seed(2)
     batches = [torch.randn(b, 7, 5, generator=g) for b in (1, 3, 2)] + [torch.randn(7, 5, generator=g)]
-    sq, hs = pruning.SqNormAccumulator(5), pruning.HessianAccumulator(5)
+    sq, hs = statistics.SqNormAccumulator(5), statistics.HessianAccumulator(5)
     for b in batches:
         sq.add_batch(b)
         hs.add_batch(b)
@@ -112,9 +114,9 @@ def test_nm_errors():
     with pytest.raises(UserError, match="multiple of 4"):
         pruning.magnitude(W, 0.5, nm=(2, 4))
     with pytest.raises(UserError, match="N:M"):
-        pruning.parse_nm("4:2")
+        parse_nm("4:2")
     with pytest.raises(UserError, match="N:M"):
-        pruning.parse_nm("two:four")
+        parse_nm("two:four")
     with pytest.raises(UserError, match="sparsity"):
         pruning.wanda(W, torch.ones(10), 1.0)
 
@@ -168,7 +170,7 @@ def test_sparsegpt_block_sparsity_exact_and_zeros():
     rows, cols, s = 32, 300, 0.5  # blocks of 128, 128, 44 columns
     W = torch.randn(rows, cols, generator=g)
     x = _correlated_inputs(512, cols, seed=7)
-    H = pruning.HessianAccumulator(cols)
+    H = statistics.HessianAccumulator(cols)
     H.add_batch(x.reshape(4, 128, cols))
     Wp, mask = pruning.sparsegpt(W, H.H, s)
     want = sum(int(rows * (min(b + 128, cols) - b) * s) for b in range(0, cols, 128))
@@ -185,7 +187,7 @@ def test_sparsegpt_reconstruction_beats_magnitude_and_wanda():
     rows, cols = 64, 256
     W = torch.randn(rows, cols, generator=g)
     X = _correlated_inputs(2048, cols, seed=9)
-    sq, H = pruning.SqNormAccumulator(cols), pruning.HessianAccumulator(cols)
+    sq, H = statistics.SqNormAccumulator(cols), statistics.HessianAccumulator(cols)
     for b in X.reshape(16, 128, cols):
         sq.add_batch(b)
         H.add_batch(b)
@@ -226,3 +228,29 @@ def test_owl_sparsities_mean_range_and_order():
     assert pruning.owl_sparsities([0.2, 0.2], 0.5) == [0.5, 0.5]
     with pytest.raises(UserError, match="lambda"):
         pruning.owl_sparsities([0.0, 1.0], 0.95, lam=0.2)
+
+
+def test_prune_layer_dispatches_by_name():
+    """``pruning.prune_layer``: each method's function by name, ``none`` and sparsity 0 untouched, and one line
+    for an unknown method or missing statistics."""
+    from types import SimpleNamespace
+
+    from unionsparse.compressor.pruning import prune_layer
+
+    g = torch.Generator().manual_seed(0)
+    W, X = torch.randn(8, 16, generator=g), torch.randn(64, 16, generator=g)
+    stats = SimpleNamespace(x_sq_norm=(X**2).sum(0) / 4, H=2 / 64 * X.t() @ X)
+    w, m = prune_layer("magnitude", W, 0.5)
+    assert torch.equal(m, pruning.magnitude(W, 0.5)) and torch.equal(w, W * m)
+    w, m = prune_layer("wanda", W, 0.5, "2:4", stats)
+    assert torch.equal(m, pruning.wanda(W, stats.x_sq_norm, 0.5, nm=(2, 4))) and torch.equal(w, W * m)
+    w, m = prune_layer("sparsegpt", W, 0.5, None, stats, blocksize=8)
+    w2, m2 = pruning.sparsegpt(W, stats.H, 0.5, blocksize=8)
+    assert torch.equal(w, w2) and torch.equal(m, m2)
+    for name, s in (("none", 0.5), ("wanda", 0.0)):
+        w, m = prune_layer(name, W, s)
+        assert w is W and torch.equal(m, W != 0)
+    with pytest.raises(UserError, match="--prune must be one of"):
+        prune_layer("gptq", W, 0.5)
+    with pytest.raises(UserError, match="needs calibration statistics"):
+        prune_layer("sparsegpt", W, 0.5, None, SimpleNamespace(x_sq_norm=None, H=None))

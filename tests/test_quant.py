@@ -326,3 +326,28 @@ def test_shared_act_clip_minimises_the_stacked_output_error():
     assert shared_act_clip(errors, [1.0, 3.0]) == 0.9  # (0.1 + 1.5) / 4 = 0.4 against (0.2 + 0.3) / 4
     assert shared_act_clip(errors, [10.0, 1.0]) == 1.0  # (1 + 0.5) / 11 against (2 + 0.1) / 11
     assert shared_act_clip([{1.0: 0.2, 0.9: 0.2}], [1.0]) == 1.0  # ties: the larger clip
+
+
+def test_quant_mode_bits_have_one_table():
+    """--quant's bits come from quantize/modes.py alone, with one "not quantized" convention (activations: 16)
+    that the configuration, the per-layer spec and verify's recipe check all read."""
+    import re
+    from pathlib import Path
+
+    from unionsparse.compressor.config import CompressConfig
+    from unionsparse.compressor.quantize.layer import QuantSpec
+    from unionsparse.compressor.quantize.modes import FP16_ACTIVATIONS, QUANT_MODES
+
+    root = Path(__file__).resolve().parent.parent / "compressor"
+    allowed = {"quantize/modes.py", "bench/e2e.py"}  # bench/e2e.py: its peer kinds, named like the modes
+    literal = re.compile(r"""["']w[24]a(4|16)["']\s*:""")
+    copies = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if str(p.relative_to(root)) not in allowed
+              for i, line in enumerate(p.read_text().splitlines(), 1) if literal.search(line.split("#")[0])]
+    assert not copies, f"a second table of --quant modes: {copies}"
+    for name, mode in QUANT_MODES.items():
+        cfg = CompressConfig(model="m", output="o.zarr", quant=name)
+        assert (cfg.bits, cfg.act_bits) == (mode.weight_bits, mode.act_bits)
+        assert mode.quantizes_activations == (mode.act_bits != FP16_ACTIVATIONS)
+        if mode.weight_bits is not None:
+            spec = QuantSpec.from_mode(name)
+            assert (spec.weight_bits, spec.act_bits) == (mode.weight_bits, mode.act_bits)

@@ -98,7 +98,7 @@ class BlockWatch:
 
         self.max_blocks, self.outside, self.checks, self.model = 0, 0, 0, None
         orig = layerwise.calibrated_blocks
-        prune = pipeline.prune_weight
+        prune = pipeline.prune_layer
 
         def watched(model, *a, **kw):
             self.model = model
@@ -112,7 +112,7 @@ class BlockWatch:
 
         self.find_blocks = find_blocks
         monkeypatch.setattr(layerwise, "calibrated_blocks", watched)
-        monkeypatch.setattr(pipeline, "prune_weight", prune_watched)
+        monkeypatch.setattr(pipeline, "prune_layer", prune_watched)
 
     def check(self) -> None:
         blocks, _ = self.find_blocks(self.model)

@@ -1,15 +1,18 @@
 """Activation-sparsity (TEAL) threshold calibration inside ``compress``, for any static pruning method.
 
-A second calibration stream (``--act-sparsity-calib``, Alpaca by default, ``--nsamples`` x ``--seqlen`` tokens)
-runs through the model block by block *after* each block has been pruned (and quantized), so every
-linear layer's input distribution is the one the compressed model produces at that layer. The stream is
-independent of the Wanda/SparseGPT statistics pass, so it works with ``--prune magnitude`` and ``none``
-too. Activation sparsity is not applied to earlier layers while calibrating (TEAL's procedure).
+A calibration stream (``--act-sparsity-calib``, Alpaca by default, ``--nsamples`` x ``--seqlen`` tokens) runs
+through the model block by block *after* each block has been pruned (and quantized), so every linear layer's
+input distribution is the one the compressed model produces at that layer. It is a stream of its own, which
+works with ``--prune magnitude`` and ``none`` too; when it names the text of the Wanda/SparseGPT statistics
+(``--calib``), it is that stream, and the pass that advances it past a compressed block gives the counts (one
+forward of the block, not two). Activation sparsity is not applied to earlier layers while calibrating
+(TEAL's procedure).
 
 Per block (:meth:`ThresholdCalibrator.block`):
 
-1. Forward the stream through the pruned block; a hook on every linear counts its inputs' float16
-   magnitudes into an exact histogram (on the calibration device, one counter per fp16 bit pattern).
+1. Forward the stream through the pruned block; a tap on every linear (``calibrate.statistics.InputTaps``)
+   counts its inputs' float16 magnitudes into an exact histogram (on the calibration device, one counter per
+   fp16 bit pattern).
 2. Per-layer sparsities: ``uniform`` gives every layer the target; ``greedy`` runs
    :func:`~.thresholds.greedy_profile` with the block error = mean squared difference of the block's
    outputs with and without activation sparsity, on the first :data:`GREEDY_SEQUENCES` stream sequences.
@@ -23,7 +26,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..calibrate.layerwise import capture_block_inputs, forward_block, load_tokenizer
+from ..calibrate.blocks import LoadWeights, forward_block
+from ..calibrate.layerwise import load_tokenizer
+from ..calibrate.statistics import InputTaps
+from ..calibrate.stream import BlockStream
 from ..errors import UserError
 from ..model.loading import block_linears
 from .thresholds import _N_FINITE_F16, ActivationHistogram, greedy_profile
@@ -48,51 +54,64 @@ def _bin_counts(x: torch.Tensor) -> torch.Tensor:
     return torch.bincount(bits, minlength=_N_BINS)
 
 
-class ThresholdCalibrator:
-    """The activation-sparsity calibration stream of one ``compress`` run (see the module docstring)."""
+class MagnitudeCounts:
+    """Counts of each float16 magnitude bit pattern of a layer's inputs (a ``statistics.InputTaps`` collector)."""
 
-    def __init__(self, model: nn.Module, source: str, model_source: str, nsamples: int, seqlen: int, seed: int,
-                 target: float, profile: str = "uniform", device: str | torch.device = "cpu",
-                 note: Callable[[str], None] | None = None, tokenizer=None) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.counts = torch.zeros(_N_BINS, dtype=torch.int64, device=device)
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        self.counts.add_(_bin_counts(x))
+
+
+class ThresholdCalibrator:
+    """The activation-sparsity calibration of one ``compress`` run (see the module docstring) on ``stream``.
+
+    ``shared``: the stream is the pruning statistics' own (the same windows), which runs and advances past each
+    block itself; the thresholds then take their counts from the pass that advances it. Otherwise the
+    calibrator owns its stream (:meth:`from_text`) and advances it.
+    """
+
+    def __init__(self, stream: BlockStream, info: dict, target: float, profile: str = "uniform",
+                 shared: bool = False) -> None:
+        if profile not in ("uniform", "greedy"):
+            raise UserError(f"--act-sparsity-profile: unknown value {profile!r} (choose from uniform, greedy)")
+        self.stream, self.shared = stream, shared
+        self.target, self.profile = float(target), profile
+        self.device = stream.inps.device
+        n = stream.inps.shape[0]
+        self.info = {**dict(info), "dp_sparsity": self.target, "dp_profile": profile,
+                     "greedy_sequences": min(GREEDY_SEQUENCES, n) if profile == "greedy" else None}
+
+    @classmethod
+    def from_text(cls, model: nn.Module, source: str, model_source: str, nsamples: int, seqlen: int, seed: int,
+                  target: float, profile: str = "uniform", device: str | torch.device = "cpu",
+                  note: Callable[[str], None] | None = None, tokenizer=None,
+                  load: LoadWeights | None = None) -> ThresholdCalibrator:
+        """A calibrator on its own stream of ``source`` text (``--act-sparsity-calib``)."""
         from ..calibrate.samples import load_calibration
 
         if profile not in ("uniform", "greedy"):
             raise UserError(f"--act-sparsity-profile: unknown value {profile!r} (choose from uniform, greedy)")
-        self.target, self.profile = float(target), profile
-        self.device = torch.device(device)
-        say = note or (lambda _m: None)
         tok = tokenizer if tokenizer is not None else load_tokenizer(model_source)
         try:
             samples, info = load_calibration(source, tok, nsamples, seqlen, seed, return_info=True)
         except UserError as e:  # the loader names --calib; this stream is --act-sparsity-calib
             raise UserError(str(e).replace("--calib ", "--act-sparsity-calib ")) from None
-        say(f"dynamic pruning: {nsamples} x {seqlen} tokens from {source} (seed {seed}), {profile} profile")
-        self.info = {**dict(info), "dp_sparsity": self.target, "dp_profile": profile,
-                     "greedy_sequences": min(GREEDY_SEQUENCES, nsamples) if profile == "greedy" else None}
-        self.inps, self.kwargs = capture_block_inputs(model, samples, self.device)
-        self.outs = torch.empty_like(self.inps)
+        announce(note, source, nsamples, seqlen, seed, profile)
+        return cls(BlockStream(model, samples, device, load), info, target, profile)
 
     @torch.no_grad()
     def block(self, block: nn.Module, names: dict[str, str]) -> dict[str, dict]:
-        """Calibrate one pruned block (on the calibration device) and advance the stream past it.
+        """Calibrate one pruned block (on the calibration device); the stream, its own, moves past it.
 
         ``names`` maps the block's linear names (relative) to their full module paths; returns the extra
         layer attrs ``{full path: {dp_threshold, dp_sparsity, dp_calib_sparsity, dp_profile}}``.
         """
         linears = [(n, m) for n, m in block_linears(block) if n in names]
-        counts = {n: torch.zeros(_N_BINS, dtype=torch.int64, device=self.device) for n, _ in linears}
-
-        def count(n: str):
-            def hook(_m, args, _o) -> None:  # returns None: the layer's output is untouched
-                counts[n].add_(_bin_counts(args[0]))
-            return hook
-
-        handles = [m.register_forward_hook(count(n)) for n, m in linears]
-        try:
-            forward_block(block, self.inps, self.kwargs, self.outs)
-        finally:
-            for h in handles:
-                h.remove()
+        with InputTaps() as taps:
+            counts = {n: taps.add(n, m, MagnitudeCounts(self.device)).counts for n, m in linears}
+            self.stream.run(block)
         hists = {}
         for n, mod in linears:
             c = counts[n].cpu().numpy()
@@ -111,22 +130,32 @@ class ThresholdCalibrator:
             tau = hists[n].tau(prof[n])
             out[names[n]] = {"dp_threshold": tau, "dp_sparsity": prof[n], "dp_profile": self.profile,
                              "dp_calib_sparsity": hists[n].sparsity_at(tau)}
-        self.inps, self.outs = self.outs, self.inps
+        if not self.shared:
+            self.stream.advance()
         return out
 
     def _block_error(self, block: nn.Module, linears, hists: dict[str, ActivationHistogram],
                      s: dict[str, float]) -> float:
         """Mean squared difference of the block's outputs with dynamic pruning at ``s`` and without."""
-        g = min(GREEDY_SEQUENCES, self.inps.shape[0])
+        inps, outs = self.stream.inps, self.stream.outs
+        g = min(GREEDY_SEQUENCES, inps.shape[0])
         taus = {n: torch.tensor(hists[n].tau(s[n]), dtype=torch.float32, device=self.device) for n, _ in linears}
         handles = [m.register_forward_pre_hook(lambda _m, a, n=n: (sparsify_input(a[0], taus[n]).to(a[0].dtype),))
                    for n, m in linears]
         try:
-            got = forward_block(block, self.inps[:g], self.kwargs)
+            got = forward_block(block, inps[:g], self.stream.kwargs)
         finally:
             for h in handles:
                 h.remove()
-        return float(((got.float() - self.outs[:g].float()) ** 2).mean())
+        return float(((got.float() - outs[:g].float()) ** 2).mean())
 
     def close(self) -> None:
-        self.inps = self.outs = None
+        if not self.shared:
+            self.stream.close()
+
+
+def announce(note: Callable[[str], None] | None, source: str, nsamples: int, seqlen: int, seed: int,
+             profile: str) -> None:
+    """The note that says where the thresholds' calibration text comes from."""
+    if note is not None:
+        note(f"dynamic pruning: {nsamples} x {seqlen} tokens from {source} (seed {seed}), {profile} profile")

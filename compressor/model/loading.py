@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..preflight import hub_local_only
+from .hub import hub_local_only
 
 # Where the decoder blocks live, per architecture family (first match wins).
 BLOCK_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers")

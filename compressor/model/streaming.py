@@ -211,8 +211,8 @@ def open_model(source: str, streaming: bool = True, forward: bool = False) -> St
     return load_model(source)
 
 
-def layer_weight(loaded: StreamingModel | LoadedModel, full: str, lin: nn.Linear) -> torch.Tensor:
-    """A linear layer's weight as a float32 tensor (read from its shard when streaming and not loaded).
+def source_weight(loaded: StreamingModel | LoadedModel, full: str, lin: nn.Linear) -> torch.Tensor:
+    """A linear layer's weight in the source model, float32 (read from its shard when streaming and not loaded).
 
     A weight already in memory (a loaded model, or a block that :func:`loaded_weights` filled in) is
     returned as is, as the layer-wise engine needs it in place.

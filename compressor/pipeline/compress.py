@@ -12,23 +12,23 @@ import torch
 
 from ...formats.errors import UnionsparseError
 from .. import preflight
-from ..activation_sparsity.calibrate import ThresholdCalibrator
+from ..activation_sparsity.calibrate import ThresholdCalibrator, announce
 from ..artifact.store import ArtifactWriter, new_root_attrs
 from ..artifact.tokenizer import store_tokenizer
 from ..calibrate import layerwise
-from ..config import CompressConfig, parse_nm
+from ..config import CompressConfig
 from ..errors import UserError
 from ..files import cannot_write, environment_errors, is_environment_error
 from ..layer_rules import describe as describe_rules
 from ..layer_rules import resolve as resolve_rules
 from ..model.loading import LoadedModel, block_linears, find_blocks
 from ..model.shared_inputs import shared_input_sets
-from ..model.streaming import StreamingModel, block_loader, layer_weight, model_dense_tensors, open_model
+from ..model.streaming import StreamingModel, block_loader, model_dense_tensors, open_model, source_weight
 from ..output_lock import output_lock
 from ..progress import Reporter
-from ..pruning import methods as pruning
+from ..pruning.dispatch import prune_layer
 from ..quantize.act_clip import shared_act_clip
-from ..quantize.layer import QuantizedLayer, TokenTap, hessian_kind, quantize_layer, spec_from_config
+from ..quantize.layer import QuantizedLayer, hessian_kind, quantize_layer, spec_from_config
 from ..quantize.outliers import check_outlier_count
 from .executor import LayerEncoder
 
@@ -86,23 +86,6 @@ class LayerTotals:
         if self.dense_linears:
             out["dense_linears"] = len(self.dense_linears)
         return out
-
-
-def prune_weight(w: torch.Tensor, cfg: CompressConfig, sparsity: float, calib_stats: dict | None):
-    """Dispatch to one pruning method. Returns (pruned weight, kept mask)."""
-    nm = parse_nm(cfg.nm) if cfg.nm else None
-    if cfg.prune == "none" or (sparsity == 0 and nm is None):
-        return w, w != 0
-    if cfg.prune == "magnitude":
-        mask = pruning.magnitude(w, sparsity, nm=nm)
-        return w * mask, mask
-    if calib_stats is None:
-        raise RuntimeError(f"--prune {cfg.prune} needs calibration statistics")
-    if cfg.prune == "wanda":
-        mask = pruning.wanda(w, calib_stats["x_sq_norm"], sparsity, nm=nm)
-        return w * mask, mask
-    w2, mask = pruning.sparsegpt(w, calib_stats["H"], sparsity, nm=nm)
-    return w2, mask
 
 
 def to_storage_dtype(t: torch.Tensor) -> np.ndarray:
@@ -208,24 +191,21 @@ def compress_blocks(run: _Run, plan: layerwise.CalibrationPlan) -> None:
     of the already compressed blocks before it."""
     cfg, model, load = run.cfg, run.loaded.model, block_loader(run.loaded)
     kind = hessian_kind(plan.kind) if cfg.gptq or cfg.clip_search else plan.kind  # GPTQ needs H
-    # a token sample of every layer's input calibrates its activation clip ratio
-    any_act = any(c is not None and c.act_bits for c in run.layer_cfg.values())
-    tap = TokenTap(run.blocks, block_linears, run.prefix) if kind is not None and any_act else None
-    # activation sparsity (TEAL): thresholds from their own calibration stream through the compressed blocks
-    with layerwise.non_block_weights(model, load if cfg.act_sparsity > 0 else None):
-        teal = (ThresholdCalibrator(model, cfg.act_sparsity_calib, cfg.model, cfg.nsamples, cfg.seqlen, cfg.seed,
-                                    cfg.act_sparsity, cfg.act_sparsity_profile, cfg.device, run.reporter.note)
-                if cfg.act_sparsity > 0 else None)
-    run.activation_sparsity_info = teal.info if teal is not None else None
-    forward = kind is not None or teal is not None  # blocks run: streaming fills each one in
+    # a token sample of every layer's input calibrates its activation clip ratio (same pass as the statistics)
+    tokens = any(c is not None and c.quant_mode.quantizes_activations for c in run.layer_cfg.values())
+    forward = kind is not None or cfg.act_sparsity > 0  # blocks run: streaming fills each one in
     device = "meta" if run.streamed and not forward else cfg.device
+    stream = layerwise.BlockStream(model, plan.samples, device, load) if kind is not None else None
+    teal = threshold_calibrator(run, plan, stream, load)
+    run.activation_sparsity_info = teal.info if teal is not None else None
     n_layers = sum(len(block_linears(b)) for b in run.blocks)
     rep = run.reporter
     with rep.stage("blocks", total=len(run.blocks)) as block_bar, \
             rep.stage("layers (prune, quantize, encode, write)", total=n_layers) as bar, \
             rep.stage("reordering tiles of the current layer", total=None) as tile_bar:
         run.encoder.reorder_progress = tile_bar.update
-        blocks = layerwise.calibrated_blocks(model, plan.samples, kind, device, load if forward else None)
+        blocks = layerwise.calibrated_blocks(model, plan.samples, kind, device, load if forward else None,
+                                             tokens=tokens, stream=stream)
         for i, block, block_stats in blocks:
             names = {sub: f"{run.prefix}.{i}.{sub}" for sub, _ in block_linears(block)}
             sets = shared_input_sets(n for n in names.values() if run.layer_cfg[n] is not None)
@@ -235,10 +215,8 @@ def compress_blocks(run: _Run, plan: layerwise.CalibrationPlan) -> None:
                 stats = block_stats.pop(sub, None)
                 if run.layer_cfg[names[sub]] is None:  # kept dense: its weight goes to dense/ untouched
                     run.totals.add_dense(names[sub], tuple(lin.weight.shape))
-                    if tap is not None:
-                        tap.pop(names[sub])
                 else:
-                    prepared.append(prepare_layer(run, names[sub], lin, plan.block_sparsity[i], stats, tap, forward))
+                    prepared.append(prepare_layer(run, names[sub], lin, plan.block_sparsity[i], stats, forward))
                     siblings = waiting.get(names[sub], ())
                     if teal is None and set(siblings) <= {n for n, _ in prepared}:
                         # submit at once: one layer, or one set of layers sharing an input, in memory
@@ -248,18 +226,35 @@ def compress_blocks(run: _Run, plan: layerwise.CalibrationPlan) -> None:
                         prepared.clear()
                 bar.advance()
             if teal is not None:  # the block is compressed: its thresholds, then its layers, in order
-                thresholds = teal.block(block, names)
+                thresholds = teal.block(block, names)  # on a shared stream: the pass that advances it
                 for s in sets:
                     share_activation_clip(run, [item for item in prepared if item[0] in s])
                 for name, payload in prepared:
                     submit(run, name, payload, thresholds.get(name, {}))
             block_bar.advance()
         run.encoder.finish()
-    if tap is not None:
-        tap.close()
+    if teal is not None:
+        teal.close()
 
 
-def prepare_layer(run: _Run, full: str, lin: torch.nn.Linear, sparsity: float, stats, tap: TokenTap | None,
+def threshold_calibrator(run: _Run, plan: layerwise.CalibrationPlan, stream: layerwise.BlockStream | None,
+                         load) -> ThresholdCalibrator | None:
+    """Activation sparsity (TEAL): thresholds from a calibration stream through the compressed blocks; the
+    statistics' own ``stream`` when ``--act-sparsity-calib`` names the ``--calib`` text (same windows)."""
+    cfg = run.cfg
+    if cfg.act_sparsity == 0:
+        return None
+    if stream is not None and cfg.act_sparsity_calib == cfg.calib:
+        announce(run.reporter.note, cfg.act_sparsity_calib, cfg.nsamples, cfg.seqlen, cfg.seed,
+                 cfg.act_sparsity_profile)
+        return ThresholdCalibrator(stream, plan.windows, cfg.act_sparsity, cfg.act_sparsity_profile, shared=True)
+    return ThresholdCalibrator.from_text(model=run.loaded.model, source=cfg.act_sparsity_calib,
+                                         model_source=cfg.model, nsamples=cfg.nsamples, seqlen=cfg.seqlen,
+                                         seed=cfg.seed, target=cfg.act_sparsity, profile=cfg.act_sparsity_profile,
+                                         device=cfg.device, note=run.reporter.note, load=load)
+
+
+def prepare_layer(run: _Run, full: str, lin: torch.nn.Linear, sparsity: float, stats,
                   forward: bool) -> tuple[str, QuantizedLayer | torch.Tensor | None]:
     """Prune and quantize one layer (the one place weights are quantized); the model keeps the compressed
     weight so that later blocks see it. Returns (name, what the encoder takes: a QuantizedLayer, float16
@@ -268,13 +263,13 @@ def prepare_layer(run: _Run, full: str, lin: torch.nn.Linear, sparsity: float, s
     if cfg.sparsity != run.cfg.sparsity:  # a per-layer sparsity replaces the run's (and OWL's per-block one)
         sparsity = cfg.sparsity
     run.compressed.add(f"{full}.weight")
-    tokens = tap.pop(full) if tap is not None else None
+    tokens = stats.tokens if stats is not None else None
     if full in run.done and not forward:  # --resume, and nothing later needs its weight
         return full, None
-    w = layer_weight(run.loaded, full, lin)
+    w = source_weight(run.loaded, full, lin)
     if not torch.isfinite(w.sum()) and not torch.isfinite(w).all():  # a finite sum: all finite
         raise UserError(f"MODEL: layer {full} has NaN or inf weights")
-    w_pruned, mask = prune_weight(w, cfg, sparsity, stats)
+    w_pruned, mask = prune_layer(cfg.prune, w, sparsity, cfg.nm, stats)
     payload: QuantizedLayer | torch.Tensor | None = w_pruned.cpu()
     if cfg.bits is not None:  # also for a stored layer that later blocks see: they must see the same weights
         payload = quantize_layer(w_pruned, spec_from_config(cfg), mask=mask, h=stats and stats.H,
@@ -321,7 +316,7 @@ def submit(run: _Run, name: str, payload, thresholds: dict) -> None:
         run.encoder.done(name, run.writer.layer_attrs(name))
         return
     cfg = run.layer_cfg[name]
-    if not (cfg.fmt.activation_sparsity and cfg.act_bits is None):  # a layer whose kernel skips no input
+    if not (cfg.fmt.activation_sparsity and not cfg.quant_mode.quantizes_activations):  # its kernel skips no input
         thresholds = {}
     extra = {"overrides": diff} if (diff := describe_rules({name: cfg}, run.cfg).get(name)) else {}
     run.encoder.submit(name, payload, cfg, {**thresholds, **extra})

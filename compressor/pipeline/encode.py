@@ -50,7 +50,7 @@ def encode_layer(name: str, w: torch.Tensor | QuantizedLayer, cfg: CompressConfi
         group = q.group_size
         scales = q.scales
         attrs["group_size"] = group
-        if cfg.act_bits is not None:  # act_quant.activation_scheme: how kernels quantize inputs
+        if cfg.quant_mode.quantizes_activations:  # activation_scheme: how kernels quantize inputs
             attrs["activations"] = ql.activations
         perm, report = reorder_perms(q.codes, cfg, progress) if cfg.fmt.reorders_rows else (None, None)
         enc = cfg.fmt.encode(q.codes, bits=bits, tile=cfg.tile_shape, areas=cfg.area_grid, perm=perm)

@@ -1,6 +1,10 @@
-"""Pruning masks, one function per method (True = kept): ``magnitude``, ``wanda``, ``sparsegpt``, and OWL's
-per-block sparsities; ``methods`` holds them, ``row_select`` the per-row selection they share."""
+"""Pruning, one function per method (True = kept): the masks ``magnitude``, ``wanda``, ``sparsegpt`` and OWL's
+per-block sparsities (``methods``), one layer pruned by method name (``dispatch``: ``prune_layer``), N:M
+patterns (``nm``), and the per-row selection the masks share (``row_select``)."""
 
-from .methods import magnitude, outlier_ratio, owl_sparsities, parse_nm, sparsegpt, wanda, wanda_metric
+from .dispatch import METHODS, prune_layer
+from .methods import magnitude, outlier_ratio, owl_sparsities, sparsegpt, wanda, wanda_metric
+from .nm import parse_nm
 
-__all__ = ["magnitude", "outlier_ratio", "owl_sparsities", "parse_nm", "sparsegpt", "wanda", "wanda_metric"]
+__all__ = ["METHODS", "magnitude", "outlier_ratio", "owl_sparsities", "parse_nm", "prune_layer", "sparsegpt", "wanda",
+           "wanda_metric"]

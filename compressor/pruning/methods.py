@@ -24,16 +24,14 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..errors import UserError
+from .nm import parse_nm
 
 __all__ = [
     "magnitude",
     "wanda",
     "sparsegpt",
-    "HessianAccumulator",
-    "SqNormAccumulator",
     "outlier_ratio",
     "owl_sparsities",
-    "parse_nm",
 ]
 
 
@@ -46,23 +44,6 @@ def _check_sparsity(sparsity: float) -> float:
     if not (0.0 <= s < 1.0) or math.isnan(s):
         raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")
     return s
-
-
-def parse_nm(nm: str | Sequence[int] | None) -> tuple[int, int] | None:
-    """Parse ``"2:4"`` (or ``(2, 4)``) into ``(N, M)``: keep N of every M consecutive inputs."""
-    if nm is None:
-        return None
-    if isinstance(nm, str):
-        parts = nm.replace("x", ":").split(":")
-        try:
-            n, m = (int(p) for p in parts)
-        except ValueError:
-            raise UserError(f"--nm must look like N:M (e.g. 2:4), got {nm!r}") from None
-    else:
-        n, m = (int(v) for v in nm)
-    if not (0 < n < m):
-        raise UserError(f"--nm N:M needs 0 < N < M, got {n}:{m}")
-    return n, m
 
 
 def _check_nm(nm: Sequence[int] | str | None, k: int) -> tuple[int, int] | None:
@@ -130,63 +111,13 @@ def wanda(
     """Wanda mask: per output row, prune the ``int(K*sparsity)`` lowest ``|W|·sqrt(x_sq_norm)``.
 
     ``x_sq_norm[k]`` is the mean over calibration samples of input channel k's squared L2 norm over
-    the sample's tokens (``SqNormAccumulator``, the reference's ``scaler_row``).
+    the sample's tokens (``calibrate.statistics.SqNormAccumulator``, the reference's ``scaler_row``).
     """
     nm_t = _check_nm(nm, W.shape[1])
     metric = wanda_metric(W, x_sq_norm)
     if nm_t is not None:
         return _nm_mask(metric, *nm_t)
     return _row_mask(metric, _check_sparsity(sparsity))
-
-
-# --------------------------------------------------------------------------------------------------
-# calibration statistics
-
-
-def _as_tokens(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``[B, T, K]`` or ``[T, K]`` (one sample) -> (``[B*T, K]`` float32, number of samples B)."""
-    if x.dim() == 2:
-        x = x.unsqueeze(0)
-    b = x.shape[0]
-    return x.reshape(-1, x.shape[-1]).float(), b
-
-
-class SqNormAccumulator:
-    """Running ``x_sq_norm``: mean over samples of each input channel's squared L2 norm over tokens.
-
-    Same update as the Wanda reference's ``WrappedGPT.add_batch`` (running average over samples).
-    """
-
-    def __init__(self, columns: int, device: torch.device | str = "cpu"):
-        self.x_sq_norm = torch.zeros(columns, dtype=torch.float32, device=device)
-        self.nsamples = 0
-
-    def add_batch(self, x: torch.Tensor) -> None:
-        tokens, b = _as_tokens(x)
-        self.x_sq_norm *= self.nsamples / (self.nsamples + b)
-        self.nsamples += b
-        self.x_sq_norm += (
-            torch.linalg.vector_norm(tokens.to(self.x_sq_norm.device), dim=0) ** 2 / self.nsamples
-        )
-
-
-class HessianAccumulator:
-    """Running ``H = 2/n · Σ x·xᵀ`` over n samples (tokens of all samples summed), float32.
-
-    Same update as the SparseGPT reference's ``add_batch``: ``H *= n/(n+b)``, then add
-    ``(sqrt(2/(n+b))·X)ᵀ (sqrt(2/(n+b))·X)``.
-    """
-
-    def __init__(self, columns: int, device: torch.device | str = "cpu"):
-        self.H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
-        self.nsamples = 0
-
-    def add_batch(self, x: torch.Tensor) -> None:
-        tokens, b = _as_tokens(x)
-        self.H *= self.nsamples / (self.nsamples + b)
-        self.nsamples += b
-        tokens = math.sqrt(2 / self.nsamples) * tokens.to(self.H.device)
-        self.H += tokens.t() @ tokens
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,12 +18,13 @@ import torch
 from ...formats.arithmetic.activations import activation_scheme
 from ...formats.arithmetic.outlier_side import OutlierSide, dequantize_layer, split_outliers
 from ...formats.arithmetic.weights import QuantizedWeight
+from ..calibrate.statistics import TOKENS_PER_BATCH, InputTaps, TokenSampler
+from ..errors import UserError
 from .act_clip import ACT_CLIP_GRID, act_clip_errors, best_clip
 from .fake_quant import FakeQuantLinear
+from .modes import FP16_ACTIVATIONS, quant_mode
 from .outliers import permute_hessian, select_outlier_channels
 from .weights import quantize_weight
-
-MODES = {"w4a16": (4, 16), "w4a4": (4, 4), "w2a4": (2, 4)}
 
 
 @dataclass
@@ -31,7 +32,7 @@ class QuantSpec:
     """What to do to every layer."""
 
     weight_bits: int
-    act_bits: int  # 4, or 16 for weight-only
+    act_bits: int  # 4, or FP16_ACTIVATIONS for weight-only
     group_size: int = 128
     gptq: bool = False
     clip_search: bool = False
@@ -42,12 +43,13 @@ class QuantSpec:
 
     @classmethod
     def from_mode(cls, mode: str, **kw) -> QuantSpec:
-        if mode not in MODES:
-            raise ValueError(f"quantization mode must be one of {', '.join(MODES)}, got {mode!r}")
-        wb, ab = MODES[mode]
-        spec = cls(wb, ab, **kw)
-        if spec.keep_outliers and ab == 16:
-            raise ValueError("outlier channels need quantized activations (w4a4 or w2a4), not w4a16")
+        """The spec of a ``--quant`` mode that quantizes weights (not ``none``)."""
+        bits = quant_mode(mode)
+        if bits.weight_bits is None:
+            raise UserError(f"--quant {mode} quantizes nothing: no QuantSpec (use w4a4, w2a4 or w4a16)")
+        spec = cls(bits.weight_bits, bits.act_bits, **kw)
+        if spec.keep_outliers and not bits.quantizes_activations:
+            raise UserError(f"outlier channels need quantized activations (w4a4 or w2a4), not {mode}")
         return spec
 
     @property
@@ -56,7 +58,7 @@ class QuantSpec:
 
     @property
     def needs_tokens(self) -> bool:
-        return self.act_bits != 16 and self.act_clip
+        return self.act_bits != FP16_ACTIVATIONS and self.act_clip
 
 
 @dataclass
@@ -73,23 +75,6 @@ class QuantizedLayer:
         """float32 [M, K] weight in the original column order (main part and 8-bit side together)."""
         deq = self.qweight.dequantize()
         return deq if self.outliers is None else dequantize_layer(deq, self.outliers)
-
-
-class TokenSampler:
-    """Keeps ``per_batch`` random token rows of every batch a layer sees (for activation calibration)."""
-
-    def __init__(self, per_batch: int = 128, seed: int = 0):
-        self.per_batch = per_batch
-        self.gen = torch.Generator().manual_seed(seed)
-        self.rows: list[torch.Tensor] = []
-
-    def add_batch(self, x: torch.Tensor) -> None:
-        t = x.detach().reshape(-1, x.shape[-1]).float().cpu()
-        idx = torch.randperm(t.shape[0], generator=self.gen)[: self.per_batch]
-        self.rows.append(t[idx])
-
-    def tokens(self) -> torch.Tensor | None:
-        return torch.cat(self.rows) if self.rows else None
 
 
 def quantize_layer(
@@ -157,31 +142,17 @@ def hessian_kind(kind: str | None) -> str | None:
     return {"wanda": "both", "sparsegpt": "sparsegpt", "both": "both"}.get(kind or "", kind)
 
 
-class TokenTap:
-    """Forward hooks on every linear of ``blocks`` keeping a token sample of its input from the first pass.
+class TokenTap(InputTaps):
+    """A token sample of every linear's input over all ``blocks``, from the first pass that reaches it:
+    :meth:`pop` hands a layer's sample over and stops tapping it. ``compress`` asks the block stream for the
+    same sample instead (``layerwise.calibrated_blocks(tokens=True)``); benchmarks/bench_quant.py uses this."""
 
-    The layer-wise engine runs each block twice (statistics, then the next block's inputs); the tap keeps
-    the first pass only: :meth:`pop` hands a layer's sample over and removes its hook.
-    """
-
-    def __init__(self, blocks, linears_of, prefix: str, per_batch: int = 16, seed: int = 0):
-        self.samplers: dict[str, TokenSampler] = {}
-        self.handles: dict[str, object] = {}
+    def __init__(self, blocks, linears_of, prefix: str, per_batch: int = TOKENS_PER_BATCH, seed: int = 0):
+        super().__init__()
         for i, block in enumerate(blocks):
             for sub, mod in linears_of(block):
-                name = f"{prefix}.{i}.{sub}"
-                s = self.samplers[name] = TokenSampler(per_batch, seed)
-                self.handles[name] = mod.register_forward_hook(lambda _m, a, _o, s=s: s.add_batch(a[0]))
+                self.add(f"{prefix}.{i}.{sub}", mod, TokenSampler(per_batch, seed))
 
     def pop(self, name: str) -> torch.Tensor | None:
-        h = self.handles.pop(name, None)
-        if h is not None:
-            h.remove()
-        s = self.samplers.pop(name, None)
-        return None if s is None else s.tokens()
-
-    def close(self) -> None:
-        for h in self.handles.values():
-            h.remove()
-        self.handles.clear()
-        self.samplers.clear()
+        samplers = self.remove(name)
+        return samplers[0].tokens() if samplers else None

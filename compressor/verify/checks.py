@@ -34,6 +34,7 @@ from ..artifact.scan import Store, StoreError
 from ..artifact.store import MANIFEST, Artifact, LayerRecord, _jsonable, check_manifest
 from ..errors import UserError
 from ..layer_rules import layer_options
+from ..quantize.modes import QUANT_MODES
 from ..quantize.outliers import add_side_figures
 
 
@@ -180,9 +181,6 @@ def figure_problems(rec: LayerRecord, codes: np.ndarray) -> list[str]:
     return out
 
 
-QUANT_BITS = {"w4a4": (4, 4), "w2a4": (2, 4), "w4a16": (4, None), "none": (None, None)}  # weight, activation
-
-
 def recipe_problems(rec: LayerRecord, config: object) -> list[str]:
     """The layer against the stored recipe: format, weight bits, prune/quant names, activation record."""
     from ...formats.arithmetic.activations import activation_scheme
@@ -191,17 +189,18 @@ def recipe_problems(rec: LayerRecord, config: object) -> list[str]:
     if config is None:
         return [f"layer {rec.name}: the recipe's per-layer rules keep this linear dense, yet it is compressed"]
     quant = config.get("quant") if isinstance(config, dict) else None
-    if quant not in QUANT_BITS:
+    if not isinstance(quant, str) or quant not in QUANT_MODES:
         return [f"layer {rec.name}: the stored recipe (config) names no known --quant"]
     a, name, out = rec.attrs, rec.name, []
-    wbits, abits = QUANT_BITS[quant]
+    mode = QUANT_MODES[quant]
+    wbits, abits = mode.weight_bits, mode.act_bits
     if rec.format != config.get("format") or rec.encoding.bits != wbits:
         out.append(f"layer {name}: {rec.format} with {rec.encoding.bits}-bit values, the recipe says "
                    f"{config.get('format')!r} {quant}")
     out += [f"layer {name}: attribute '{k}' is {a.get(k)!r}, the recipe says {config.get(k)!r}"
             for k in ("prune", "quant") if a.get(k) != config.get(k)]
     act = a.get("activations")
-    if abits is None:
+    if not mode.quantizes_activations:  # float16 activations: compress stores no activation record
         if act is not None:
             out.append(f"layer {name}: an activation record on a {quant} layer")
     elif not isinstance(act, dict) or act.get("clip") not in (1.0, *ACT_CLIP_GRID):
