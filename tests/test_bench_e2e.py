@@ -404,3 +404,21 @@ def test_record_keeps_the_artifacts_speed_for_inspect(reference_artifact, tmp_pa
         e2e.record_speed(str(tmp_path), res)
     code, _, err = _main("bench", "--e2e", str(art), "--device", "cpu", "--record")
     assert code == 2 and "not recorded; run on a GPU" in err
+
+
+def test_launches_outside_the_linears_by_kind():
+    """The step's kernels less those its linears launch alone, grouped by kind; a producer that replaced a
+    linear's own activation quantization counts as outside (the linears-alone run has the quantization)."""
+    from unionsparse.compressor.bench.launches import kind_of, outside_launches
+
+    layer = ["rms_norm_quant", "iebme_spmm_w4", "rotary_cache", "fmha_cutlassF_f16", "Memcpy DtoD",
+             "iebme_spmm_w4", "rms_norm_quant", "iebme_spmm_w4", "silu_mul_quant", "iebme_spmm_w4"]
+    step = ["indexSelectLargeIndex", *layer, *layer, "rms_norm", "gemv_f16", "argmax_kernel"]
+    alone = ["act_quant", "iebme_spmm_w4"] * 8
+    got = outside_launches([(n, 1.0 + (n == "rms_norm")) for n in step], [(n, 3.0) for n in alone], layers=2)
+    assert got["step"] == len(step) and got["linears"] == 8 and got["outside"] == len(step) - 8
+    assert got["outside_per_layer"] == (len(step) - 8) / 2
+    assert got["outside_by_kind"] == {"argmax/reduce": 1, "attention": 2, "copy": 2, "elementwise": 1,
+                                      "matmul": 1, "norm": 5, "rotary+kv": 2, "silu*mul": 2}
+    assert got["outside_us_by_kind"]["norm"] == 6.0 and got["step_kernel_us"] == len(step) + 1.0
+    assert kind_of("side_product") == "outlier side" and kind_of("void at::native::foo") == "other"

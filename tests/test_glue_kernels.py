@@ -184,3 +184,16 @@ def test_outlier_side_kernel_equals_grouped_int_matmul(n, gs):
     sw = torch.rand(m, groups, device=dev, generator=g) * 0.01
     want = grouped_int_matmul(xq, sx, wq.float(), sw, gs, out=y.float()).half()
     assert torch.equal(side_product(y, xq, sx, wq, sw, gs), want)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_profiler_sees_the_glue_kernels_launches():
+    """bench --e2e counts launches with the profiler: CuPy's launches must appear in it by name."""
+    from unionsparse.compressor.bench.launches import kernel_names, kind_of
+
+    dev = torch.device("cuda")
+    x, w = torch.randn(3, 576, device=dev).half(), torch.randn(576, device=dev).half()
+    glue.rms_norm(x, w, 1e-5)  # the module loads outside the profiled call
+    names = kernel_names(lambda: glue.add_rms_norm(x, x, w, 1e-5), dev)
+    assert [kind_of(n) for n, _ in names if kind_of(n) != "copy"] == ["norm"], names

@@ -64,6 +64,7 @@ from .e2e_peers import (
     with_tau,
 )
 from .kernels import PEAK_BW
+from .launches import kernel_names, outside_launches
 
 CPU_LABEL = "CPU, not a performance figure"
 HF_LABEL = "Hugging Face eager generate (DynamicCache, no CUDA graph), fp16 peers"
@@ -375,6 +376,15 @@ def run_case(model: nn.Module, spec: ModelSpec, kind: str, dec, start_tokens: to
         dec.step()
     dec.position.fill_(context)
     dec.tokens.copy_(start_tokens)
+    launches = None
+    if device.type == "cuda":  # the eager step's kernels against its linears' alone (issue 36, item 1)
+        everything = [(mod, inputs[(layer, g, j)]) for layer in range(spec.layers) for g in GROUPS
+                      for j, mod in enumerate(group_modules(model, layer, g))]
+        step_names = kernel_names(GraphedStep(dec, greedy=True, capture=False), device)
+        linear_names = kernel_names(lambda: [mod(x) for mod, x in everything], device)
+        launches = outside_launches(step_names, linear_names, spec.layers)
+        dec.position.fill_(context)
+        dec.tokens.copy_(start_tokens)
     _sync(device)
     t0 = time.perf_counter()
     step = GraphedStep(dec, greedy=True)
@@ -435,6 +445,8 @@ def run_case(model: nn.Module, spec: ModelSpec, kind: str, dec, start_tokens: to
     }
     if dyn:
         row["dynamic_sparsity_measured"] = dyn
+    if launches is not None:
+        row["launches"] = launches
     return row
 
 
@@ -653,7 +665,7 @@ def format_table(res: dict) -> str:
     rows = [r for r in res["rows"] if "step_ms" in r]
     head = (f"{'spec':<10} {'ctx':>5} {'B':>2} {'kind':<16} {'step ms':>8} {'tok/s':>8} {'vs fp16':>7} "
             f"{'vs w4a16':>8} {'vs 0%':>6} {'qkv':>7} {'o':>7} {'gateup':>7} {'down':>7} {'outside':>7} "
-            f"{'floor ms':>8} {'%floor':>6}")
+            f"{'floor ms':>8} {'%floor':>6} {'launch/L':>8}")
     out = [f"unionsparse bench --e2e: {res['label']}", head, "-" * len(head)]
     rows.sort(key=lambda r: (r["spec"], r["context"], r["batch"], list(res["kinds"]).index(r["kind"])
                              if r["kind"] in res["kinds"] else -1))
@@ -667,12 +679,21 @@ def format_table(res: dict) -> str:
                    f"{r['tokens_per_s']:>8.1f} {x(r.get('speedup_vs_fp16')):>7} {x(r.get('speedup_vs_w4a16')):>8} "
                    f"{x(r.get('speedup_vs_control')):>6} "
                    f"{lin['qkv']:>7.3f} {lin['o']:>7.3f} {lin['gateup']:>7.3f} {lin['down']:>7.3f} "
-                   f"{100 * r['outside_share']:>6.0f}% {r['floor_ms']:>8.3f} {r['floor_pct']:>5.0f}%")
+                   f"{100 * r['outside_share']:>6.0f}% {r['floor_ms']:>8.3f} {r['floor_pct']:>5.0f}% "
+                   f"{format(r['launches']['outside_per_layer'], '.1f') if 'launches' in r else '-':>8}")
     for h in res.get("hf_generate", []):
         out.append(f"{h['spec']:<10} {h['context']:>5} {1:>2} {'HF generate':<16} {h['ms_per_token']:>8.3f} "
                    f"{1e3 / h['ms_per_token'] if h['ms_per_token'] else float('nan'):>8.1f}  ({h['label']})")
     out.append("linears: each group's modules of every block alone, ms per step; outside: the step less them "
-               "(attention, norms, lm_head, greedy choice); floor: bytes read / 4.16 TB/s")
+               "(attention, norms, lm_head, greedy choice); floor: bytes read / 4.16 TB/s; launch/L: kernel "
+               "launches outside the linears per layer (eager step, profiler)")
+    for r in rows:
+        if "launches" in r and r["batch"] == rows[0]["batch"] and r["context"] == rows[0]["context"]:
+            la = r["launches"]
+            us = la["outside_us_by_kind"]
+            kinds = ", ".join(f"{k} {v} ({us[k]:.0f} us)" for k, v in la["outside_by_kind"].items())
+            out.append(f"launches outside the linears per step (GPU time, eager), {r['spec']} {r['kind']} "
+                       f"B={r['batch']} ctx={r['context']}: {kinds}")
     for e in res.get("errors", []):
         out.append(f"ERROR {e['where']}: {e['error']}")
     for s in res.get("skipped", []):
