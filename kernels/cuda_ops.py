@@ -15,7 +15,7 @@ from functools import cache
 
 import torch
 
-from . import glue, norm_quant
+from . import attention, glue, norm_quant
 from .norm_quant import InputRule, QuantizedInput
 
 _SHARED_ALLOCATOR = False
@@ -67,6 +67,14 @@ class CudaKernels:
     add_rms_norm = staticmethod(glue.add_rms_norm)
     silu_mul = staticmethod(glue.silu_mul)
     rotary_cache = staticmethod(glue.rotary_cache)
+
+    @staticmethod
+    def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                         offset: torch.Tensor, scale: float) -> torch.Tensor:
+        """attention.cu for the cases it takes (one query token, ...), torch's SDPA otherwise."""
+        if attention.supports(q, k_cache):
+            return attention.decode_attention(q, k_cache, v_cache, pos, offset, scale)
+        return attention.decode_attention_reference(q, k_cache, v_cache, pos, offset, scale)
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant)
     add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant)

@@ -1,5 +1,5 @@
 // float16 as its bit pattern in an unsigned short, converted by PTX (NVRTC compiles the kernels without the CUDA
-// include path, so no cuda_fp16.h), and a block-wide sum of squares of a float16 row. Included by the runtime's
+// include path, so no cuda_fp16.h), and RMSNorm's pieces: the residual add, a row's sum of squares, one element. Included by the runtime's
 // small kernels (act_quant.cu, glue.cu, norm_quant.cu, outlier_side.cu); load_module passes this folder as -I.
 #pragma once
 typedef unsigned short u16;
@@ -16,14 +16,27 @@ __device__ __forceinline__ u16 f2h(float f) {  // nearest float16, ties to even
     return h;
 }
 
-// sum over k < K of xr[k]^2 in float32 (fused multiply-adds, then a warp and block reduction), for every thread of
-// the block; blockDim.x a multiple of 32, at most 1024.
-__device__ __forceinline__ float block_sum_squares(const u16* __restrict__ xr, int K) {
+// fp16(x[k] + delta[k]) (the residual stream's next value; delta null: x[k] itself), as a float.
+__device__ __forceinline__ float residual_at(const u16* __restrict__ xr, const u16* __restrict__ dr, int k) {
+    return dr == nullptr ? h2f(xr[k]) : h2f(f2h(h2f(xr[k]) + h2f(dr[k])));
+}
+
+// sum over k < K of v[k]^2, v = residual_at(xr, dr, k), in float32 for every thread of the block: thread t adds
+// the squares of elements t, t + blockDim.x, ... in that order (fused multiply-adds; its loads are issued eight at
+// a time), then a warp and a block reduction. The order depends only on blockDim.x, so every block of a row, and
+// every kernel launched with the same block size, gets the same float. blockDim.x a multiple of 32, <= 1024.
+__device__ __forceinline__ float row_sum_squares(const u16* __restrict__ xr, const u16* __restrict__ dr, int K) {
     __shared__ float part[32];
     float s = 0.f;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        const float v = h2f(xr[k]);
-        s = fmaf(v, v, s);
+    for (int k0 = threadIdx.x; k0 < K; k0 += 8 * blockDim.x) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int k = k0 + j * blockDim.x;
+            v[j] = k < K ? residual_at(xr, dr, k) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s = fmaf(v[j], v[j], s);
     }
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
@@ -37,16 +50,10 @@ __device__ __forceinline__ float block_sum_squares(const u16* __restrict__ xr, i
     return part[0];
 }
 
-// Row blockIdx.x of x (rows ld_x apart), or, with a residual delta (rows ld_d apart; null: none), that row replaced
-// by fp16(x + delta) and written to row blockIdx.x of x_out [R, K], which is returned. Thread t handles elements
-// t, t + blockDim.x, ..., as block_sum_squares and the callers' loops do, so each thread reads back only what it
-// wrote and no barrier is needed before them.
-__device__ __forceinline__ const u16* residual_row(const u16* __restrict__ x, long long ld_x, const u16* delta,
-                                                   long long ld_d, u16* x_out, int K) {
-    const u16* xr = x + (long long)blockIdx.x * ld_x;
-    if (delta == nullptr) return xr;
-    const u16* dr = delta + (long long)blockIdx.x * ld_d;
-    u16* xo = x_out + (long long)blockIdx.x * K;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) xo[k] = f2h(h2f(xr[k]) + h2f(dr[k]));
-    return xo;
+// RMSNorm's 1 / rms of a row (row_sum_squares, then the division by K and eps as torch does).
+__device__ __forceinline__ float row_rsqrt(const u16* __restrict__ xr, const u16* __restrict__ dr, int K, float eps) {
+    return rsqrtf(__fdiv_rn(row_sum_squares(xr, dr, K), (float)K) + eps);
 }
+
+// w * fp16(v * r): RMSNorm's output at one element, v its (residual) input.
+__device__ __forceinline__ u16 norm_at(float v, float r, u16 w) { return f2h(h2f(w) * h2f(f2h(v * r))); }

@@ -1,11 +1,14 @@
-// Producers that quantize for their consumer (docs/kernels.md, "Quantizing producers"): RMSNorm, and SiLU(gate) *
-// up, each writing its float16 output AND the IE-BME input of the linear that reads it (codes padded to Kp,
-// float32 group scales, the outlier side's codes and scales) in one launch, instead of a producer launch plus
-// act_quant.cu. One block per token row; the row's float16 output is kept in shared memory (2 bytes a
-// channel, dynamic) and quantized from there by warps, one group at a time, with act_quant.cu's rule:
+// Producers that quantize for their consumer (docs/kernels.md, "Quantizing producers"): RMSNorm (residual add
+// included), and SiLU(gate) * up, each writing its float16 output AND the IE-BME input of the linear that reads it
+// (codes padded to Kp, float32 group scales, the outlier side's codes and scales) in one launch, instead of a
+// producer launch plus act_quant.cu. Grid (blocks, token rows); a warp quantizes one group at a time, with
+// act_quant.cu's rule:
 //   scale = max(fp16(max(clip * absmax / grid_max, tiny)), tiny),  code = clamp(rint(x / scale), -2^(b-1), 2^(b-1)-1)
 // over the permuted channels (perm: position p reads channel perm[p]; the last n_side positions are the outlier
-// side: zero in the main input). The float16 values are glue.cu's, bit for bit.
+// side: zero in the main input). A warp computes the producer's value of each channel its group gathers and writes
+// it to the float16 output there (each channel belongs to one group), so a row is spread over as many SMs as it
+// has groups / warps (one block a row, holding the row in shared memory, took 28 us for K = 11008 on an H100). The
+// float16 values are glue.cu's, bit for bit: RMSNorm's sum of squares is row_sum_squares with the same block size.
 #include "fp16.cuh"
 
 struct QuantArgs {  // the consumer's input rule and where its quantized input goes
@@ -18,45 +21,89 @@ struct QuantArgs {  // the consumer's input rule and where its quantized input g
     float* side_scales;
 };
 
-// Quantize the row held in v (shared, float16 bits) into row r of the outputs; every warp of the block calls it.
-__device__ void quantize_row(const u16* v, const QuantArgs& a, int r) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+// The producer's float16 value of one channel, written to the output (and the residual stream) when asked.
+struct NormValue {  // RMSNorm of x (+ delta): w * fp16(v * r)
+    const u16 *xr, *dr, *w;
+    float r;
+    u16 *yr, *xo;
+    __device__ __forceinline__ float operator()(int c, bool write) const {
+        const float v = residual_at(xr, dr, c);
+        const u16 o = norm_at(v, r, w[c]);
+        if (write) {
+            yr[c] = o;
+            if (xo != nullptr) xo[c] = f2h(v);
+        }
+        return h2f(o);
+    }
+};
+
+struct SiluValue {  // fp16(fp16(silu(gate)) * up)
+    const u16 *gr, *ur;
+    u16* yr;
+    __device__ __forceinline__ float operator()(int c, bool write) const {
+        const float g = h2f(gr[c]);
+        const u16 o = f2h(h2f(f2h(__fdiv_rn(g, 1.f + expf(-g)))) * h2f(ur[c]));
+        if (write) yr[c] = o;
+        return h2f(o);
+    }
+};
+
+constexpr int CACHED = 8;  // values a lane keeps in registers between the absmax and the rounding pass
+
+// Quantize the groups of row r that fall to this block (group g to warp g % (gridDim.x * warps)), the values
+// from f; block 0 also zeroes the padding codes [K, Kp).
+template <class F>
+__device__ void quantize_groups(const F& f, const QuantArgs& a, int r) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int G = (a.K + a.gm - 1) / a.gm;
     const int Gs = a.n_side ? (a.n_side + a.gs - 1) / a.gs : 0;
     const int main_end = a.K - a.n_side;
-    for (int g = warp; g < G + Gs; g += nwarps) {
+    for (int g = blockIdx.x * warps + (threadIdx.x >> 5); g < G + Gs; g += gridDim.x * warps) {
         const bool side = g >= G;
         const int grp = side ? g - G : g;
         const int start = side ? grp * a.gs : grp * a.gm;
         const int len = side ? min(a.gs, a.n_side - start) : min(a.gm, a.K - start);
         const int b = side ? a.side_bits : a.bits;
+        const int base = side ? main_end + start : start;  // permuted position of the group's first element
+        float cache[CACHED];
         float amax = 0.f;
-        for (int i = lane; i < len; i += 32) {
-            const int p = side ? main_end + start + i : start + i;
-            const float x = (!side && p >= main_end) ? 0.f : h2f(v[a.perm ? a.perm[p] : p]);
-            amax = fmaxf(amax, fabsf(x));
+#pragma unroll
+        for (int j = 0; j < CACHED; ++j) {
+            const int i = lane + 32 * j, p = base + i;
+            const bool real = i < len && (side || p < main_end);
+            cache[j] = real ? f(a.perm ? a.perm[p] : p, true) : 0.f;
+            amax = fmaxf(amax, fabsf(cache[j]));
+        }
+        for (int i = lane + 32 * CACHED; i < len; i += 32) {
+            const int p = base + i;
+            if (side || p < main_end) amax = fmaxf(amax, fabsf(f(a.perm ? a.perm[p] : p, true)));
         }
         for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         float s = __fdiv_rn(__fmul_rn(amax, side ? a.side_clip : a.clip), side ? a.side_grid : a.grid);
         s = fmaxf(h2f(f2h(fmaxf(s, a.tiny))), a.tiny);
         const int lo = -(1 << (b - 1)), hi = (1 << (b - 1)) - 1;
-        for (int i = lane; i < len; i += 32) {
-            const int p = side ? main_end + start + i : start + i;
-            const float x = (!side && p >= main_end) ? 0.f : h2f(v[a.perm ? a.perm[p] : p]);
-            const int q = min(max(__float2int_rn(__fdiv_rn(x, s)), lo), hi);
-            if (side) a.side_codes[(long long)r * a.n_side + start + i] = (signed char)q;
-            else a.codes[(long long)r * a.Kp + start + i] = (signed char)q;
+        signed char* out = side ? a.side_codes + (long long)r * a.n_side + start : a.codes + (long long)r * a.Kp + start;
+#pragma unroll
+        for (int j = 0; j < CACHED; ++j) {
+            const int i = lane + 32 * j;
+            if (i < len) out[i] = (signed char)min(max(__float2int_rn(__fdiv_rn(cache[j], s)), lo), hi);
+        }
+        for (int i = lane + 32 * CACHED; i < len; i += 32) {
+            const int p = base + i;
+            const float x = (side || p < main_end) ? f(a.perm ? a.perm[p] : p, false) : 0.f;
+            out[i] = (signed char)min(max(__float2int_rn(__fdiv_rn(x, s)), lo), hi);
         }
         if (lane == 0) {
             if (side) a.side_scales[(long long)r * Gs + grp] = s;
             else a.scales[(long long)r * G + grp] = s;
         }
     }
-    for (int p = a.K + threadIdx.x; p < a.Kp; p += blockDim.x) a.codes[(long long)r * a.Kp + p] = 0;
+    if (blockIdx.x == 0)
+        for (int p = a.K + threadIdx.x; p < a.Kp; p += blockDim.x) a.codes[(long long)r * a.Kp + p] = 0;
 }
 
-// y[r, :] = w * fp16(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)) (glue.cu's rms_norm, residual add included), then its
-// quantized input.
+// y[r, :] = w * fp16(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)) (glue.cu's rms_norm, residual add included: x_out), then
+// its quantized input. Every block of a row computes the row's sum of squares.
 extern "C" __global__ void rms_norm_quant(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ delta,
                                           long long ld_d, u16* __restrict__ x_out, const u16* __restrict__ w,
                                           u16* __restrict__ y, float eps, const int* __restrict__ perm, int K,
@@ -65,20 +112,14 @@ extern "C" __global__ void rms_norm_quant(const u16* __restrict__ x, long long l
                                           float side_grid, float tiny, signed char* __restrict__ codes,
                                           float* __restrict__ scales, signed char* __restrict__ side_codes,
                                           float* __restrict__ side_scales) {
-    extern __shared__ u16 row[];
     const QuantArgs a{perm, K, Kp, n_side, gm, bits, gs, side_bits, clip, grid, side_clip, side_grid, tiny, codes,
                       scales, side_codes, side_scales};
-    const u16* xr = residual_row(x, ld_x, delta, ld_d, x_out, K);  // glue.cu's residual add, when delta is given
-    const float ss = block_sum_squares(xr, K);
-    const float r = rsqrtf(__fdiv_rn(ss, (float)K) + eps);
-    u16* yr = y + (long long)blockIdx.x * K;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        const u16 v = f2h(h2f(w[k]) * h2f(f2h(h2f(xr[k]) * r)));
-        row[k] = v;
-        yr[k] = v;
-    }
-    __syncthreads();
-    quantize_row(row, a, blockIdx.x);
+    const int r = blockIdx.y;
+    const u16* xr = x + (long long)r * ld_x;
+    const u16* dr = delta == nullptr ? nullptr : delta + (long long)r * ld_d;
+    const NormValue f{xr, dr, w, row_rsqrt(xr, dr, K, eps), y + (long long)r * K,
+                      dr == nullptr ? nullptr : x_out + (long long)r * K};
+    quantize_groups(f, a, r);
 }
 
 // y[r, i] = fp16(fp16(silu(gate[r, i])) * up[r, i]) (glue.cu's silu_mul), then its quantized input (K = I).
@@ -89,17 +130,9 @@ extern "C" __global__ void silu_mul_quant(const u16* __restrict__ gate, long lon
                                           float side_grid, float tiny, signed char* __restrict__ codes,
                                           float* __restrict__ scales, signed char* __restrict__ side_codes,
                                           float* __restrict__ side_scales) {
-    extern __shared__ u16 row[];
     const QuantArgs a{perm, K, Kp, n_side, gm, bits, gs, side_bits, clip, grid, side_clip, side_grid, tiny, codes,
                       scales, side_codes, side_scales};
-    const int r = blockIdx.x, I = K;
-    for (int i = threadIdx.x; i < I; i += blockDim.x) {
-        const float g = h2f(gate[(long long)r * ld_g + i]);
-        const float sg = h2f(f2h(__fdiv_rn(g, 1.f + expf(-g))));
-        const u16 v = f2h(sg * h2f(up[(long long)r * ld_u + i]));
-        row[i] = v;
-        y[(long long)r * I + i] = v;
-    }
-    __syncthreads();
-    quantize_row(row, a, r);
+    const int r = blockIdx.y;
+    const SiluValue f{gate + (long long)r * ld_g, up + (long long)r * ld_u, y + (long long)r * K};
+    quantize_groups(f, a, r);
 }

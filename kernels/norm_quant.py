@@ -14,9 +14,8 @@ import torch
 
 from ..formats.arithmetic.weights import FP16_TINY, grid_max, n_groups
 from .act_quant import quantize_inputs_reference
-from .glue import _check, _ptr, _rows, _stream, residual_args, rms_norm_reference, silu_mul_reference
+from .glue import NORM_THREADS, _check, _ptr, _rows, _stream, residual_args, rms_norm_reference, silu_mul_reference
 
-THREADS = 256
 QuantizedInput = tuple  # (codes int8 [N, kp], scales float32 [N, G], side codes int8 [N, n] | None, side scales | None)
 
 
@@ -63,17 +62,13 @@ def silu_mul_quant_reference(gate: torch.Tensor, up: torch.Tensor, rule: InputRu
     return y, rule.reference(y)
 
 
-_SMEM_SET: dict[str, int] = {}
-
-
-def _launch(name: str, grid, args, smem: int) -> None:
-    """Launch ``name`` with ``smem`` bytes of dynamic shared memory (raising the kernel's limit above the default
-    48 KB once per size, during the warm-up, never while a graph is captured)."""
-    f = _functions()[name]
-    if smem > 48 * 1024 and _SMEM_SET.get(name, 0) < smem:
-        f.max_dynamic_shared_size_bytes = smem
-        _SMEM_SET[name] = smem
-    f(grid, (THREADS,), args, shared_mem=smem)
+def _launch(name: str, rows: int, k: int, rule: InputRule, args: tuple) -> None:
+    """Launch ``name`` over (blocks, rows): enough blocks of ``NORM_THREADS`` for a warp per quantization group."""
+    groups = n_groups(k, min(rule.group, k))
+    if rule.n_side:
+        groups += n_groups(rule.n_side, rule.side_group or min(rule.group, rule.n_side))
+    warps = NORM_THREADS // 32
+    _functions()[name]((-(-groups // warps), rows), (NORM_THREADS,), args)
 
 
 @cache
@@ -129,8 +124,8 @@ def _rms_norm_quant(x, delta, weight, eps, rule):
     y = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     out = _outputs(rows, k, rule, x.device)
     with _stream(x.device):
-        _launch("rms_norm_quant", (rows,), (*res, _ptr(weight.contiguous()), _ptr(y),
-                                            np.float32(eps), *_quant_args(k, rule, out)), 2 * k)
+        _launch("rms_norm_quant", rows, k, rule, (*res, _ptr(weight.contiguous()), _ptr(y), np.float32(eps),
+                                                   *_quant_args(k, rule, out)))
     return None if xo is None else xo.reshape(x.shape), y.reshape(x.shape), out
 
 
@@ -143,6 +138,6 @@ def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, rule: InputRule) -> tup
     y = torch.empty((rows, k), dtype=gate.dtype, device=gate.device)
     out = _outputs(rows, k, rule, gate.device)
     with _stream(gate.device):
-        _launch("silu_mul_quant", (rows,), (_ptr(g2), np.int64(ld_g), _ptr(u2), np.int64(ld_u), _ptr(y),
-                                            *_quant_args(k, rule, out)), 2 * k)
+        _launch("silu_mul_quant", rows, k, rule, (_ptr(g2), np.int64(ld_g), _ptr(u2), np.int64(ld_u), _ptr(y),
+                                                   *_quant_args(k, rule, out)))
     return y.reshape(gate.shape), out

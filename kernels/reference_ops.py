@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..formats.arithmetic.grouped import grouped_int_matmul
-from . import glue, norm_quant
+from . import attention, glue, norm_quant
 from .norm_quant import InputRule, QuantizedInput
 
 
@@ -53,6 +53,7 @@ class ReferenceKernels:
     add_rms_norm = staticmethod(glue.add_rms_norm_reference)
     silu_mul = staticmethod(glue.silu_mul_reference)
     rotary_cache = staticmethod(glue.rotary_cache_reference)
+    decode_attention = staticmethod(attention.decode_attention_reference)
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant_reference)
     add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant_reference)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant_reference)

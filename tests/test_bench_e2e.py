@@ -421,4 +421,6 @@ def test_launches_outside_the_linears_by_kind():
     assert got["outside_by_kind"] == {"argmax/reduce": 1, "attention": 2, "copy": 2, "elementwise": 1,
                                       "matmul": 1, "norm": 5, "rotary+kv": 2, "silu*mul": 2}
     assert got["outside_us_by_kind"]["norm"] == 6.0 and got["step_kernel_us"] == len(step) + 1.0
+    assert got["outside_top"][0] == {"name": "rms_norm_quant", "launches": 4, "us": 4.0}
+    assert {"name": "rms_norm", "launches": 1, "us": 2.0} in got["outside_top"]
     assert kind_of("side_product") == "outlier side" and kind_of("void at::native::foo") == "other"

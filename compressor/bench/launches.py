@@ -28,6 +28,9 @@ KINDS = (  # (kind, substrings of a kernel's name, lower case), first match wins
 )
 
 
+TOP = 10  # the kernels outside the linears with the most GPU time, by name, kept in the row
+
+
 def kind_of(name: str) -> str:
     """The kind of a kernel from its name (``other`` when no rule matches)."""
     low = name.lower()
@@ -46,6 +49,8 @@ def outside_launches(step: Iterable[tuple[str, float]], linears: Iterable[tuple[
     left = Counter(name for name, _ in linears)
     by_kind: Counter = Counter()
     us: Counter = Counter()
+    names: Counter = Counter()
+    name_us: Counter = Counter()
     total = 0
     for name, t in step:
         if left[name] > 0:
@@ -54,11 +59,15 @@ def outside_launches(step: Iterable[tuple[str, float]], linears: Iterable[tuple[
         kind = kind_of(name)
         by_kind[kind] += 1
         us[kind] += t
+        names[name] += 1
+        name_us[name] += t
         total += 1
     return {"step": len(step), "linears": len(step) - total, "outside": total,
             "outside_per_layer": total / max(1, layers), "outside_by_kind": dict(sorted(by_kind.items())),
             "outside_us_by_kind": {k: round(us[k], 1) for k in sorted(us)},
-            "step_kernel_us": round(sum(t for _, t in step), 1)}
+            "step_kernel_us": round(sum(t for _, t in step), 1),
+            "outside_top": [{"name": n[:120], "launches": names[n], "us": round(t, 1)}
+                            for n, t in name_us.most_common(TOP)]}
 
 
 def kernel_names(fn: Callable[[], object], device: torch.device) -> list[tuple[str, float]]:

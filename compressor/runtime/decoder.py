@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels import attention as attention_ops
 from ...kernels import glue as glue_ops
 from ...kernels import norm_quant, runtime_ops
 from ..errors import UserError
@@ -39,6 +40,7 @@ class _TorchGlue:
     add_rms_norm = staticmethod(glue_ops.add_rms_norm_reference)
     silu_mul = staticmethod(glue_ops.silu_mul_reference)
     rotary_cache = staticmethod(glue_ops.rotary_cache_reference)
+    decode_attention = staticmethod(attention_ops.decode_attention_reference)
 
 
 class _ReferenceProducers:
@@ -189,8 +191,7 @@ class StaticDecoder(nn.Module):
         glue = self._glue
         x = inner.embed_tokens(ids)
         # slot j visible to query i of row b iff j <= pos_i and j is not b's padding (a padding query sees itself)
-        j, off = self.arange[None, None, :], self.offset[:, None, None]
-        mask = ((j <= pos[None, :, None]) & ((j >= off) | (j == pos[None, :, None])))[:, None]  # [B, 1, T, L]
+        mask = attention_ops.visible(pos, self.offset, self.arange) if t > 1 else None  # [B, 1, T, L]
         rpos = (pos[None, :] - self.offset[:, None]).clamp(min=0)  # rotary positions [B, T]
         pending = None  # the last block's MLP output, added to the residual stream by the next norm
         for i, layer in enumerate(inner.layers):
@@ -200,9 +201,13 @@ class StaticDecoder(nn.Module):
             k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim)
             v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim)
             q = glue.rotary_cache(q, k, v, self.cos, self.sin, pos, rpos, self.k_cache[i], self.v_cache[i])
-            o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
-                                               scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads)
-            o = attn.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+            if t == 1:  # a decode step: over the cache's valid length (attention.cu with the kernels)
+                o = glue.decode_attention(q, self.k_cache[i], self.v_cache[i], pos, self.offset, attn.scaling)
+            else:
+                o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
+                                                   scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads)
+                o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+            o = attn.o_proj(o)
             x, h = self._norm(layer.post_attention_layernorm, x, o, getattr(layer.mlp, "gate_proj", None))
             pending = self._mlp(layer.mlp, h)
         _, x = self._norm(inner.norm, x[:, -1], None if pending is None else pending[:, -1])

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 36 (the decode step's glue) in ONE device call (about 6 minutes after the start):
+#   (1) the GPU tests of the glue kernels (norms with the residual add, producers, rotary, decode attention, the
+#       profiler seeing CuPy launches) and of the runtime (op-by-op agreement with the CPU path, graph replay,
+#       eval on the GPU): the step must stay right before its time counts;
+#   (2) bench --e2e on LLaMA-2-7B (batch 1 and 8) and Llama-3-8B (GQA, batch 1) at context 512: time per token,
+#       the part outside the linears, and the launches outside the linears per layer and per kind (profiler).
+#   device tool:  run(command="bash benchmarks/glue_h200.sh", carry=[".whl"], timeout_s=600)
+#   any CUDA machine with the package installed:  bash benchmarks/glue_h200.sh   (writes benchmarks/results/)
+# .whl: bash benchmarks/h200_wheels.sh, once, here (the image lacks zarr and its codecs).
+set -o pipefail
+DEST="${OUT:-benchmarks/results}"
+mkdir -p "$DEST"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
+export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+timeout 200 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m "gpu and not slow" \
+  tests/test_glue_kernels.py tests/test_attention_kernel.py tests/test_runtime_agreement.py 2>&1 \
+  | tee "$DEST/glue_gpu_tests.log" | tail -8
+E2E_BUDGET="${E2E_BUDGET:-150}" E2E_TIMEOUT="${E2E_TIMEOUT:-260}" OUT="$DEST" bash benchmarks/e2e_h200.sh \
+  --spec llama2-7b,llama3-8b --batch 1 --context 512 > /dev/null 2>&1
+grep -v "^  \|^llama\|built in\|encoded" "$DEST/e2e_log.txt" | tail -40

@@ -1,0 +1,73 @@
+"""Decode attention (kernels/attention.py): the reference against the definition everywhere, the split kernel
+against the definition where CuPy and a GPU are present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from unionsparse.compressor.runtime.cuda import cuda_problem
+from unionsparse.kernels import attention
+
+needs_gpu = pytest.mark.skipif(cuda_problem() is not None, reason=f"needs CuPy and a CUDA device ({cuda_problem()})")
+
+
+def exact(q, kc, vc, pos: int, offset: list[int], scale: float) -> torch.Tensor:
+    """float64 softmax(q k^T * scale) v over the slots row b sees: offset[b] <= j <= pos, and pos itself."""
+    b, h, _, d = q.shape
+    g = h // kc.shape[1]
+    out = torch.zeros(b, 1, h * d, dtype=torch.float64)
+    for row in range(b):
+        seen = [j for j in range(pos + 1) if j >= offset[row] or j == pos]
+        for head in range(h):
+            k = kc[row, head // g, seen].double()
+            v = vc[row, head // g, seen].double()
+            w = torch.softmax(k @ q[row, head, 0].double() * scale, 0)
+            out[row, 0, head * d:(head + 1) * d] = w @ v
+    return out
+
+
+def _case(b, h, hkv, d, length, seed, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, 1, d, generator=g).to(dtype).to(device)
+    kc = (torch.randn(b, hkv, length, d, generator=g) * 1.5).to(dtype).to(device)
+    vc = torch.randn(b, hkv, length, d, generator=g).to(dtype).to(device)
+    return q, kc, vc
+
+
+def test_reference_is_attention_over_what_each_row_sees():
+    q, kc, vc = _case(3, 6, 2, 16, 40, 0)
+    offset = [0, 4, 30]  # row 2: the query at slot 33 sees slots 30..33 only
+    got = attention.decode_attention_reference(q, kc, vc, torch.tensor([33]), torch.tensor(offset), 0.25)
+    torch.testing.assert_close(got.double(), exact(q, kc, vc, 33, offset, 0.25), atol=1e-5, rtol=1e-5)
+    wrong = exact(q, kc, vc, 33, [0, 0, 0], 0.25)  # the padding seen: a different answer, so the check can fail
+    assert (got.double() - wrong).abs().max() > 1e-2
+
+
+def test_supports_only_what_the_kernel_takes():
+    q, kc, _ = _case(1, 8, 2, 64, 16, 1, torch.float16)
+    assert not attention.supports(q, kc)  # on the CPU
+    q2 = torch.randn(1, 8, 2, 64).half()
+    assert not attention.supports(q2, kc)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("b, h, hkv, d, length, pos, offset", [
+    (1, 32, 32, 128, 600, 530, [0]),            # LLaMA-2-7B, batch 1
+    (2, 32, 8, 128, 4200, 4100, [0, 1000]),     # Llama-3-8B's GQA, long context, a padded row
+    (3, 9, 3, 64, 140, 70, [0, 5, 64]),          # SmolLM2's heads; row 2's padding covers whole chunk 0
+    (1, 4, 4, 64, 64, 0, [0]),                   # the first slot
+])
+def test_kernel_is_attention_over_what_each_row_sees(b, h, hkv, d, length, pos, offset):
+    q, kc, vc = _case(b, h, hkv, d, length, pos, torch.float16, "cuda")
+    scale = d ** -0.5
+    want = exact(q.cpu(), kc.cpu(), vc.cpu(), pos, offset, scale)
+    dev = torch.device("cuda")
+    p, off = torch.tensor([pos], device=dev), torch.tensor(offset, device=dev)
+    got = attention.decode_attention(q, kc, vc, p, off, scale).double().cpu()
+    ref = attention.decode_attention_reference(q, kc, vc, p, off, scale).double().cpu()
+    err, ref_err = (got - want).abs().max(), (ref - want).abs().max()
+    # float32 sums then one float16 rounding: within an fp16 step of the exact value, as torch's SDPA
+    assert err <= max(2 * ref_err, 2 ** -10 * want.abs().max()), (err, ref_err)
+    kc[:, :, pos + 1:] = float("nan")  # slots past pos are never read
+    assert torch.equal(attention.decode_attention(q, kc, vc, p, off, scale).cpu().double(), got)
