@@ -11,6 +11,7 @@
 #define MAX_G 8
 #define MAX_D 256
 #define WARPS 4
+#define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY macro
 
 // q [B, H, 1, D]; caches [B, Hkv, L, D]; part_o [B, H, chunks, D] and part_ml [B, H, chunks, 2] (float32).
 extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_split(
@@ -51,19 +52,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_split(
             if (g < G) {
                 float s = acc[g];
                 for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                if (lane == 0) sc[g * CHUNK + jj] = seen ? s : -INFINITY;
+                if (lane == 0) sc[g * CHUNK + jj] = seen ? s : NEG_INF;
             }
         }
     }
     __syncthreads();
 
     for (int g = warp; g < G; g += WARPS) {  // the chunk's max and sum per head; sc becomes exp(s - max)
-        float m = -INFINITY;
+        float m = NEG_INF;
         for (int jj = lane; jj < n; jj += 32) m = fmaxf(m, sc[g * CHUNK + jj]);
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         float l = 0.f;
         for (int jj = lane; jj < n; jj += 32) {
-            const float e = m == -INFINITY ? 0.f : expf(sc[g * CHUNK + jj] - m);
+            const float e = m == NEG_INF ? 0.f : expf(sc[g * CHUNK + jj] - m);
             sc[g * CHUNK + jj] = e;
             l += e;
         }
@@ -100,14 +101,14 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_o, c
     const long long bh = blockIdx.x;  // b * H + head
     const int used = (int)min((long long)chunks, pos[0] / CHUNK + 1);
     const float* ml = part_ml + bh * chunks * 2;
-    float m = -INFINITY;
+    float m = NEG_INF;
     for (int c = 0; c < used; ++c) m = fmaxf(m, ml[2 * c]);
     float l = 0.f;
-    for (int c = 0; c < used; ++c) l += ml[2 * c + 1] * (ml[2 * c] == -INFINITY ? 0.f : expf(ml[2 * c] - m));
+    for (int c = 0; c < used; ++c) l += ml[2 * c + 1] * (ml[2 * c] == NEG_INF ? 0.f : expf(ml[2 * c] - m));
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float o = 0.f;
         for (int c = 0; c < used; ++c)
-            if (ml[2 * c] != -INFINITY) o = fmaf(part_o[(bh * chunks + c) * D + d], expf(ml[2 * c] - m), o);
+            if (ml[2 * c] != NEG_INF) o = fmaf(part_o[(bh * chunks + c) * D + d], expf(ml[2 * c] - m), o);
         out[bh * D + d] = f2h(o / l);
     }
 }

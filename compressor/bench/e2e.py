@@ -700,7 +700,8 @@ def format_table(res: dict) -> str:
         out.append(f"skipped {s}")
     for c in res.get("checks", []):
         if not c["ok"]:
-            out.append(f"CHECK FAILED {c['check']}: err {c['err']} > tol {c['tol']}")
+            detail = ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("check", "ok"))
+            out.append(f"CHECK FAILED {c['check']}: {detail}")
     if res.get("targets"):
         out.append("targets (issue 28, item 5):")
         for t in res["targets"]:
