@@ -3,8 +3,11 @@
 #   (1) the GPU tests of the glue kernels (norms with the residual add, producers, rotary, decode attention, the
 #       profiler seeing CuPy launches) and of the runtime (op-by-op agreement with the CPU path, graph replay,
 #       eval on the GPU): the step must stay right before its time counts;
-#   (2) bench --e2e on LLaMA-2-7B (batch 1 and 8) and Llama-3-8B (GQA, batch 1) at context 512: time per token,
-#       the part outside the linears, and the launches outside the linears per layer and per kind (profiler).
+#   (2) bench --e2e on LLaMA-2-7B and Llama-3-8B (GQA) at batch 1, context 512, then LLaMA-2-7B at batch 8,
+#       context 2048 (into $OUT/b8): time per token, the part outside the linears, and the launches outside the
+#       linears per layer and per kind (profiler).
+# With .gguf/part00 carried it also leaves SmolLM2's first half in /tmp for a `gpu_check_h200.sh smollm2` call
+# right after it (carry [.whl, .gguf/part01, .gpudata]).
 #   device tool:  run(command="bash benchmarks/glue_h200.sh", carry=[".whl"], timeout_s=600)
 #   any CUDA machine with the package installed:  bash benchmarks/glue_h200.sh   (writes benchmarks/results/)
 # .whl: bash benchmarks/h200_wheels.sh, once, here (the image lacks zarr and its codecs).
@@ -14,6 +17,7 @@ mkdir -p "$DEST"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
+for part in part00 part01; do [ -f .gguf/$part ] && cp .gguf/$part /tmp/gguf-$part; done
 mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
 export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 timeout 200 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m "gpu and not slow" \
@@ -21,4 +25,7 @@ timeout 200 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationW
   | tee "$DEST/glue_gpu_tests.log" | tail -8
 E2E_BUDGET="${E2E_BUDGET:-150}" E2E_TIMEOUT="${E2E_TIMEOUT:-260}" OUT="$DEST" bash benchmarks/e2e_h200.sh \
   --spec llama2-7b,llama3-8b --batch 1 --context 512 > /dev/null 2>&1
-grep -v "^  \|^llama\|built in\|encoded" "$DEST/e2e_log.txt" | tail -40
+mkdir -p "$DEST/b8"
+E2E_BUDGET="${E2E_BUDGET_B8:-90}" E2E_TIMEOUT="${E2E_TIMEOUT_B8:-170}" OUT="$DEST/b8" bash benchmarks/e2e_h200.sh \
+  --spec llama2-7b --batch 8 --context 2048 > /dev/null 2>&1
+for f in "$DEST"/e2e-*.md "$DEST"/b8/e2e-*.md; do sed -n '/^spec/,/^linears/p' "$f"; grep "launches outside" "$f"; done

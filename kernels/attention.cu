@@ -1,114 +1,228 @@
 // Decode attention over the KV cache's valid length (docs/kernels.md, "Decode attention"): one query token per
 // sequence (T = 1) at cache slot pos, row b seeing the slots j <= pos with j >= offset[b] (its left padding
 // hidden; the query's own slot always seen), grouped-query heads (H = G * Hkv) reading their KV head once.
-// Split along the sequence (flash-decoding): attention_split's block (chunk c, KV head, row) scores the chunk's
+// One launch, split along the sequence (flash-decoding): block (chunk c, KV head, row) scores the chunk's CHUNK
 // slots against the G query heads of that KV head, takes the chunk's softmax max and sum and its weighted sum of
-// V, in float32; attention_combine rescales the chunks' partials into the output, rounded to float16 once.
-// Chunks past pos read nothing (the grid covers the allocated length, so a CUDA graph replays it at any pos).
+// V in float32, and hands them over in part_o / part_ml; the last block of a (row, KV head) to finish (a ticket
+// counter, reset by that block, so a CUDA graph replays it) combines the chunks into the output, rounded to
+// float16 once. Chunks past pos read nothing and take no ticket (the grid covers the allocated length, so a graph
+// replays it at any pos).
+// Memory-level parallelism is the point at batch 1 (a layer's K and V are a few MB): each lane loads its D/32
+// halves of all SLOTS slots of its warp before using any (vector loads, one 32-lane row of a slot per load).
 #include "fp16.cuh"
 
-#define CHUNK 64
+#define CHUNK 32
+#define WARPS 4
+#define SLOTS (CHUNK / WARPS)  // slots per warp
 #define MAX_G 8
 #define MAX_D 256
-#define WARPS 4
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY macro
 
-// q [B, H, 1, D]; caches [B, Hkv, L, D]; part_o [B, H, chunks, D] and part_ml [B, H, chunks, 2] (float32).
-extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_split(
-        const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-        const long long* __restrict__ pos, const long long* __restrict__ offset, int H, int Hkv, int L, int D,
-        float scale, float* __restrict__ part_o, float* __restrict__ part_ml) {
-    __shared__ float qs[MAX_G * MAX_D];
-    __shared__ float sc[MAX_G * CHUNK];
+// PER halves at p (PER * 2 bytes aligned when PER is even) as floats.
+template <int PER>
+__device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* out) {
+    if (PER % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 8) {
+            const uint4 w = *reinterpret_cast<const uint4*>(p + i);
+            const unsigned int ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                out[i + 2 * k] = h2f((u16)(ws[k] & 0xffffu));
+                out[i + 2 * k + 1] = h2f((u16)(ws[k] >> 16));
+            }
+        }
+    } else if (PER % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 4) {
+            const uint2 w = *reinterpret_cast<const uint2*>(p + i);
+            out[i] = h2f((u16)(w.x & 0xffffu));
+            out[i + 1] = h2f((u16)(w.x >> 16));
+            out[i + 2] = h2f((u16)(w.y & 0xffffu));
+            out[i + 3] = h2f((u16)(w.y >> 16));
+        }
+    } else if (PER % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 2) {
+            const unsigned int w = *reinterpret_cast<const unsigned int*>(p + i);
+            out[i] = h2f((u16)(w & 0xffffu));
+            out[i + 1] = h2f((u16)(w >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) out[i] = h2f(p[i]);
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float s) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
+__device__ __forceinline__ float warp_max(float m) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    return m;
+}
+
+// q [B, H, 1, D]; caches [B, Hkv, L, D]; part_o [B, H, chunks, D] and part_ml [B, H, chunks, 2] (float32);
+// ticket [B * Hkv] int32, zero between launches; out [B, 1, H * D]. Dynamic shared memory: WARPS * G * D floats.
+template <int PER>
+__device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __restrict__ k_cache,
+                                       const u16* __restrict__ v_cache, const long long* __restrict__ pos,
+                                       const long long* __restrict__ offset, int H, int Hkv, int L, float scale,
+                                       float* __restrict__ part_o, float* __restrict__ part_ml,
+                                       int* __restrict__ ticket, u16* __restrict__ out, float* red) {
+    constexpr int D = PER * 32;
+    __shared__ float sc[MAX_G][CHUNK];
+    __shared__ float cm[MAX_G], cl[MAX_G];
+    __shared__ int last;
     const int c = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int G = H / Hkv, chunks = gridDim.x;
     const long long p = pos[0];
     const int j0 = c * CHUNK;
-    if (j0 > p) return;  // past the valid length: attention_combine does not read this chunk
-    const int n = (int)min((long long)CHUNK, p + 1 - j0);
+    if (j0 > p) return;  // past the valid length: no ticket, the combine does not read this chunk
+    const int used = (int)min((long long)chunks, p / CHUNK + 1);
     const long long off = offset[b];
-    for (int e = threadIdx.x; e < G * D; e += blockDim.x)
-        qs[e] = h2f(q[((long long)b * H + (long long)hk * G) * D + e]) * scale;
-    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long head0 = (long long)b * H + (long long)hk * G;  // first query head of this KV head
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, per = D / 32;
-    const u16* kb = k_cache + (((long long)b * Hkv + hk) * L + j0) * D;
-    for (int jj = warp; jj < n; jj += WARPS) {
+    float qr[MAX_G][PER];
+#pragma unroll
+    for (int g = 0; g < MAX_G; ++g)
+        if (g < G) {
+            load_halves<PER>(q + (head0 + g) * D + lane * PER, qr[g]);
+#pragma unroll
+            for (int i = 0; i < PER; ++i) qr[g][i] *= scale;
+        }
+
+    // scores: the warp's SLOTS slots, all loads first
+    const long long base = (((long long)b * Hkv + hk) * L + j0) * D;
+    bool seen[SLOTS];
+    float kv[SLOTS][PER];
+#pragma unroll
+    for (int u = 0; u < SLOTS; ++u) {
+        const int jj = warp * SLOTS + u;
         const long long j = j0 + jj;
-        const bool seen = j >= off || j == p;
-        float acc[MAX_G];
+        seen[u] = j <= p && (j >= off || j == p);
+        if (seen[u]) load_halves<PER>(k_cache + base + (long long)jj * D + lane * PER, kv[u]);
+    }
 #pragma unroll
-        for (int g = 0; g < MAX_G; ++g) acc[g] = 0.f;
-        if (seen) {
-            for (int e = lane * per; e < (lane + 1) * per; ++e) {
-                const float kv = h2f(kb[(long long)jj * D + e]);
+    for (int u = 0; u < SLOTS; ++u) {
 #pragma unroll
-                for (int g = 0; g < MAX_G; ++g)
-                    if (g < G) acc[g] = fmaf(qs[g * D + e], kv, acc[g]);
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < MAX_G; ++g) {
+        for (int g = 0; g < MAX_G; ++g)
             if (g < G) {
-                float s = acc[g];
-                for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                if (lane == 0) sc[g * CHUNK + jj] = seen ? s : NEG_INF;
+                float s = 0.f;
+                if (seen[u]) {
+#pragma unroll
+                    for (int i = 0; i < PER; ++i) s = fmaf(qr[g][i], kv[u][i], s);
+                }
+                s = warp_sum(s);
+                if (lane == 0) sc[g][warp * SLOTS + u] = seen[u] ? s : NEG_INF;
             }
-        }
     }
     __syncthreads();
 
-    for (int g = warp; g < G; g += WARPS) {  // the chunk's max and sum per head; sc becomes exp(s - max)
-        float m = NEG_INF;
-        for (int jj = lane; jj < n; jj += 32) m = fmaxf(m, sc[g * CHUNK + jj]);
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        float l = 0.f;
-        for (int jj = lane; jj < n; jj += 32) {
-            const float e = m == NEG_INF ? 0.f : expf(sc[g * CHUNK + jj] - m);
-            sc[g * CHUNK + jj] = e;
-            l += e;
-        }
-        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    // the chunk's max and sum per head (one slot per lane); sc becomes exp(s - max)
+    for (int g = warp; g < G; g += WARPS) {
+        const float s = sc[g][lane];
+        const float m = warp_max(s);
+        const float e = m == NEG_INF ? 0.f : expf(s - m);
+        sc[g][lane] = e;
+        const float l = warp_sum(e);
         if (lane == 0) {
-            float* ml = part_ml + (((long long)b * H + (long long)hk * G + g) * chunks + c) * 2;
+            float* ml = part_ml + ((head0 + g) * chunks + c) * 2;
             ml[0] = m;
             ml[1] = l;
         }
     }
     __syncthreads();
 
-    const u16* vb = v_cache + (((long long)b * Hkv + hk) * L + j0) * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc[MAX_G];
+    // weighted V: the warp's slots into red[warp], then summed over the warps
 #pragma unroll
-        for (int g = 0; g < MAX_G; ++g) acc[g] = 0.f;
-        for (int jj = 0; jj < n; ++jj) {
-            const float vv = h2f(vb[(long long)jj * D + d]);
+    for (int u = 0; u < SLOTS; ++u)
+        if (seen[u]) load_halves<PER>(v_cache + base + (long long)(warp * SLOTS + u) * D + lane * PER, kv[u]);
 #pragma unroll
-            for (int g = 0; g < MAX_G; ++g)
-                if (g < G) acc[g] = fmaf(sc[g * CHUNK + jj], vv, acc[g]);
+    for (int g = 0; g < MAX_G; ++g)
+        if (g < G) {
+            float acc[PER];
+#pragma unroll
+            for (int i = 0; i < PER; ++i) acc[i] = 0.f;
+#pragma unroll
+            for (int u = 0; u < SLOTS; ++u)
+                if (seen[u]) {
+                    const float w = sc[g][warp * SLOTS + u];
+#pragma unroll
+                    for (int i = 0; i < PER; ++i) acc[i] = fmaf(w, kv[u][i], acc[i]);
+                }
+#pragma unroll
+            for (int i = 0; i < PER; ++i) red[(warp * G + g) * D + lane * PER + i] = acc[i];
         }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
+        float o = 0.f;
 #pragma unroll
-        for (int g = 0; g < MAX_G; ++g)
-            if (g < G) part_o[(((long long)b * H + (long long)hk * G + g) * chunks + c) * D + d] = acc[g];
+        for (int w = 0; w < WARPS; ++w) o += red[w * G * D + e];
+        part_o[((head0 + e / D) * chunks + c) * D + e % D] = o;
     }
+
+    // the last block of (b, hk) to finish combines the used chunks
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket + (long long)b * Hkv + hk, 1) == used - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int g = warp; g < G; g += WARPS) {
+        const float* ml = part_ml + (head0 + g) * chunks * 2;
+        float m = NEG_INF;
+        for (int k = lane; k < used; k += 32) m = fmaxf(m, __ldcg(ml + 2 * k));
+        m = warp_max(m);
+        float l = 0.f;
+        for (int k = lane; k < used; k += 32) {
+            const float mk = __ldcg(ml + 2 * k);
+            if (mk != NEG_INF) l += __ldcg(ml + 2 * k + 1) * expf(mk - m);
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            cm[g] = m;
+            cl[g] = l;
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
+        const int g = e / D, d = e % D;
+        const float* ml = part_ml + (head0 + g) * chunks * 2;
+        const float* po = part_o + (head0 + g) * chunks * D + d;
+        float o = 0.f;
+#pragma unroll 4
+        for (int k = 0; k < used; ++k) {
+            const float mk = __ldcg(ml + 2 * k);
+            if (mk != NEG_INF) o = fmaf(__ldcg(po + (long long)k * D), expf(mk - cm[g]), o);
+        }
+        out[(head0 + g) * D + d] = f2h(o / cl[g]);
+    }
+    if (threadIdx.x == 0) ticket[(long long)b * Hkv + hk] = 0;
 }
 
-// out [B, 1, H * D] float16: per (row, head) block, the chunks j0 <= pos combined with their maxima.
-extern "C" __global__ void attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                             const long long* __restrict__ pos, int chunks, int D,
-                                             u16* __restrict__ out) {
-    const long long bh = blockIdx.x;  // b * H + head
-    const int used = (int)min((long long)chunks, pos[0] / CHUNK + 1);
-    const float* ml = part_ml + bh * chunks * 2;
-    float m = NEG_INF;
-    for (int c = 0; c < used; ++c) m = fmaxf(m, ml[2 * c]);
-    float l = 0.f;
-    for (int c = 0; c < used; ++c) l += ml[2 * c + 1] * (ml[2 * c] == NEG_INF ? 0.f : expf(ml[2 * c] - m));
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float o = 0.f;
-        for (int c = 0; c < used; ++c)
-            if (ml[2 * c] != NEG_INF) o = fmaf(part_o[(bh * chunks + c) * D + d], expf(ml[2 * c] - m), o);
-        out[bh * D + d] = f2h(o / l);
+#define DECODE_ARGS                                                                                             \
+    const u16 *__restrict__ q, const u16 *__restrict__ k_cache, const u16 *__restrict__ v_cache,              \
+        const long long *__restrict__ pos, const long long *__restrict__ offset, int H, int Hkv, int L, int D, \
+        float scale, float *__restrict__ part_o, float *__restrict__ part_ml, int *__restrict__ ticket,         \
+        u16 *__restrict__ out  // D: unused (the kernel's PER * 32), kept so every kernel takes the same arguments
+
+// one kernel per head dimension (attention_decode_<D / 32>), so each gets the registers it needs
+#define KERNEL(PER)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_decode_##PER(DECODE_ARGS) {               \
+        extern __shared__ float red[];                                                                          \
+        decode<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, part_o, part_ml, ticket, out, red);     \
     }
-}
+KERNEL(1)
+KERNEL(2)
+KERNEL(3)
+KERNEL(4)
+KERNEL(5)
+KERNEL(6)
+KERNEL(7)
+KERNEL(8)

@@ -2,7 +2,7 @@
 
 ``decode_attention_reference`` is what the decoder computed before the kernel existed (torch's SDPA over the
 allocated cache with a visibility mask), on any device; ``decode_attention`` is the split-along-the-sequence
-kernel pair, on torch float16 CUDA tensors and torch's current stream.
+kernel (one launch), on torch float16 CUDA tensors and torch's current stream.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-CHUNK = 64  # attention.cu's CHUNK: cache slots per split block
+CHUNK = 32  # attention.cu's CHUNK: cache slots per split block
+WARPS = 4  # attention.cu's WARPS: warps per block
 MAX_G = 8  # query heads per KV head
 MAX_D = 256  # head dimension
 
@@ -37,11 +38,26 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 @cache
-def _functions():
+def _function(per: int):
     from .tiled_cbc_device import load_module
 
-    mod = load_module("attention", ())
-    return {name: mod.get_function(name) for name in ("attention_split", "attention_combine")}
+    return load_module("attention", ()).get_function(f"attention_decode_{per}")
+
+
+_tickets: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _ticket(device: torch.device, n: int) -> torch.Tensor:
+    """attention.cu's per-(row, KV head) counters: zero between launches (the last block resets its own), so one
+    buffer per device and size serves every call and every graph replay. Made outside a graph capture; one first
+    needed inside a capture is made (and zeroed) by the graph itself and not kept."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), n)
+    buf = _tickets.get(key)
+    if buf is None:
+        buf = torch.zeros(n, dtype=torch.int32, device=device)
+        if not torch.cuda.is_current_stream_capturing():
+            _tickets[key] = buf
+    return buf
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -53,9 +69,15 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and d % 32 == 0 and d <= MAX_D and h % hkv == 0 and h // hkv <= MAX_G)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (the kernel's vector loads)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      offset: torch.Tensor, scale: float) -> torch.Tensor:
-    """:func:`decode_attention_reference` for T = 1 in two launches, reading only the slots <= pos."""
+    """:func:`decode_attention_reference` for T = 1 in one launch, reading only the slots <= pos."""
     import cupy as cp
 
     if not supports(q, k_cache):
@@ -63,21 +85,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(k_cache.shape)} (see attention.supports)")
     b, h, _, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
-    q = q.contiguous()
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("decode_attention: the caches must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0):
+        raise ValueError("decode_attention: the caches must be contiguous and 16-byte aligned")
+    q = _aligned(q)
     chunks = -(-length // CHUNK)
     part_o = torch.empty(b, h, chunks, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, h, chunks, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(b, 1, h * d, dtype=q.dtype, device=q.device)
     pos = pos.to(torch.int64).contiguous()
     offset = offset.to(torch.int64).contiguous()
-    f = _functions()
-    ptr = [np.uint64(t.data_ptr()) for t in (q, k_cache, v_cache, pos, offset, part_o, part_ml, out)]
+    ticket = _ticket(q.device, b * hkv)
+    ptr = [np.uint64(t.data_ptr()) for t in (q, k_cache, v_cache, pos, offset, part_o, part_ml, ticket, out)]
     with cp.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream):
-        f["attention_split"]((chunks, hkv, b), (128,),
-                             (*ptr[:5], np.int32(h), np.int32(hkv), np.int32(length), np.int32(d),
-                              np.float32(scale), ptr[5], ptr[6]))
-        f["attention_combine"]((b * h,), (min(d, 128),),
-                               (ptr[5], ptr[6], ptr[3], np.int32(chunks), np.int32(d), ptr[7]))
+        _function(d // 32)((chunks, hkv, b), (WARPS * 32,),
+                           (*ptr[:5], np.int32(h), np.int32(hkv), np.int32(length), np.int32(d),
+                            np.float32(scale), *ptr[5:]),
+                           shared_mem=WARPS * (h // hkv) * d * 4)
     return out

@@ -21,22 +21,63 @@ __device__ __forceinline__ float residual_at(const u16* __restrict__ xr, const u
     return dr == nullptr ? h2f(xr[k]) : h2f(f2h(h2f(xr[k]) + h2f(dr[k])));
 }
 
-// sum over k < K of v[k]^2, v = residual_at(xr, dr, k), in float32 for every thread of the block: thread t adds
-// the squares of elements t, t + blockDim.x, ... in that order (fused multiply-adds; its loads are issued eight at
-// a time), then a warp and a block reduction. The order depends only on blockDim.x, so every block of a row, and
-// every kernel launched with the same block size, gets the same float. blockDim.x a multiple of 32, <= 1024.
+// The 8 float16 at p (16-byte aligned) as floats.
+__device__ __forceinline__ void load8(const u16* __restrict__ p, float* v) {
+    const uint4 w = *reinterpret_cast<const uint4*>(p);
+    const unsigned int ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = h2f((u16)(ws[i] & 0xffffu));
+        v[2 * i + 1] = h2f((u16)(ws[i] >> 16));
+    }
+}
+
+// sum over k < K of v[k]^2, v = residual_at(xr, dr, k), in float32 for every thread of the block, then a warp and
+// a block reduction. When K is a multiple of 8 and the rows are 16-byte aligned, thread t adds the squares of the
+// 8-element groups t, t + blockDim.x, ... (16-byte loads, up to four groups in flight: a row of 4096 at 128
+// threads is one round trip); otherwise of elements t, t + blockDim.x, ... (loads issued eight at a time). The
+// order depends only on blockDim.x and the rows' alignment, so every block of a row, and every kernel launched
+// with the same block size on the same rows, gets the same float. blockDim.x a multiple of 32, <= 1024.
 __device__ __forceinline__ float row_sum_squares(const u16* __restrict__ xr, const u16* __restrict__ dr, int K) {
     __shared__ float part[32];
     float s = 0.f;
-    for (int k0 = threadIdx.x; k0 < K; k0 += 8 * blockDim.x) {
-        float v[8];
+    const bool vec = K % 8 == 0 && ((unsigned long long)xr | (unsigned long long)dr) % 16 == 0;
+    if (vec) {
+        const int groups = K / 8;
+        for (int g0 = threadIdx.x; g0 < groups; g0 += 4 * blockDim.x) {
+            float v[4][8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int k = k0 + j * blockDim.x;
-            v[j] = k < K ? residual_at(xr, dr, k) : 0.f;
+            for (int u = 0; u < 4; ++u) {
+                const int g = g0 + u * blockDim.x;
+                if (g < groups) {
+                    load8(xr + 8 * g, v[u]);
+                    if (dr != nullptr) {
+                        float d[8];
+                        load8(dr + 8 * g, d);
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) v[u][i] = h2f(f2h(v[u][i] + d[i]));
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) v[u][i] = 0.f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) s = fmaf(v[u][i], v[u][i], s);
         }
+    } else {
+        for (int k0 = threadIdx.x; k0 < K; k0 += 8 * blockDim.x) {
+            float v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) s = fmaf(v[j], v[j], s);
+            for (int j = 0; j < 8; ++j) {
+                const int k = k0 + j * blockDim.x;
+                v[j] = k < K ? residual_at(xr, dr, k) : 0.f;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) s = fmaf(v[j], v[j], s);
+        }
     }
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;

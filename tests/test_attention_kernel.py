@@ -1,5 +1,6 @@
 """Decode attention (kernels/attention.py): the reference against the definition everywhere, the split kernel
-against the definition where CuPy and a GPU are present."""
+against the definition where CuPy and a GPU are present, also replayed from a CUDA graph at moving positions (its
+combine's ticket counters must be back at zero after every launch)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def test_supports_only_what_the_kernel_takes():
     (2, 32, 8, 128, 4200, 4100, [0, 1000]),     # Llama-3-8B's GQA, long context, a padded row
     (3, 9, 3, 64, 140, 70, [0, 5, 64]),          # SmolLM2's heads; row 2's padding covers whole chunk 0
     (1, 4, 4, 64, 64, 0, [0]),                   # the first slot
+    (2, 16, 2, 256, 300, 299, [0, 31]),          # eight query heads per KV head, the largest head dim
+    (1, 6, 2, 96, 100, 64, [0]),                 # a head dim that is not a power of two (3 halves a lane)
+    (8, 32, 32, 128, 2100, 2047, [0] * 8),       # batch 8, long context: many chunks into one combine
 ])
 def test_kernel_is_attention_over_what_each_row_sees(b, h, hkv, d, length, pos, offset):
     q, kc, vc = _case(b, h, hkv, d, length, pos, torch.float16, "cuda")
@@ -71,3 +75,26 @@ def test_kernel_is_attention_over_what_each_row_sees(b, h, hkv, d, length, pos, 
     assert err <= max(2 * ref_err, 2 ** -10 * want.abs().max()), (err, ref_err)
     kc[:, :, pos + 1:] = float("nan")  # slots past pos are never read
     assert torch.equal(attention.decode_attention(q, kc, vc, p, off, scale).cpu().double(), got)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_kernel_replays_in_a_cuda_graph_at_each_position():
+    b, h, hkv, d, length = 2, 8, 2, 128, 260
+    q, kc, vc = _case(b, h, hkv, d, length, 7, torch.float16, "cuda")
+    dev = torch.device("cuda")
+    p, off = torch.tensor([0], device=dev), torch.tensor([0, 3], device=dev)
+    scale = d ** -0.5
+    attention.decode_attention(q, kc, vc, p, off, scale)  # outside the capture: kernel loaded, counters made
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.decode_attention(q, kc, vc, p, off, scale)
+    for pos in (5, 31, 32, 33, 200, 259, 64):
+        p.fill_(pos)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = exact(q.cpu(), kc.cpu(), vc.cpu(), pos, [0, 3], scale)
+        ref = attention.decode_attention_reference(q, kc, vc, p, off, scale).double().cpu()
+        err, ref_err = (out.double().cpu() - want).abs().max(), (ref - want).abs().max()
+        assert err <= max(2 * ref_err, 2 ** -10 * want.abs().max()), (pos, err, ref_err)
