@@ -8,7 +8,7 @@
 // float16 once. Chunks past pos read nothing and take no ticket (the grid covers the allocated length, so a graph
 // replays it at any pos).
 // Memory-level parallelism is the point at batch 1 (a layer's K and V are a few MB): each lane loads its D/32
-// halves of all SLOTS slots of its warp before using any (vector loads, one 32-lane row of a slot per load).
+// halves of K and V of all SLOTS slots of its warp before using any (vector loads, one slot's row per warp load).
 #include "fp16.cuh"
 
 #define CHUNK 32
@@ -100,13 +100,16 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
     // scores: the warp's SLOTS slots, all loads first
     const long long base = (((long long)b * Hkv + hk) * L + j0) * D;
     bool seen[SLOTS];
-    float kv[SLOTS][PER];
+    float kv[SLOTS][PER], vv[SLOTS][PER];  // V loaded with K: both in flight before the first use
 #pragma unroll
     for (int u = 0; u < SLOTS; ++u) {
         const int jj = warp * SLOTS + u;
         const long long j = j0 + jj;
         seen[u] = j <= p && (j >= off || j == p);
-        if (seen[u]) load_halves<PER>(k_cache + base + (long long)jj * D + lane * PER, kv[u]);
+        if (seen[u]) {
+            load_halves<PER>(k_cache + base + (long long)jj * D + lane * PER, kv[u]);
+            load_halves<PER>(v_cache + base + (long long)jj * D + lane * PER, vv[u]);
+        }
     }
 #pragma unroll
     for (int u = 0; u < SLOTS; ++u) {
@@ -141,9 +144,6 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
 
     // weighted V: the warp's slots into red[warp], then summed over the warps
 #pragma unroll
-    for (int u = 0; u < SLOTS; ++u)
-        if (seen[u]) load_halves<PER>(v_cache + base + (long long)(warp * SLOTS + u) * D + lane * PER, kv[u]);
-#pragma unroll
     for (int g = 0; g < MAX_G; ++g)
         if (g < G) {
             float acc[PER];
@@ -154,7 +154,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
                 if (seen[u]) {
                     const float w = sc[g][warp * SLOTS + u];
 #pragma unroll
-                    for (int i = 0; i < PER; ++i) acc[i] = fmaf(w, kv[u][i], acc[i]);
+                    for (int i = 0; i < PER; ++i) acc[i] = fmaf(w, vv[u][i], acc[i]);
                 }
 #pragma unroll
             for (int i = 0; i < PER; ++i) red[(warp * G + g) * D + lane * PER + i] = acc[i];
