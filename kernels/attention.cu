@@ -13,7 +13,7 @@
 
 #define CHUNK 32
 #define WARPS 4
-#define SLOTS (CHUNK / WARPS)  // slots per warp
+#define SLOTS (CHUNK / WARPS)  // slots per warp: 8 (slot_sums)
 #define MAX_G 8
 #define MAX_D 256
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY macro
@@ -66,6 +66,28 @@ __device__ __forceinline__ float warp_max(float m) {
     return m;
 }
 
+// The warp's sums of a[0..7] over its 32 lanes in 9 shuffles instead of 40: a transposing butterfly in which
+// each exchange halves the slots a lane carries. Lane l ends with the sum of slot ((l >> 2) & 7).
+__device__ __forceinline__ float slot_sums(const float* a, int lane) {
+    static_assert(SLOTS == 8, "slot_sums reduces 8 slots a warp");
+    float b[4], c[2];
+    const bool h16 = lane & 16, h8 = lane & 8, h4 = lane & 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float send = h16 ? a[i] : a[i + 4];
+        b[i] = (h16 ? a[i + 4] : a[i]) + __shfl_xor_sync(0xffffffffu, send, 16);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const float send = h8 ? b[i] : b[i + 2];
+        c[i] = (h8 ? b[i + 2] : b[i]) + __shfl_xor_sync(0xffffffffu, send, 8);
+    }
+    float d = (h4 ? c[1] : c[0]) + __shfl_xor_sync(0xffffffffu, h4 ? c[0] : c[1], 4);
+    d += __shfl_xor_sync(0xffffffffu, d, 2);
+    d += __shfl_xor_sync(0xffffffffu, d, 1);
+    return d;
+}
+
 // q [B, H, 1, D]; caches [B, Hkv, L, D]; part_o [B, H, chunks, D] and part_ml [B, H, chunks, 2] (float32);
 // ticket [B * Hkv] int32, zero between launches; out [B, 1, H * D]. Dynamic shared memory: WARPS * G * D floats.
 template <int PER>
@@ -111,20 +133,25 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
             load_halves<PER>(v_cache + base + (long long)jj * D + lane * PER, vv[u]);
         }
     }
+    // lane's slot after the transposing reduction, and whether the row sees it
+    const int uw = (lane >> 2) & 7;
+    const long long jw = j0 + warp * SLOTS + uw;
+    const bool seen_w = jw <= p && (jw >= off || jw == p);
 #pragma unroll
-    for (int u = 0; u < SLOTS; ++u) {
+    for (int g = 0; g < MAX_G; ++g)
+        if (g < G) {
+            float a[SLOTS];
 #pragma unroll
-        for (int g = 0; g < MAX_G; ++g)
-            if (g < G) {
-                float s = 0.f;
+            for (int u = 0; u < SLOTS; ++u) {
+                a[u] = 0.f;
                 if (seen[u]) {
 #pragma unroll
-                    for (int i = 0; i < PER; ++i) s = fmaf(qr[g][i], kv[u][i], s);
+                    for (int i = 0; i < PER; ++i) a[u] = fmaf(qr[g][i], kv[u][i], a[u]);
                 }
-                s = warp_sum(s);
-                if (lane == 0) sc[g][warp * SLOTS + u] = seen[u] ? s : NEG_INF;
             }
-    }
+            const float s = slot_sums(a, lane);
+            if ((lane & 3) == 0) sc[g][warp * SLOTS + uw] = seen_w ? s : NEG_INF;
+        }
     __syncthreads();
 
     // the chunk's max and sum per head (one slot per lane); sc becomes exp(s - max)
