@@ -223,7 +223,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
         const float* ml = part_ml + (head0 + g) * chunks * 2;
         const float* po = part_o + (head0 + g) * chunks * D + d;
         float o = 0.f;
-#pragma unroll 4
+#pragma unroll 8
         for (int k = 0; k < used; ++k) {
             const float mk = __ldcg(ml + 2 * k);
             if (mk != NEG_INF) o = fmaf(__ldcg(po + (long long)k * D), expf(mk - cm[g]), o);
