@@ -328,6 +328,9 @@ def test_byte_floor_by_hand():
     assert row["bytes"]["kv_cache"] == kv
     assert row["floor_ms"] == pytest.approx((weights + head + rows + norms + kv) / 4.16e12 * 1e3)
     assert row["floor_pct"] == pytest.approx(100 * row["floor_ms"] / row["step_ms"])
+    e2e.apply_floor([row], 3.0e12)  # a GPU run measures its own copy bandwidth (an H100: about 3.0 TB/s)
+    assert row["floor_ms"] == pytest.approx((weights + head + rows + norms + kv) / 3.0e12 * 1e3)
+    assert row["floor_pct"] == pytest.approx(100 * row["floor_ms"] / row["step_ms"])
 
 
 def test_tcbc_read_bytes_skip_the_values_of_inactive_inputs():
@@ -382,6 +385,7 @@ def test_gpu_peers_and_graphed_steps():
     gpu = torch.device("cuda")
     checks = e2e.check_peers(gpu) + e2e.check_steps(gpu, tuple(KINDS))
     assert all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+    assert 1e12 < e2e.copy_bandwidth(gpu) < 2e13  # bytes/s: read + write of a copy, an HBM device
 
 
 def test_record_keeps_the_artifacts_speed_for_inspect(reference_artifact, tmp_path, run_cli):

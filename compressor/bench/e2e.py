@@ -19,8 +19,9 @@ linears (attention, norms, rotary, cache writes, the lm_head, the greedy choice)
 
 Byte floor: the bytes a step must read (every decoder linear's stored arrays, less the values of inputs the
 spMspV kernel skips at batch 1; the lm_head; the embedding rows; the norms; K and V of ``context`` positions),
-over ``PEAK_BW`` (4.16 TB/s, the H200 copy bandwidth the targets are stated against); ``floor_pct`` is how much
-of it the step reaches (floor time / step time).
+over the device's copy bandwidth, measured in the run (``copy_bandwidth``: about 4.16 TB/s on an H200, 3.0 on
+an H100; ``PEAK_BW`` on the CPU smoke run); ``floor_pct`` is how much of it the step reaches (floor time / step
+time).
 
 Ratios are within one process: every kind runs in the same process on the same model and the same step code.
 Hugging Face eager ``generate`` (DynamicCache, no graph) on the fp16 peers at batch 1 is reported beside it,
@@ -114,6 +115,31 @@ def gpu_problem() -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ timing
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """The device's measured copy bandwidth in bytes/s (read + write of a ``nbytes`` copy, best of ``repeats``):
+    what a step's floor is measured against (an H100 copies about 3.0 TB/s, an H200 about 4.16)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / best
+
+
+def apply_floor(rows: list[dict], bw: float) -> None:
+    """Each row's floor (its bytes over ``bw``) and how close its step comes to it."""
+    for r in rows:
+        r["floor_ms"] = r["bytes"]["total"] / bw * 1e3
+        r["floor_pct"] = 100.0 * r["floor_ms"] / r["step_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -685,8 +711,10 @@ def format_table(res: dict) -> str:
         out.append(f"{h['spec']:<10} {h['context']:>5} {1:>2} {'HF generate':<16} {h['ms_per_token']:>8.3f} "
                    f"{1e3 / h['ms_per_token'] if h['ms_per_token'] else float('nan'):>8.1f}  ({h['label']})")
     out.append("linears: each group's modules of every block alone, ms per step; outside: the step less them "
-               "(attention, norms, lm_head, greedy choice); floor: bytes read / 4.16 TB/s; launch/L: kernel "
-               "launches outside the linears per layer (eager step, profiler)")
+               "(attention, norms, lm_head, greedy choice); floor: bytes read / "
+               + (f"{res['copy_bw'] / 1e12:.2f} TB/s (this device's measured copy bandwidth)" if res.get("copy_bw")
+                  else f"{PEAK_BW / 1e12:.2f} TB/s (nominal)")
+               + "; launch/L: kernel launches outside the linears per layer (eager step, profiler)")
     for r in rows:
         if "launches" in r and r["batch"] == rows[0]["batch"] and r["context"] == rows[0]["context"]:
             la = r["launches"]
@@ -871,6 +899,9 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
         for name in spec_list:
             _run_spec(res, SPECS[name], kind_list, dev, batch_list, context_list, steps, repeats, hf_generate, seed,
                       deadline, say)
+    if dev.type == "cuda":
+        res["copy_bw"] = copy_bandwidth(dev)
+        apply_floor(res["rows"], res["copy_bw"])
     add_ratios(res["rows"])
     res["targets"] = evaluate_targets(res["rows"], dev) if artifact is None else []
     res["analysis"] = explain(res["rows"]) if dev.type == "cuda" else [f"not analysed: {CPU_LABEL}"]
