@@ -20,12 +20,12 @@ fi
 for part in part00 part01; do [ -f .gguf/$part ] && cp .gguf/$part /tmp/gguf-$part; done
 mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
 export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-timeout 200 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m "gpu and not slow" \
+timeout 150 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m "gpu and not slow" \
   tests/test_glue_kernels.py tests/test_attention_kernel.py tests/test_runtime_agreement.py 2>&1 \
   | tee "$DEST/glue_gpu_tests.log" | tail -8
-E2E_BUDGET="${E2E_BUDGET:-150}" E2E_TIMEOUT="${E2E_TIMEOUT:-260}" OUT="$DEST" bash benchmarks/e2e_h200.sh \
+E2E_BUDGET="${E2E_BUDGET:-170}" E2E_TIMEOUT="${E2E_TIMEOUT:-250}" OUT="$DEST" bash benchmarks/e2e_h200.sh \
   --spec llama2-7b,llama3-8b --batch 1 --context 512 > /dev/null 2>&1
 mkdir -p "$DEST/b8"
-E2E_BUDGET="${E2E_BUDGET_B8:-90}" E2E_TIMEOUT="${E2E_TIMEOUT_B8:-170}" OUT="$DEST/b8" bash benchmarks/e2e_h200.sh \
+E2E_BUDGET="${E2E_BUDGET_B8:-80}" E2E_TIMEOUT="${E2E_TIMEOUT_B8:-150}" OUT="$DEST/b8" bash benchmarks/e2e_h200.sh \
   --spec llama2-7b --batch 8 --context 2048 > /dev/null 2>&1
 for f in "$DEST"/e2e-*.md "$DEST"/b8/e2e-*.md; do sed -n '/^spec/,/^linears/p' "$f"; grep "launches outside" "$f"; done

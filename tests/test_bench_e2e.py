@@ -14,6 +14,7 @@ import torch
 from unionsparse.compressor.bench import e2e
 from unionsparse.compressor.bench.e2e_models import GROUPS, SPECS, build_model, install_group
 from unionsparse.compressor.bench.e2e_peers import (
+    DEFAULT_KINDS,
     KINDS,
     W4A16Linear,
     iebme_record,
@@ -54,10 +55,10 @@ def tiny_run(tmp_path_factory):
 def test_cli_tiny_runs_every_kind_end_to_end(tiny_run):
     res, out = tiny_run
     assert res["label"] == e2e.CPU_LABEL and res["machine"]["device"] == "cpu"
-    assert res["kinds"] == list(KINDS)
+    assert res["kinds"] == list(DEFAULT_KINDS)
     assert not res["errors"] and not res["skipped"]
     rows = {(r["kind"], r["batch"]): r for r in res["rows"]}
-    assert set(rows) == {(k, b) for k in KINDS for b in (1, 2)}
+    assert set(rows) == {(k, b) for k in DEFAULT_KINDS for b in (1, 2)}
     for r in rows.values():
         assert r["spec"] == "tiny" and r["context"] == 8
         assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["step_ms"])
@@ -70,11 +71,13 @@ def test_cli_tiny_runs_every_kind_end_to_end(tiny_run):
     assert rows[("iebme-w4a4-50", 1)]["speedup_vs_control"] is not None
     # every kind of a case steps from the same state: one prefill (by the fp16 peers) per batch and context
     for b in (1, 2):
-        assert {(rows[(k, b)]["prefill_by"], rows[(k, b)]["prefill_s"]) for k in KINDS} == {
+        assert {(rows[(k, b)]["prefill_by"], rows[(k, b)]["prefill_s"]) for k in DEFAULT_KINDS} == {
             ("fp16", rows[("fp16", b)]["prefill_s"])}
     # stored bytes follow the kinds: IE-BME 50% < IE-BME 0% < fp16 linears; W4A16 a quarter of fp16 and a bit
-    lin = {k: rows[(k, 1)]["bytes"]["linears_total"] for k in KINDS}
+    lin = {k: rows[(k, 1)]["bytes"]["linears_total"] for k in DEFAULT_KINDS}
     assert lin["iebme-w4a4-50"] < lin["iebme-w4a4-0"] < lin["fp16"]
+    assert lin["iebme-w4a4-50"] < lin["iebme-w4a4-50-o128"] < lin["iebme-w4a4-0-o128"]  # the side is counted
+    assert rows[("iebme-w4a4-50-o128", 1)]["speedup_vs_control"] is not None
     assert lin["fp16"] / 4 < lin["w4a16"] < lin["fp16"] / 3.5
     # Tiled-CBC's thresholds: measured at batch 1 on the step's own inputs (calibrated at 30%), none at batch 2
     dyn = rows[("tcbc-fp16-30+30", 1)]["dynamic_sparsity_measured"]
@@ -198,6 +201,37 @@ def test_iebme_runtime_linear_matches_quantized_activations_times_decoded_weight
     zero = iebme_record("t0", 96, 256, 0.0, rng)
     assert (zero.encoding.decode() == 0).mean() == 0
     assert record_read_bytes(zero) > record_read_bytes(rec)
+
+
+def test_iebme_outlier_kind_is_the_main_product_plus_the_8bit_side():
+    """The kind that keeps quality: 128 outlier channels (at most K // 4) in an 8-bit side matrix; the runtime
+    linear equals the main W4A4 product over the permuted, zeroed input plus the side's int8 product."""
+    from unionsparse.compressor.runtime.linear import CompressedLinear
+    from unionsparse.formats.arithmetic.outlier_side import quantize_inputs_torch
+
+    rng = np.random.default_rng(3)
+    rec = iebme_record("t", 96, 256, 0.5, rng, outliers=128)
+    side = rec.outliers
+    assert side is not None and side.codes.shape == (96, 64)  # min(128, 256 // 4)
+    assert rec.attrs["activations"]["outlier_channels"] == side.channels.tolist()
+    assert not rec.encoding.decode()[:, 256 - 64:].any()  # the permuted order's outlier columns are zero
+    lin = CompressedLinear(rec, None, "cpu")
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).half()
+    perm = torch.from_numpy(side.perm.astype(np.int64))
+    xq, sx, oq, osx = quantize_inputs_torch(x.float(), perm, 64, rec.attrs["activations"])
+    main_w = torch.from_numpy(rec.encoding.decode().astype(np.float32))
+    main_w = main_w * torch.from_numpy(rec.scales.astype(np.float32)).repeat_interleave(128, 1)[:, :256]
+    main = torch.from_numpy(dequantize_activations(xq.numpy(), sx.numpy(), 128)) @ main_w.t()
+    side_x = oq.float() * osx.float().repeat_interleave(64, 1)
+    ref = main + side_x @ torch.from_numpy(side.dequantize()).t()
+    torch.testing.assert_close(lin(x).float(), ref.half().float(), rtol=0, atol=2e-3 * float(ref.abs().max()))
+    # without the side product the output is far off: the side matters
+    assert (main - ref).abs().max() > 1e-2 * ref.abs().max()
+    # sparser and lower-bit kinds read fewer bytes; the side adds its int8 matrix
+    sizes = {s: record_read_bytes(iebme_record("s", 96, 256, s, rng)) for s in (0.5, 0.7, 0.9)}
+    assert sizes[0.9] < sizes[0.7] < sizes[0.5]
+    assert record_read_bytes(iebme_record("w2", 96, 256, 0.5, rng, bits=2)) < sizes[0.5]
+    assert record_read_bytes(rec) > record_read_bytes(iebme_record("n", 96, 256, 0.5, rng))
 
 
 def test_tcbc_runtime_linear_applies_tau_at_one_row_only():

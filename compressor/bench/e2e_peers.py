@@ -29,6 +29,7 @@ from torch import nn
 
 from ...formats import iebme, tiled_cbc
 from ...formats.arithmetic.activations import activation_scheme
+from ...formats.arithmetic.outlier_side import OutlierSide, column_permutation
 from ..artifact.store import LayerRecord
 
 GROUP_SIZE = 128
@@ -44,6 +45,8 @@ class Kind:
     sparsity: float = 0.0            # static (weights)
     dynamic: float = 0.0             # dynamic (activations at decode, N = 1)
     runtime: bool = False            # built through the runtime's CompressedLinear
+    bits: int = 4                    # IE-BME weight bits
+    outliers: int = 0                # IE-BME: input channels kept at 8 bits (Atom), min(this, K // 4) a layer
 
     def as_dict(self) -> dict:
         return {"name": self.name, "label": self.label, "sparsity": self.sparsity, "dynamic_sparsity": self.dynamic,
@@ -55,11 +58,22 @@ KINDS = {k.name: k for k in (
     Kind("w4a16", "dense W4A16 (torch._weight_int4pack_mm, tinygemm)"),
     Kind("iebme-w4a4-50", "IE-BME W4A4, 50% sparse (runtime CompressedLinear)", sparsity=0.5, runtime=True),
     Kind("iebme-w4a4-0", "IE-BME W4A4, 0% sparse: the control (runtime CompressedLinear)", runtime=True),
+    Kind("iebme-w4a4-50-o128", "IE-BME W4A4, 50% sparse, 128 outlier channels: the configuration that keeps "
+         "quality (runtime CompressedLinear)", sparsity=0.5, runtime=True, outliers=128),
+    Kind("iebme-w4a4-0-o128", "IE-BME W4A4, 0% sparse, 128 outlier channels: the control", runtime=True,
+         outliers=128),
+    Kind("iebme-w4a4-70", "IE-BME W4A4, 70% sparse (runtime CompressedLinear)", sparsity=0.7, runtime=True),
+    Kind("iebme-w4a4-90", "IE-BME W4A4, 90% sparse (runtime CompressedLinear)", sparsity=0.9, runtime=True),
+    Kind("iebme-w2a4-50-o128", "IE-BME W2A4, 50% sparse, 128 outlier channels (runtime CompressedLinear)",
+         sparsity=0.5, runtime=True, bits=2, outliers=128),
     Kind("tcbc-fp16-30+30", "Tiled-CBC fp16, 30% static + 30% dynamic (runtime CompressedLinear)", sparsity=0.3,
          dynamic=0.3, runtime=True),
 )}
 BASELINES = ("fp16", "w4a16")
-CONTROLS = {"iebme-w4a4-50": "iebme-w4a4-0"}  # kind -> its 0%-sparsity control
+CONTROLS = {"iebme-w4a4-50": "iebme-w4a4-0", "iebme-w4a4-70": "iebme-w4a4-0", "iebme-w4a4-90": "iebme-w4a4-0",
+            "iebme-w4a4-50-o128": "iebme-w4a4-0-o128"}  # kind -> its 0%-sparsity control
+DEFAULT_KINDS = ("fp16", "w4a16", "iebme-w4a4-50-o128", "iebme-w4a4-0-o128", "iebme-w4a4-50", "iebme-w4a4-0",
+                 "tcbc-fp16-30+30")  # what a run times unless --kinds says otherwise
 
 
 # ---------------------------------------------------------------------------------------------------- fp16
@@ -199,16 +213,28 @@ def random_codes(m: int, k: int, sparsity: float, rng: np.random.Generator, bits
 
 
 def iebme_record(name: str, m: int, k: int, sparsity: float, rng: np.random.Generator, bits: int = 4,
-                 group_size: int = GROUP_SIZE) -> LayerRecord:
-    """A stored IE-BME W4A4 layer as ``compress`` writes one (no reordering, no outlier channels): random codes,
-    fp16 scales per (row, group of 128), the per-token activation record."""
+                 group_size: int = GROUP_SIZE, outliers: int = 0) -> LayerRecord:
+    """A stored IE-BME W{bits}A4 layer as ``compress`` writes one (no reordering): random codes, fp16 scales per
+    (row, group of 128), the per-token activation record; with ``outliers`` (capped at K // 4, as
+    ``--keep-outliers auto``) that many random input channels kept at 8 bits: the main matrix in the permuted
+    column order with the outlier columns zero, the int8 side matrix and its scales."""
+    n = min(int(outliers), k // 4)
     codes = random_codes(m, k, sparsity, rng, bits)
+    side = None
+    channels = None
+    if n:
+        channels = np.sort(rng.choice(k, size=n, replace=False)).astype(np.int64)
+        codes[:, k - n:] = 0  # the permuted order's last n columns: the outlier channels, in the side matrix
+        side_codes = rng.integers(-127, 128, size=(m, n), dtype=np.int8)
+        side_scales = (rng.random((m, 1), dtype=np.float32) * 0.0004 + 0.0002).astype(np.float16)
+        side = OutlierSide(channels, column_permutation(k, channels), side_codes, side_scales)
     enc = iebme.encode(codes, bits=bits, tile=(16, 64), areas=(2, 2))
     g = -(-k // group_size)
     scales = (rng.random((m, g), dtype=np.float32) * 0.004 + 0.002).astype(np.float16)
     attrs = {"prune": "synthetic", "quant": f"w{bits}a4", "bits": bits, "group_size": group_size,
-             "activations": activation_scheme(4, group_size)}
-    return LayerRecord(name, enc, scales, attrs)
+             "activations": activation_scheme(4, group_size, outlier_channels=None if channels is None
+                                              else channels.tolist())}
+    return LayerRecord(name, enc, scales, attrs, side)
 
 
 def sparse_fp16(m: int, k: int, sparsity: float, rng: np.random.Generator) -> np.ndarray:
