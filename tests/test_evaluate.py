@@ -179,6 +179,9 @@ def test_eval_cli_on_model_folder(model_dir, capsys):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model").eval()
     want = evaluate.perplexity(model, _tokenizer(), model_dir / "eval.raw", seqlen=32)
     assert res["ppl"] == pytest.approx(want, rel=1e-5) and res["windows"] >= 1
+    # the time split: loading (and tokenizing) apart from the forwards, together the whole
+    assert res["load_seconds"] > 0 and res["windows_seconds"] > 0
+    assert res["load_seconds"] + res["windows_seconds"] == pytest.approx(res["seconds"], abs=0.05)
 
 
 @pytest.mark.parametrize("quant", ["none", "w4a16", "w4a4"])

@@ -212,6 +212,7 @@ def evaluate_source(
                                                  verify=verify)
                 model.to(device)
         ids = tokenize_eval_text(tok, text)
+        t_windows = time.perf_counter()
         with rep.stage(f"perplexity windows of {seqlen} tokens", total=None) as bar:
             nlls = window_nlls(model, ids, seqlen, max_windows, device,
                                progress=lambda n: bar.update(0, n) if n else bar.advance())
@@ -230,4 +231,6 @@ def evaluate_source(
         "nll": sum(nlls) / len(nlls),
         "ppl": math.exp(sum(nlls) / len(nlls)),
         "seconds": time.perf_counter() - t0,
+        "load_seconds": t_windows - t0,  # rebuilding or loading the model, and tokenizing the text
+        "windows_seconds": time.perf_counter() - t_windows,  # the forwards (on a GPU: kernel compilation too)
     }
