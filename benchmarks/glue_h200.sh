@@ -11,7 +11,10 @@
 #   device tool:  run(command="bash benchmarks/glue_h200.sh", carry=[".whl"], timeout_s=600)
 #   any CUDA machine with the package installed:  bash benchmarks/glue_h200.sh   (writes benchmarks/results/)
 # .whl: bash benchmarks/h200_wheels.sh, once, here (the image lacks zarr and its codecs).
+# `bash benchmarks/glue_h200.sh quick` (about 3 minutes): the glue and attention GPU tests, then LLaMA-2-7B at batch 1,
+# context 512 only, kinds fp16, W4A16 and IE-BME W4A4 50% / 0% with and without 128 outlier channels.
 set -o pipefail
+MODE="${1:-full}"
 DEST="${OUT:-benchmarks/results}"
 mkdir -p "$DEST"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -20,6 +23,14 @@ fi
 for part in part00 part01; do [ -f .gguf/$part ] && cp .gguf/$part /tmp/gguf-$part; done
 mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
 export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if [ "$MODE" = quick ]; then
+  timeout 120 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
+    tests/test_glue_kernels.py tests/test_attention_kernel.py 2>&1 | tee "$DEST/glue_gpu_tests.log" | tail -3
+  E2E_BUDGET=100 E2E_TIMEOUT=180 OUT="$DEST" bash benchmarks/e2e_h200.sh --spec llama2-7b --batch 1 --context 512 \
+    --kinds fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50,iebme-w4a4-0 > /dev/null 2>&1
+  for f in "$DEST"/e2e-*.md; do sed -n '/^spec/,/^linears/p' "$f"; grep "launches outside\|CHECK" "$f"; done
+  exit 0
+fi
 timeout 150 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m "gpu and not slow" \
   tests/test_glue_kernels.py tests/test_attention_kernel.py tests/test_runtime_agreement.py 2>&1 \
   | tee "$DEST/glue_gpu_tests.log" | tail -8
