@@ -252,6 +252,47 @@ def test_tcbc_runtime_linear_applies_tau_at_one_row_only():
     torch.testing.assert_close(lin(x4).float(), (x4.float() @ wt.t()).half().float(), rtol=0, atol=1e-3)
 
 
+def test_tcbc_int4_kind_is_the_dequantized_codes_with_tau_and_reads_fewer_bytes():
+    """Issue 38's kinds: Tiled-CBC with 4-bit codes and group scales, thresholds at batch 1; its values take half
+    a byte, so at 50% static and 30% / 50% dynamic it reads well under the fp16 layer."""
+    from unionsparse.compressor.runtime.linear import CompressedLinear
+    from unionsparse.formats.arithmetic.weights import dequantize
+
+    rng = np.random.default_rng(4)
+    w = sparse_fp16(512, 256, 0.5, rng)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(5)).half()
+    tau = float(np.quantile(np.abs(x.float().numpy()), 0.5))
+    rec = tcbc_record("t4", w, tau, bits=4)
+    assert rec.attrs["bits"] == 4 and rec.scales.shape == (512, 2)
+    codes = rec.encoding.decode()
+    # pruned weights stay zero; about 14% of the kept N(0, 0.02²) weights round to code 0 at 4 bits (|w| < scale / 2)
+    assert not codes[w == 0].any() and (codes[w != 0] == 0).mean() < 0.2
+    wt = torch.from_numpy(dequantize(codes, rec.scales, 128))
+    step = torch.from_numpy(rec.scales.astype(np.float32)).repeat_interleave(128, 1)
+    assert ((wt - torch.from_numpy(w.astype(np.float32))).abs() <= 0.5 * step + 1e-4).all()  # round to nearest
+    lin = CompressedLinear(rec, None, "cpu")
+    masked = torch.where(x.float().abs() > tau, x.float(), torch.zeros(()))
+    torch.testing.assert_close(lin(x).float(), (masked @ wt.t()).half().float(), rtol=0, atol=1e-3)
+    fp16 = tcbc_record("t16", w, tau)
+    assert record_read_bytes(rec, 0.5) < record_read_bytes(rec, 0.3) < 0.5 * record_read_bytes(fp16, 0.3)
+
+
+def test_the_other_kinds_step_on_the_cpu():
+    """The kinds outside the default run (sparser IE-BME, W2A4 with outliers, Tiled-CBC int4 and fp16 at 50%
+    static) build and step through the same code; their bytes follow their sparsity and bits."""
+    extra = ("iebme-w4a4-70", "iebme-w4a4-90", "iebme-w2a4-50-o128", "tcbc-fp16-50+30", "tcbc-int4-50+30",
+             "tcbc-int4-50+50")
+    assert not set(extra) & set(DEFAULT_KINDS) and set(extra) <= set(KINDS)
+    res = e2e.e2e_command(specs="tiny", batches="1", contexts="8", kinds=",".join(extra), steps=1, device="cpu",
+                          hf_generate=False, checks=False)
+    assert not res["errors"] and not res["skipped"]
+    rows = {r["kind"]: r for r in res["rows"]}
+    assert set(rows) == {"fp16", *extra} and all(r["step_ms"] > 0 for r in rows.values())
+    lin = {k: r["bytes"]["linears_total"] for k, r in rows.items()}
+    assert lin["iebme-w4a4-90"] < lin["iebme-w4a4-70"]
+    assert lin["tcbc-int4-50+50"] < lin["tcbc-int4-50+30"] < lin["tcbc-fp16-50+30"] / 2
+
+
 def test_check_peers_pass_here_and_fail_one_by_one(monkeypatch):
     checks = e2e.check_peers(CPU)
     assert len(checks) == 6 and all(c["ok"] for c in checks), checks

@@ -311,7 +311,7 @@ def install_kind(model: nn.Module, spec: ModelSpec, kind: str, device: torch.dev
         info["activations"] = str(lin.dtype).removeprefix("torch.")  # bfloat16: a cast around each product
     elif kind.startswith("iebme"):
         te = time.perf_counter()
-        recs = {g: iebme_record(f"synthetic.{g}", m, kk, k.sparsity, rng, bits=k.bits, outliers=k.outliers)
+        recs = {g: iebme_record(f"synthetic.{g}", m, kk, k.sparsity, rng, bits=k.bits or 4, outliers=k.outliers)
                 for g, (m, kk) in groups.items()}
         info["encode_s"] = time.perf_counter() - te
         if log:
@@ -322,7 +322,7 @@ def install_kind(model: nn.Module, spec: ModelSpec, kind: str, device: torch.dev
     elif kind.startswith("tcbc"):
         weights = {g: sparse_fp16(m, kk, k.sparsity, rng) for g, (m, kk) in groups.items()}
         te = time.perf_counter()
-        recs = {g: tcbc_record(f"synthetic.{g}", w) for g, w in weights.items()}
+        recs = {g: tcbc_record(f"synthetic.{g}", w, bits=k.bits) for g, w in weights.items()}
         info["encode_s"] = time.perf_counter() - te
         if log:
             log(f"  {kind}: encoded one block on the CPU in {info['encode_s']:.1f} s")

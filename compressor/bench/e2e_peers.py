@@ -30,6 +30,7 @@ from torch import nn
 from ...formats import iebme, tiled_cbc
 from ...formats.arithmetic.activations import activation_scheme
 from ...formats.arithmetic.outlier_side import OutlierSide, column_permutation
+from ...formats.arithmetic.weights import rtn
 from ..artifact.store import LayerRecord
 
 GROUP_SIZE = 128
@@ -45,7 +46,7 @@ class Kind:
     sparsity: float = 0.0            # static (weights)
     dynamic: float = 0.0             # dynamic (activations at decode, N = 1)
     runtime: bool = False            # built through the runtime's CompressedLinear
-    bits: int = 4                    # IE-BME weight bits
+    bits: int | None = None          # weight code bits (IE-BME: 4 unless said; Tiled-CBC: fp16 values if None)
     outliers: int = 0                # IE-BME: input channels kept at 8 bits (Atom), min(this, K // 4) a layer
 
     def as_dict(self) -> dict:
@@ -68,6 +69,12 @@ KINDS = {k.name: k for k in (
          sparsity=0.5, runtime=True, bits=2, outliers=128),
     Kind("tcbc-fp16-30+30", "Tiled-CBC fp16, 30% static + 30% dynamic (runtime CompressedLinear)", sparsity=0.3,
          dynamic=0.3, runtime=True),
+    Kind("tcbc-fp16-50+30", "Tiled-CBC fp16, 50% static + 30% dynamic (runtime CompressedLinear)", sparsity=0.5,
+         dynamic=0.3, runtime=True),
+    Kind("tcbc-int4-50+30", "Tiled-CBC int4 (W4A16), 50% static + 30% dynamic (runtime CompressedLinear)",
+         sparsity=0.5, dynamic=0.3, runtime=True, bits=4),
+    Kind("tcbc-int4-50+50", "Tiled-CBC int4 (W4A16), 50% static + 50% dynamic (runtime CompressedLinear)",
+         sparsity=0.5, dynamic=0.5, runtime=True, bits=4),
 )}
 BASELINES = ("fp16", "w4a16")
 CONTROLS = {"iebme-w4a4-50": "iebme-w4a4-0", "iebme-w4a4-70": "iebme-w4a4-0", "iebme-w4a4-90": "iebme-w4a4-0",
@@ -245,12 +252,21 @@ def sparse_fp16(m: int, k: int, sparsity: float, rng: np.random.Generator) -> np
     return w
 
 
-def tcbc_record(name: str, w: np.ndarray, tau: float | None = None) -> LayerRecord:
-    """A stored Tiled-CBC fp16 layer of weights ``w`` (float16 [m, k], zeros where pruned), tile 256x16, the
-    threshold ``tau`` stored as ``dp_threshold``."""
-    enc = tiled_cbc.encode(w, tile=tiled_cbc.DEFAULT_TILE, bits=None)
-    attrs = {"prune": "synthetic", "quant": "none", "bits": None, "dp_threshold": None if tau is None else float(tau)}
-    return LayerRecord(name, enc, None, attrs)
+def tcbc_record(name: str, w: np.ndarray, tau: float | None = None, bits: int | None = None) -> LayerRecord:
+    """A stored Tiled-CBC layer of weights ``w`` (float16 [m, k], zeros where pruned), tile 256x16, the
+    threshold ``tau`` stored as ``dp_threshold``: fp16 values, or with ``bits`` the codes of symmetric
+    round-to-nearest per (row, group of 128) and their fp16 scales (``--quant w4a16 --format tiled-cbc``;
+    pruned weights stay zero codes)."""
+    if bits is None:
+        enc = tiled_cbc.encode(w, tile=tiled_cbc.DEFAULT_TILE, bits=None)
+        attrs = {"prune": "synthetic", "quant": "none", "bits": None,
+                 "dp_threshold": None if tau is None else float(tau)}
+        return LayerRecord(name, enc, None, attrs)
+    q = rtn(w.astype(np.float32), bits, GROUP_SIZE)
+    enc = tiled_cbc.encode(q.codes, tile=tiled_cbc.DEFAULT_TILE, bits=bits)
+    attrs = {"prune": "synthetic", "quant": f"w{bits}a16", "bits": bits, "group_size": q.group_size,
+             "dp_threshold": None if tau is None else float(tau)}
+    return LayerRecord(name, enc, q.scales, attrs)
 
 
 def with_tau(rec: LayerRecord, tau: float | None) -> LayerRecord:
