@@ -76,10 +76,12 @@ DEFAULTS = {  # device -> (batches, contexts, steps, repeats)
     "cuda": ((1, 4, 8), (512, 2048), 16, 5),
     "cpu": ((1, 2), (16, 32), 3, 3),
 }
-TARGETS = (  # (spec, context, kind, against, batches, at least x) -- issue 28 item 5
-    ("llama2-7b", 512, "iebme-w4a4-50", "fp16", (1,), 2.5),
-    ("llama2-7b", 512, "iebme-w4a4-50", "w4a16", (1, 4, 8), 1.0),
-    ("llama2-7b", 512, "tcbc-fp16-30+30", "fp16", (1,), 1.5),
+TARGETS = (  # (spec, context, kind, against, batches, at least x)
+    # issue 36, on the configuration that keeps quality; its 1.9x is of the fp16 step of 2026-12-05 (5.22 ms), and
+    # against today's fp16, which has the same fused glue, it is stricter
+    ("llama2-7b", 512, "iebme-w4a4-50-o128", "fp16", (1,), 1.9),
+    ("llama2-7b", 512, "iebme-w4a4-50-o128", "w4a16", (1, 4, 8), 1.0),
+    ("llama2-7b", 512, "tcbc-fp16-30+30", "fp16", (1,), 1.5),  # issue 28, item 5
 )
 
 
@@ -733,7 +735,7 @@ def format_table(res: dict) -> str:
             detail = ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("check", "ok"))
             out.append(f"CHECK FAILED {c['check']}: {detail}")
     if res.get("targets"):
-        out.append("targets (issue 28, item 5):")
+        out.append("targets (issues 28 and 36):")
         for t in res["targets"]:
             sp = "-" if t["speedup"] is None else f"{t['speedup']:.2f}x"
             out.append(f"  {t['status']:<16} {t['target']}: {sp}")
