@@ -45,6 +45,19 @@ def test_contract_catches_an_upward_import(tmp_path):
     assert res.returncode != 0 and "unionsparse.formats.upward" in res.stdout
 
 
+def test_contract_catches_the_runtime_importing_a_compress_stage(tmp_path):
+    """The runtime runs an artifact without the compress stages (their shared numerics live in formats/)."""
+    res = lint_imports(tmp_path, {"compressor/runtime/upward.py": "from ..quantize import gptq  # noqa\n"})
+    assert res.returncode != 0 and "unionsparse.compressor.runtime.upward" in res.stdout
+
+
+def test_contract_catches_an_import_circle(tmp_path):
+    """Two modules of one package importing each other (even inside a function) break the acyclic contract."""
+    res = lint_imports(tmp_path, {"compressor/artifact/circle_a.py": "def f():\n    from . import circle_b  # noqa\n",
+                                  "compressor/artifact/circle_b.py": "from . import circle_a  # noqa\n"})
+    assert res.returncode != 0 and "circle_a" in res.stdout
+
+
 def test_no_format_name_literals_outside_formats():
     """Above formats/, code asks the registry (capabilities, NAME constants) instead of comparing names."""
     offenders = []

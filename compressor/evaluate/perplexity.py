@@ -215,7 +215,7 @@ def evaluate_source(
         with rep.stage(f"perplexity windows of {seqlen} tokens", total=None) as bar:
             nlls = window_nlls(model, ids, seqlen, max_windows, device,
                                progress=lambda n: bar.update(0, n) if n else bar.advance())
-    from ..activation_sparsity.linear import activation_sparsity_summary
+    from ...formats.arithmetic.sparse_inputs import activation_sparsity_summary
 
     return {
         "dynamic_pruning": activation_sparsity_summary(model),

@@ -380,7 +380,7 @@ def evaluate_tasks(source: str, tasks: str, data_dir: str | None, limit: int | N
                                                     verify=verify)
         model.to(device)
         raw = run_tasks(model, tok, manager, task_objs, limit, batch_size or 1)
-    from ..activation_sparsity.linear import activation_sparsity_summary
+    from ...formats.arithmetic.sparse_inputs import activation_sparsity_summary
 
     return {
         "source": str(source),

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 from ...formats.arithmetic.grouped import grouped_int_matmul
+from ...formats.arithmetic.sparse_inputs import sparsify_input
 from ...formats.arithmetic.weights import n_groups
-from ..activation_sparsity.calibrate import sparsify_input
 from ..artifact.store import LayerRecord
 from ..errors import UserError
 from ..model.rebuild import layer_weight
-from .linear import LayerPlan, QuantizingOp
+from .plan import LayerPlan, QuantizingOp
 
 
 class KernelOp(QuantizingOp):

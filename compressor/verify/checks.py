@@ -30,8 +30,9 @@ import numpy as np
 
 from ...formats import baselines, iebme, registry, stats, tiled_cbc
 from ...formats.bitpack import code_range
+from ..artifact.layout import MANIFEST
 from ..artifact.scan import Store, StoreError
-from ..artifact.store import MANIFEST, Artifact, LayerRecord, _jsonable, check_manifest
+from ..artifact.store import Artifact, LayerRecord, _jsonable, check_manifest
 from ..errors import UserError
 from ..layer_rules import layer_options
 from ..quantize.modes import QUANT_MODES
