@@ -32,7 +32,8 @@ def main(argv=None) -> int:
         time_graph_torch,
     )
     from unionsparse.kernels import tiled_cbc_spmm as k
-    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device, load_module
+    from unionsparse.kernels.loader import load_module
+    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device
 
     skips = [0] + [int(x) for x in args.skips.split(",")]
     rows = []

@@ -36,7 +36,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 def _skip_build(skip: int):
     """Launch v4 from a build with -DTCBC_V4_SKIP=skip inside the block."""
     from unionsparse.kernels import tiled_cbc_spmm as k
-    from unionsparse.kernels.tiled_cbc_device import load_module
+    from unionsparse.kernels.loader import load_module
 
     saved, saved_smem = k._module, dict(k._SMEM_SET)
     k._module = lambda: load_module("tiled_cbc_spmm", k._EXPR + k._EXPR_V4,

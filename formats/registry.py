@@ -92,7 +92,7 @@ _REGISTRY: dict[str, Format] = {}
 
 def register(fmt: Format) -> Format:
     if fmt.name in _REGISTRY:
-        raise ValueError(f"format {fmt.name!r} is already registered")
+        raise FormatError(f"format {fmt.name!r} is already registered")
     _REGISTRY[fmt.name] = fmt
     return fmt
 

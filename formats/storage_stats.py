@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from .bitpack import round_up, unpack_codes
+from .errors import FormatError
 from .iebme import IEBMEMatrix
 from .tiled_cbc import TiledCBCMatrix
 
@@ -67,7 +68,7 @@ def stats(enc: IEBMEMatrix | TiledCBCMatrix, group_size: int | None = None) -> d
         out["formula_bytes"] = tiled_cbc_formula(m, k, nnz, g.tile, g.value_bits / 8)
         out["format"] = "tiled-cbc"
         return out
-    raise TypeError(f"stats() takes an IEBMEMatrix or TiledCBCMatrix, not {type(enc).__name__}")
+    raise FormatError(f"stats() takes an IEBMEMatrix or TiledCBCMatrix, not {type(enc).__name__}")
 
 
 def tca_bme_formula(m: int, k: int, nnz: int, value_bytes: float = 2) -> int:

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .errors import KernelError
+
 CHUNK = 64  # attention.cu's CHUNK: cache slots per split block
 MAX_G = 8  # query heads per KV head
 MAX_D = 256  # head dimension
@@ -38,7 +40,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 @cache
 def _functions():
-    from .tiled_cbc_device import load_module
+    from .loader import load_module
 
     mod = load_module("attention", ())
     return {name: mod.get_function(name) for name in ("attention_split", "attention_combine")}
@@ -59,13 +61,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     import cupy as cp
 
     if not supports(q, k_cache):
-        raise ValueError(f"decode_attention: unsupported case q {tuple(q.shape)} {q.dtype}, caches "
+        raise KernelError(f"decode_attention: unsupported case q {tuple(q.shape)} {q.dtype}, caches "
                          f"{tuple(k_cache.shape)} (see attention.supports)")
     b, h, _, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
     q = q.contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("decode_attention: the caches must be contiguous")
+        raise KernelError("decode_attention: the caches must be contiguous")
     chunks = -(-length // CHUNK)
     part_o = torch.empty(b, h, chunks, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, h, chunks, 2, dtype=torch.float32, device=q.device)

@@ -25,7 +25,9 @@ import numpy as np
 from . import sm_count
 from .cluster_launch import launch_ex
 from .cublas_gemm import OP_N, OP_T, gemm_f16
-from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
+from .errors import KernelError
+from .loader import load_module, require_cupy
+from .tiled_cbc_device import TILE, DeviceTiledCBC
 from .tma import fp16_2d
 
 GK = 2
@@ -68,13 +70,13 @@ _EXPR_V5 = tuple(f"tcbc_spmm5<{bn}, {nst}>" for bn, nst in V5_CONFIGS)
 
 def wgmma_available() -> bool:
     """True on a compute-capability 9.0 GPU (H100 / H200), where the module is built for sm_90a and holds v4."""
-    cp = _cupy()
+    cp = require_cupy()
     return _is_sm90(cp.cuda.Device().id)
 
 
 @cache
 def _is_sm90(device: int) -> bool:  # one driver query per device: launches may be captured into graphs
-    return _cupy().cuda.Device(device).compute_capability == "90"
+    return require_cupy().cuda.Device(device).compute_capability == "90"
 
 
 def auto_method(n: int, wgmma: bool) -> str:
@@ -108,18 +110,18 @@ def default_config(n: int) -> tuple[int, int, int]:
 def decode_dense(dev: DeviceTiledCBC, out=None, version: int = 2):
     """W as a dense CuPy fp16 [M, Kp] (Kp = K padded to 16; columns >= K are zero), decoded on the GPU.
     ``version=1`` is the first decode kernel (kept as the benchmark's baseline)."""
-    cp = _cupy()
+    cp = require_cupy()
     if dev.bits is not None:
-        raise NotImplementedError("decode_dense takes float16 Tiled-CBC values only")
+        raise KernelError("decode_dense takes float16 Tiled-CBC values only")
     M, _ = dev.shape
     gr, gc = dev.grid
     kp = gc * TILE[1]
     if out is None:
         out = cp.empty((M, kp), dtype=cp.float16)
     if out.shape != (M, kp) or out.dtype != cp.float16 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a contiguous float16 [{M}, {kp}] array")
+        raise KernelError(f"out must be a contiguous float16 [{M}, {kp}] array")
     if version not in (1, 2):
-        raise ValueError(f"version must be 1 or 2, got {version!r}")
+        raise KernelError(f"version must be 1 or 2, got {version!r}")
     _module().get_function("tcbc_decode_dense2" if version == 2 else "tcbc_decode_dense")(
         (-(-gc // DD_G), gr), (256,), (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, out, np.int32(gc),
                            np.int32(M), np.int32(kp)))
@@ -132,7 +134,7 @@ def spmm_dense(dev: DeviceTiledCBC, X, out=None):
     weight) for cuBLAS's wgmma kernels, which mma.sync cannot match on Hopper. The GEMM goes through
     ``cublas_gemm`` (not CuPy's bindings), so the whole path captures into a CUDA graph.
     X: fp16 [N, Kx >= K] contiguous (columns past K are ignored)."""
-    cp = _cupy()
+    cp = require_cupy()
     M, K = dev.shape
     key = (M, dev.grid[1] * TILE[1])
     ws = _DENSE_WS.get(key)
@@ -140,12 +142,12 @@ def spmm_dense(dev: DeviceTiledCBC, X, out=None):
         ws = _DENSE_WS[key] = cp.empty(key, dtype=cp.float16)
     X = cp.ascontiguousarray(X)
     if X.dtype != cp.float16 or X.ndim != 2 or X.shape[1] < K:
-        raise ValueError(f"X must be a float16 [N, >= {K}] array, got {X.dtype} {X.shape}")
+        raise KernelError(f"X must be a float16 [N, >= {K}] array, got {X.dtype} {X.shape}")
     n = X.shape[0]
     if out is None:
         out = cp.empty((n, M), dtype=cp.float16)
     if out.shape != (n, M) or out.dtype != cp.float16 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a contiguous float16 [{n}, {M}] array")
+        raise KernelError(f"out must be a contiguous float16 [{n}, {M}] array")
     decode_dense(dev, ws)
     # Y [N, M] row-major is Y^T [M, N] column-major: Y^T = W X^T with W [M, Kp] read transposed
     gemm_f16(OP_T, OP_N, M, n, K, ws.data.ptr, ws.shape[1], X.data.ptr, X.shape[1], out.data.ptr, M)
@@ -183,10 +185,10 @@ def spmm_warp(dev: DeviceTiledCBC, X, out, config: tuple[int, int, int] | None =
         n = min(V3_MAX_N, N - n0)
         cfg = v3_config(n) if config is None else tuple(config)
         if cfg not in V3_CONFIGS:
-            raise ValueError(f"config must be one of {V3_CONFIGS}")
+            raise KernelError(f"config must be one of {V3_CONFIGS}")
         nt, nst, mb = cfg
         if 8 * nt < n:
-            raise ValueError(f"config {cfg} covers {8 * nt} tokens, this launch has {n}")
+            raise KernelError(f"config {cfg} covers {8 * nt} tokens, this launch has {n}")
         sp = v3_splits(dev, mb) if splits is None else max(1, min(int(splits), gc))
         cps = -(-gc // sp)
         sp = -(-gc // cps)
@@ -224,7 +226,7 @@ def v4_config(dev: DeviceTiledCBC, n: int, limit: int) -> tuple[int, int, int]:
     nsteps = -(-dev.grid[1] // V4_GK)
     fits = [c for c in V4_CONFIGS if c[0] == bn and v4_smem(dev, c, nsteps) <= limit]
     if not fits:
-        raise ValueError(f"no v4 configuration for {n} tokens fits {limit} bytes of shared memory")
+        raise KernelError(f"no v4 configuration for {n} tokens fits {limit} bytes of shared memory")
     return fits[0]
 
 
@@ -248,23 +250,23 @@ def v4_splits(dev: DeviceTiledCBC, n: int, config: tuple[int, int, int], smem: i
 
 def spmm_wgmma(dev: DeviceTiledCBC, X, out, config: tuple[int, int, int] | None = None, splits: int | None = None):
     """v4 launch (sm_90a: decode into shared memory, wgmma) into ``out`` [N, M]; X is fp16 [N, Kx], Kx % 8 == 0."""
-    cp = _cupy()
+    cp = require_cupy()
     if not wgmma_available():
-        raise RuntimeError("method='wgmma' needs a compute-capability 9.0 GPU (sm_90a)")
+        raise KernelError("method='wgmma' needs a compute-capability 9.0 GPU (sm_90a)")
     N, Kx = X.shape
     M = dev.shape[0]
     gr, gc = dev.grid
     limit = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     cfg = v4_config(dev, N, limit) if config is None else tuple(config)
     if cfg not in V4_CONFIGS:
-        raise ValueError(f"config must be one of {V4_CONFIGS}")
+        raise KernelError(f"config must be one of {V4_CONFIGS}")
     bn, tpr, nst = cfg
     gk = V4_GK
     nsteps = -(-gc // gk)
     sp, sps = _split_plan(nsteps, v4_splits(dev, N, cfg, v4_smem(dev, cfg, 1)) if splits is None else splits)
     smem = v4_smem(dev, cfg, sps)
     if smem > limit:
-        raise ValueError(f"v4 config {cfg} needs {smem} bytes of shared memory, the device allows {limit}")
+        raise KernelError(f"v4 config {cfg} needs {smem} bytes of shared memory, the device allows {limit}")
     raw = -(-dev.max_window_bytes(gk) // 16) * 16
     ntn = -(-N // bn)
     name = f"tcbc_spmm4<{bn}, {tpr}, {nst}>"
@@ -295,7 +297,7 @@ def v5_config(dev: DeviceTiledCBC, n: int, limit: int) -> tuple[int, int]:
         fits = [c for c in V5_CONFIGS if c[0] == bn and v5_smem(dev, c, nsteps) <= limit]
         if fits:
             return fits[0]
-    raise ValueError(f"no v5 configuration for {n} tokens fits {limit} bytes of shared memory")
+    raise KernelError(f"no v5 configuration for {n} tokens fits {limit} bytes of shared memory")
 
 
 def v5_splits(dev: DeviceTiledCBC, n: int, config: tuple[int, int]) -> int:
@@ -317,22 +319,22 @@ def v5_splits(dev: DeviceTiledCBC, n: int, config: tuple[int, int]) -> int:
 def spmm_wgmma5(dev: DeviceTiledCBC, X, out, config: tuple[int, int] | None = None, splits: int | None = None):
     """v5 launch (sm_90a: warp-specialised, W decoded into wgmma's A registers) into ``out`` [N, M]; X is fp16
     [N, Kx], Kx % 8 == 0."""
-    cp = _cupy()
+    cp = require_cupy()
     if not wgmma_available():
-        raise RuntimeError("method='wgmma5' needs a compute-capability 9.0 GPU (sm_90a)")
+        raise KernelError("method='wgmma5' needs a compute-capability 9.0 GPU (sm_90a)")
     N, Kx = X.shape
     M = dev.shape[0]
     gr, gc = dev.grid
     limit = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     cfg = v5_config(dev, N, limit) if config is None else tuple(config)
     if cfg not in V5_CONFIGS:
-        raise ValueError(f"config must be one of {V5_CONFIGS}")
+        raise KernelError(f"config must be one of {V5_CONFIGS}")
     bn, nst = cfg
     nsteps = -(-gc // V4_GK)
     sp, sps = _split_plan(nsteps, v5_splits(dev, N, cfg) if splits is None else splits)
     smem = v5_smem(dev, cfg, sps)
     if smem > limit:
-        raise ValueError(f"v5 config {cfg} needs {smem} bytes of shared memory, the device allows {limit}")
+        raise KernelError(f"v5 config {cfg} needs {smem} bytes of shared memory, the device allows {limit}")
     raw = -(-dev.max_window_bytes(V4_GK) // 16) * 16
     ntn, nmt = -(-N // bn), -(-M // V5_BM)
     name = f"tcbc_spmm5<{bn}, {nst}>"
@@ -360,12 +362,12 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
     method (version 2): "warp" (v3, ``spmm_warp``; ``config`` is then its (NT, NST, MINB)), "fused" (the v2
     tensor-core kernel), "wgmma" (v4, ``spmm_wgmma``; config (BN, TPR, NST)), "dense" (``spmm_dense``) or
     "auto" (``auto_method``). ``version=1`` is always the first fused kernel."""
-    cp = _cupy()
+    cp = require_cupy()
     if dev.bits is not None:
-        raise NotImplementedError("the tensor-core SpMM kernel takes float16 Tiled-CBC values only")
+        raise KernelError("the tensor-core SpMM kernel takes float16 Tiled-CBC values only")
     M, K = dev.shape
     if X.ndim != 2 or X.shape[1] != K or X.dtype != cp.float16:
-        raise ValueError(f"X must be a CuPy float16 array [N, {K}], got {X.dtype} {X.shape}")
+        raise KernelError(f"X must be a CuPy float16 array [N, {K}], got {X.dtype} {X.shape}")
     if K % 8:
         Xp = cp.zeros((X.shape[0], -(-K // 8) * 8), dtype=cp.float16)
         Xp[:, :K] = X
@@ -374,7 +376,7 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
         X, Kx = cp.ascontiguousarray(X), K
     N = X.shape[0]
     if method not in ("warp", "fused", "dense", "wgmma", "wgmma5", "auto"):
-        raise ValueError(f"method must be warp, fused, dense, wgmma, wgmma5 or auto, got {method!r}")
+        raise KernelError(f"method must be warp, fused, dense, wgmma, wgmma5 or auto, got {method!r}")
     if version == 2 and method == "auto":
         method = auto_method(N, wgmma_available())
     if version == 2 and method == "dense":
@@ -382,7 +384,7 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
     if out is None:
         out = cp.empty((N, M), dtype=cp.float16)
     if out.shape != (N, M) or out.dtype != cp.float16 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a contiguous float16 [{N}, {M}] array")
+        raise KernelError(f"out must be a contiguous float16 [{N}, {M}] array")
     if version == 2 and method == "wgmma":
         return spmm_wgmma(dev, X, out, config, splits)
     if version == 2 and method == "wgmma5":
@@ -398,7 +400,7 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
         if config is None:
             config = default_config(N) if bn is None else next(c for c in V2_CONFIGS if c[0] == bn)
         if tuple(config) not in V2_CONFIGS:
-            raise ValueError(f"config must be one of {V2_CONFIGS}")
+            raise KernelError(f"config must be one of {V2_CONFIGS}")
         bn2, nst, mb = config
         nsteps = -(-gc // GK)
         splits = default_splits(dev, N, bn2) if splits is None else max(1, min(int(splits), nsteps))
@@ -419,10 +421,10 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
           shared_mem=smem)
         return out
     if version != 1:
-        raise ValueError(f"version must be 1 or 2, got {version}")
+        raise KernelError(f"version must be 1 or 2, got {version}")
     bn = default_bn(N) if bn is None else int(bn)
     if bn not in CONFIGS:
-        raise ValueError(f"bn must be one of {tuple(CONFIGS)}")
+        raise KernelError(f"bn must be one of {tuple(CONFIGS)}")
     smem = 2 * raw + bk * (TILE[0] + 8) * 2 + 2 * bn * (bk + 8) * 2
     name = f"tcbc_spmm<{bn}, {GK}, {CONFIGS[bn]}>"
     f = _module().get_function(name)

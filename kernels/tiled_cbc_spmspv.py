@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import sm_count
-from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
+from .errors import KernelError
+from .loader import load_module, require_cupy
+from .tiled_cbc_device import TILE, DeviceTiledCBC
 
 NW = 4  # default warps per block
 WARPS = (4, 8)
@@ -159,10 +161,10 @@ def spmspv(
     row-major order (``chunk`` is then ignored; ``scale`` < 1 makes 1/scale waves; ``blocks`` sets the block count);
     False launches split-K chunks of one GTile row per block; None (default) picks stream-K by :func:`use_streamk`
     unless ``chunk`` is given."""
-    cp = _cupy()
+    cp = require_cupy()
     M, K = dev.shape
     if x.shape != (K,) or x.dtype != cp.float16:
-        raise ValueError(f"x must be a CuPy float16 array of shape ({K},), got {x.dtype} {x.shape}")
+        raise KernelError(f"x must be a CuPy float16 array of shape ({K},), got {x.dtype} {x.shape}")
     if x.data.ptr % 16 or not x.flags.c_contiguous:  # the kernels copy X in 16-byte pieces
         x = cp.ascontiguousarray(x).copy()
     bits = 16 if dev.bits is None else int(dev.bits)
@@ -170,7 +172,7 @@ def spmspv(
         out = cp.empty(M, dtype=out_dtype)
     out_f32 = out.dtype == cp.float32
     if not out_f32 and out.dtype != cp.float16:
-        raise ValueError("out must be float16 or float32")
+        raise KernelError("out must be float16 or float32")
     gr, gc = dev.grid
     t = np.float32(-1.0 if tau is None else tau)
     scales = dev.scales_t if dev.scales_t is not None else dev.dummy
@@ -179,19 +181,19 @@ def spmspv(
         if warps is None or stages is None:
             warps, stages = v2_default_config(dev)
         if (bits, warps, stages) not in V2_CONFIGS:
-            raise ValueError(f"v2 (bits, warps, stages) must be one of {V2_CONFIGS}")
+            raise KernelError(f"v2 (bits, warps, stages) must be one of {V2_CONFIGS}")
         slot = v2_slot_bytes(dev)
         smem = v2_smem(dev, warps, stages)
         if mode is None:
             mode = DEFAULT_MODES[bits]
         if mode not in MODES[bits]:
-            raise ValueError(f"mode must be one of {MODES[bits]} for {bits}-bit values, got {mode}")
+            raise KernelError(f"mode must be one of {MODES[bits]} for {bits}-bit values, got {mode}")
         if streamk is None:
             streamk = chunk is None and use_streamk(dev, warps, stages)
         if streamk:
             blocks = streamk_blocks(dev, warps, stages, scale=scale) if blocks is None else int(blocks)
             if not 1 <= blocks <= gr * gc:
-                raise ValueError(f"blocks must be in [1, {gr * gc}] (the layer's GTiles), got {blocks}")
+                raise KernelError(f"blocks must be in [1, {gr * gc}] (the layer's GTiles), got {blocks}")
             grid, nparts, chunk = (blocks, 1), streamk_parts(dev.grid, blocks), 0
         else:
             chunk = v2_default_chunk(dev, warps, stages, scale=scale) if chunk is None else int(chunk)
@@ -210,11 +212,11 @@ def spmspv(
           shared_mem=smem)
         return out
     if version != 1:
-        raise ValueError(f"version must be 1 or 2, got {version}")
+        raise KernelError(f"version must be 1 or 2, got {version}")
     stages = 4 if stages is None else stages
     warps = NW if warps is None else warps
     if stages not in STAGES or warps not in WARPS:
-        raise ValueError(f"stages must be one of {STAGES} and warps one of {WARPS}")
+        raise KernelError(f"stages must be one of {STAGES} and warps one of {WARPS}")
     chunk = default_chunk(dev) if chunk is None else int(chunk)
     splits = -(-gc // chunk)
     ncol = chunk * TILE[1]
@@ -256,7 +258,7 @@ def bytes_read(dev: DeviceTiledCBC, x_host: np.ndarray, tau: float | None) -> in
     t = -1.0 if tau is None else float(tau)
     act = np.zeros(gc * TILE[1], dtype=bool)
     act[:K] = np.abs(x_host.astype(np.float32)) > t
-    ci = _cupy().asnumpy(dev.colinfo).astype(np.int64).reshape(gr, gc * TILE[1])
+    ci = require_cupy().asnumpy(dev.colinfo).astype(np.int64).reshape(gr, gc * TILE[1])
     nnz = ci & 0xFFFF
     vbits = 16 if dev.bits is None else int(dev.bits)
     padded = -(-nnz * vbits // 128) * 16

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 
 from .cluster_launch import _lib
+from .errors import KernelError
 
 FLOAT16, SWIZZLE_128B, L2_PROMOTION_256B = 6, 3, 3  # CUtensorMapDataType / Swizzle / L2promotion (cuda.h)
 
@@ -35,10 +36,10 @@ def fp16_2d(x, box: tuple[int, int]) -> TensorMap:
     128-byte swizzle (``box[0]`` * 2 must be 128: one swizzle row); the row pitch must be a multiple of 16 bytes."""
     rows, cols = x.shape
     if x.dtype.itemsize != 2 or not x.flags.c_contiguous or (cols * 2) % 16 or x.data.ptr % 16:
-        raise ValueError("fp16_2d needs a C-contiguous 2-byte array, 16-byte aligned, rows a multiple of 16 bytes "
+        raise KernelError("fp16_2d needs a C-contiguous 2-byte array, 16-byte aligned, rows a multiple of 16 bytes "
                          f"(got itemsize {x.dtype.itemsize}, {cols} columns, address {x.data.ptr:#x})")
     if box[0] * 2 != 128 or not 1 <= box[1] <= 256:
-        raise ValueError(f"box must be (64, 1..256) for the 128-byte swizzle, got {box}")
+        raise KernelError(f"box must be (64, 1..256) for the 128-byte swizzle, got {box}")
     lib = _lib()
     fn = lib.cuTensorMapEncodeTiled
     fn.restype = ctypes.c_int
@@ -51,5 +52,5 @@ def fp16_2d(x, box: tuple[int, int]) -> TensorMap:
                 strides, boxd, estr, ctypes.c_int(0), ctypes.c_int(SWIZZLE_128B), ctypes.c_int(L2_PROMOTION_256B),
                 ctypes.c_int(0))
     if status != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA driver error {status}")
+        raise KernelError(f"cuTensorMapEncodeTiled failed with CUDA driver error {status}")
     return tmap

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from unionsparse.formats import tiled_cbc
 from unionsparse.formats.errors import FormatError
+from unionsparse.kernels.loader import cupy_or_none
 from unionsparse.kernels.tiled_cbc_check import check_tiled_cbc_layer, tolerance
-from unionsparse.kernels.tiled_cbc_device import cupy_or_none
 from unionsparse.kernels.tiled_cbc_reference import dense_weights_f64, spmm_reference, spmspv_reference
 
 
@@ -646,7 +646,7 @@ def test_default_spmspv_launch_takes_stream_k_only_for_large_badly_filled_layers
 
 def test_launch_rules_size_grids_by_the_device_sm_count():
     from unionsparse.kernels import H200_SMS, sm_count
-    from unionsparse.kernels.tiled_cbc_device import cupy_or_none
+    from unionsparse.kernels.loader import cupy_or_none
 
     cp = cupy_or_none()
     expected = H200_SMS if cp is None else cp.cuda.Device().attributes["MultiProcessorCount"]
