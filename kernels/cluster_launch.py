@@ -101,17 +101,3 @@ def launch_cluster(fn, grid: tuple[int, int], block: tuple[int], shared_mem: int
     status = _lib().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fptr), ptrs, None)
     if status != 0:
         raise KernelError(f"cuLaunchKernelEx (cluster {cluster}, grid {grid}) failed with CUDA driver error {status}")
-
-
-def launch_ex(fn, grid: tuple[int, int, int], block: int, shared_mem: int, args, stream=None) -> None:
-    """Launch CuPy kernel ``fn`` through ``cuLaunchKernelEx`` with no attributes (``args`` as above)."""
-    import cupy as cp
-
-    s = stream if stream is not None else cp.cuda.get_current_stream()
-    cfg = LaunchConfig(gridDimX=grid[0], gridDimY=grid[1], gridDimZ=grid[2], blockDimX=block, blockDimY=1,
-                       blockDimZ=1, sharedMemBytes=shared_mem, hStream=ctypes.c_void_p(s.ptr), attrs=None,
-                       numAttrs=0)
-    ptrs, _keep = kernel_params(args)
-    status = _lib().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(getattr(fn, "kernel", fn).ptr), ptrs, None)
-    if status != 0:
-        raise KernelError(f"cuLaunchKernelEx (grid {grid}) failed with CUDA driver error {status}")
