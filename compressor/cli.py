@@ -440,7 +440,7 @@ def generate(artifact, prompt, batch_file, batch_size, max_new_tokens, temperatu
                      act_sparsity, quiet, as_json, batch_size, verify=not no_verify)
 
 
-cli.add_command(summarize_command)  # compressor/batch.py: one table over a folder of artifacts
+cli.add_command(summarize_command)  # compressor/report/summarize.py: one table over a folder of artifacts
 
 
 def _name_env_vars(group: click.Group) -> None:

@@ -3,7 +3,7 @@
 spMspV (N = 1) at static 50% + dynamic 30% and static 30% + dynamic 30% on SpInfer's 31 (M, K) pairs
 (docs/cli.md) against ``torch.matmul(W, x)`` (cuBLAS fp16 GEMV); SpMM at N = 16..4096 on a subset
 against ``torch.nn.functional.linear(X, W)`` (cuBLAS fp16 GEMM).
-Timing (METHOD.md): each measurement is a CUDA graph of back-to-back launches cycling through copies
+Timing (BENCHMARKS.md): each measurement is a CUDA graph of back-to-back launches cycling through copies
 of the weights whose total exceeds 200 MB (> 3x the 60 MB L2), replayed between CUDA events after a
 warm-up replay; the median over replays, divided by the launches per graph, is reported.
 Weights: random fp16 with a uniformly random mask at the static sparsity, encoded on the GPU
@@ -15,7 +15,7 @@ spMspV also runs on int4 values (``--spmspv-bits``, default 16,4): random nonzer
     python benchmarks/bench_tiled_cbc.py [--quick] [--no-spmm] [--no-spmspv] [--spmspv-bits 16,4]
         [--out benchmarks/results]
 
-``bench_rows`` is the entry point for ``unionsparse bench --format tiled-cbc`` (kernels/bench.py).
+``bench_rows`` is the entry point for ``unionsparse bench --format tiled-cbc`` (``compressor/bench/kernels.py``).
 """
 
 from __future__ import annotations

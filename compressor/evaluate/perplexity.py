@@ -130,18 +130,14 @@ def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynami
     An artifact's tokenizer is ``tokenizer`` or the one stored in it (:func:`load_artifact_tokenizer`);
     MODEL's is its own unless ``tokenizer`` is given. Tiled-CBC layers compute the decode kernel's
     arithmetic, every token with the layer's stored dynamic-pruning threshold unless ``dynamic_pruning``
-    is False (:mod:`.dp_linear`). ``verify``: an artifact's files are checked against its manifest as they are
-    read (``--no-verify``: not).
+    is False (:mod:`unionsparse.formats.arithmetic.sparse_inputs`). ``verify``: an artifact's files are checked
+    against its manifest as they are read (``--no-verify``: not).
     """
     from ..calibrate.layerwise import load_tokenizer
 
     if is_artifact(source):
         from ..artifact.store import Artifact
-
-        try:
-            from ..artifact.store import rebuild_model  # the lead's reader, when it provides one
-        except ImportError:
-            from ..model.rebuild import rebuild_model
+        from ..model.rebuild import rebuild_model
         art = Artifact(source, verify=verify)
         tok = load_artifact_tokenizer(art, tokenizer)  # before the slow rebuild
         model = rebuild_model(art, dynamic_pruning=dynamic_pruning)
@@ -184,7 +180,8 @@ def evaluate_source(
     """Perplexity of MODEL or an artifact on ``text_path``; returns a dict for the CLI (and ``--json``).
 
     ``dynamic_pruning``: a Tiled-CBC artifact's thresholds are applied to every token (see
-    :mod:`.dp_linear`); the result's ``dynamic_pruning`` then gives the fraction of weight reads skipped.
+    :mod:`unionsparse.formats.arithmetic.sparse_inputs`); the result's ``dynamic_pruning`` then gives the
+    fraction of weight reads skipped.
     ``tokenizer``: a model folder, .gguf file, tokenizer folder or hub id to tokenize with (an artifact
     without a stored tokenizer needs it). ``verify`` False: an artifact's manifest is not checked (``--no-verify``).
     Progress bars on stderr (a terminal) unless ``quiet``; at ``--log-level info`` a line per stage.

@@ -1,8 +1,8 @@
 """Linears that read the same input run as one product: Q/K/V and gate/up (docs/runtime.md, "Fused linears").
 
 The artifact stores every linear separately. At load, the stored encodings of the linears of one block that read
-the same input are stacked by rows (:func:`formats.stacking.stack_rows`, each member padded to whole tiles, so the
-bytes are those a fused encoding would have), their scales and outlier side matrices too
+the same input are stacked by rows (:func:`~unionsparse.formats.stacking.stack_rows`, each member padded to whole
+tiles, so the bytes are those a fused encoding would have), their scales and outlier side matrices too
 (:func:`stack_records`); one :class:`~.linear.CompressedLinear` computes the stacked output, and
 :class:`SharedInputLinear` hands each original module path a member that returns its rows of it.
 

@@ -13,7 +13,7 @@ channels (the last group may be shorter):
 * ``code = clamp(rint(x[k] / scale), -2^(b-1), 2^(b-1) - 1)`` with an IEEE float32 division and
   round-half-to-even (CUDA ``__float2int_rn(__fdiv_rn(x, s))``).
 
-It is the weight quantizer's grid (``compressor.quant``): absmax lands on 2^(b-1) - 1/2 steps, so all
+It is the weight quantizer's grid (:mod:`.weights`): absmax lands on 2^(b-1) - 1/2 steps, so all
 2^b levels are used and the positive extreme is clipped by half a step at most. Scales are float16
 so the kernel can read them as ``half``; products of scales are taken in float32.
 """
