@@ -26,6 +26,51 @@ EXIT_BAD_INPUT = 2
 EXIT_BUG = 3
 
 
+class LiveChoice(click.Choice):
+    """A choice whose values ``values()`` gives when the option is parsed (``--format``: the registered formats,
+    so that a format registered after this module was imported is a choice too)."""
+
+    def __init__(self, values) -> None:
+        self._values = values
+        super().__init__(values())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._values())
+
+    @choices.setter
+    def choices(self, _value) -> None:
+        pass
+
+
+def FormatChoice() -> LiveChoice:  # noqa: N802 - a click type, as click.Choice
+    return LiveChoice(registry.names)
+
+
+def config_options(command):
+    """The ``compress`` options, one per ``config.option`` field of CompressConfig, in its order: flags, help,
+    choices and type come from the configuration, which validates the values (docs/cli.md)."""
+    import dataclasses
+
+    from .config import CompressConfig
+
+    for f in reversed(dataclasses.fields(CompressConfig)):
+        meta = f.metadata.get("cli")
+        if meta is None:
+            continue
+        kw: dict = {"help": meta["help"], "metavar": meta["metavar"], "multiple": meta["multiple"]}
+        choices = meta["choices"]
+        if isinstance(f.default, bool):
+            kw["is_flag"] = True
+        else:
+            kw["default"] = None if meta["multiple"] else f.default
+            kw["show_default"] = f.default is not None and not meta["multiple"]
+            kw["type"] = (LiveChoice(choices) if callable(choices) else click.Choice(choices) if choices
+                          else meta["type"] or (type(f.default) if f.default is not None else None))
+        command = click.option(*meta["flags"], f.name, **kw)(command)
+    return command
+
+
 def _ns(text: str) -> list[int]:
     try:
         ns = [int(v) for v in text.split(",") if v.strip()]
@@ -77,67 +122,18 @@ def cli(log_level: str) -> None:
               help="Recipe file (.yaml/.json) or an OUT.zarr whose recipe to reuse; flags override it.")
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Artifact path, OUT.zarr.")
-@click.option("--prune", default="magnitude", show_default=True,
-              type=click.Choice(["wanda", "sparsegpt", "magnitude", "none"]), help="Pruning method.")
-@click.option("--sparsity", default=0.5, show_default=True, type=float)
-@click.option("--nm", default=None, help="N:M semi-structured mask such as 2:4 (instead of unstructured).")
-@click.option("--sparsity-profile", default="uniform", show_default=True, type=click.Choice(["uniform", "owl"]))
-@click.option("--quant", default="w4a4", show_default=True, type=click.Choice(["w4a4", "w2a4", "w4a16", "none"]),
-              help="Weight/activation bits (none: fp16 values, tiled-cbc).")
-@click.option("--group-size", default=128, show_default=True, type=int)
-@click.option("--gptq", is_flag=True, help="GPTQ weight error feedback (needs --prune wanda|sparsegpt).")
-@click.option("--clip-search", is_flag=True, help="Per-group weight clip ratios scored on calibration H.")
-@click.option("--keep-outliers", default=0, show_default=True, type=int,
-              help="Atom: the N most active input channels as an 8-bit side matrix (ie-bme, w4a4|w2a4).")
-@click.option("--format", "fmt", default=registry.names()[0], show_default=True,
-              type=click.Choice(registry.names()))
-@click.option("--tile", default=None, help="Local tile HxW (ie-bme 16x64, tiled-cbc 256x16).")
-@click.option("--areas", default="2x2", show_default=True, help="IE-BME area grid R_AxC_A.")
-@click.option("--reorder", default="auto", show_default=True, type=click.Choice(["auto", "dp", "cpsat", "none"]),
-              help="Row reordering (ie-bme).")
-@click.option("--calib", default="c4", show_default=True, help="c4|alpaca|PATH (.json/.jsonl/.json.gz/.parquet)")
-@click.option("--nsamples", default=128, show_default=True, type=int)
-@click.option("--seqlen", default=2048, show_default=True, type=int)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
-@click.option("--workers", default=None, type=int, help="Local Dask workers for reordering/encoding.")
-@click.option("--scheduler", default=None, help="Address of an existing Dask scheduler.")
-@click.option("--act-sparsity", "--dp-sparsity", "act_sparsity", default=0.0, show_default=True, type=float,
-              help="Activation sparsity (TEAL) target: per-layer thresholds for formats whose decode kernel skips "
-                   "small inputs (tiled-cbc). --dp-sparsity: the old name, kept for one release.")
-@click.option("--act-sparsity-profile", "--dp-profile", "act_sparsity_profile", default="uniform", show_default=True,
-              type=click.Choice(["uniform", "greedy"]), help="Per-layer targets: uniform, or greedy (TEAL).")
-@click.option("--act-sparsity-calib", "--dp-calib", "act_sparsity_calib", default="alpaca", show_default=True,
-              help="Activation-sparsity calibration text: c4|alpaca|PATH (as --calib).")
-@click.option("--targets", multiple=True, metavar="REGEX",
-              help="Compress only the decoder linears whose module path matches (repeatable; default: all).")
-@click.option("--ignore", multiple=True, metavar="REGEX",
-              help="Keep the matching decoder linears dense fp16 (repeatable).")
-@click.option("--layer-overrides", default=None, metavar="JSON",
-              help='Per-layer options, e.g. \'[{"match": ".*down_proj", "quant": "w4a16"}]\' (docs/cli.md, '
-                   '"Per-layer rules"); usually from a recipe file.')
-@click.option("--resume", is_flag=True, help="Continue an interrupted run after its last complete layer.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT.zarr if it exists.")
+@config_options
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_size, gptq, clip_search,
-             keep_outliers, fmt, tile, areas, reorder,
-             calib, nsamples, seqlen, seed, device, workers, scheduler, act_sparsity, act_sparsity_profile,
-             act_sparsity_calib, targets, ignore, layer_overrides, resume, overwrite, quiet, as_json) -> None:
+def compress(model, output, quiet, as_json, **options) -> None:
     """Compress MODEL (a model folder, a .gguf file or a hub id) into OUT.zarr."""
     from .config import CompressConfig
     from .pipeline.compress import compress as run
     from .progress import Reporter
 
-    cfg = CompressConfig(
-        model=model, output=output, prune=prune, sparsity=sparsity, nm=nm, sparsity_profile=sparsity_profile,
-        quant=quant, group_size=group_size, gptq=gptq, clip_search=clip_search, keep_outliers=keep_outliers,
-        format=fmt, tile=tile, areas=areas, reorder=reorder, calib=calib,
-        nsamples=nsamples, seqlen=seqlen, seed=seed, device=device, workers=workers, scheduler=scheduler,
-        act_sparsity=act_sparsity, act_sparsity_profile=act_sparsity_profile, act_sparsity_calib=act_sparsity_calib,
-        targets=tuple(targets), ignore=tuple(ignore), layer_overrides=parse_overrides_option(layer_overrides),
-        resume=resume, overwrite=overwrite,
-    ).validate()
+    options["layer_overrides"] = parse_overrides_option(options["layer_overrides"])
+    options["targets"], options["ignore"] = tuple(options["targets"]), tuple(options["ignore"])
+    cfg = CompressConfig(model=model, output=output, **options).validate()
     with Reporter(quiet=quiet or as_json) as rep:
         summary = run(cfg, rep)
     summary["requested_sparsity"] = cfg.requested_sparsity
@@ -259,8 +255,8 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
               help="Kernel corpus (without ARTIFACT).")
 @click.option("--n", "ns", default="1,2,4,8,16,32", show_default=True, help="Decode widths.")
 @click.option("--sparsity", default=0.5, show_default=True, type=float)
-@click.option("--format", "fmt", default=registry.names()[0], show_default=True,
-              type=click.Choice(registry.names()), help="Kernels to time.")
+@click.option("--format", "fmt", default=registry.names()[0], show_default=True, type=FormatChoice(),
+              help="Kernels to time.")
 @click.option("--e2e", is_flag=True,
               help="Time per output token of whole decode steps (one CUDA graph per step) for every linear kind "
                    "beside dense fp16 and W4A16, with the breakdown and the byte floor (docs/cli.md).")

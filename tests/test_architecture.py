@@ -70,6 +70,29 @@ def test_no_format_name_literals_outside_formats():
     assert not offenders, "\n".join(offenders)
 
 
+def test_no_format_module_or_matrix_type_above_formats():
+    """Above formats/, the compressor asks the registry (``registry.get`` / ``registry.of``, a Format's capabilities
+    and ``kernel_ops``) instead of importing a format's module or type-checking its matrix type. The kernel
+    benchmarks (``compressor/bench/``) time particular formats' kernels and are exempt; kernels/ and solvers/
+    implement particular formats."""
+    pattern = re.compile(r"formats(\.|\s+import\s+.*\b)(iebme|tiled_cbc)\b|\b(IEBMEMatrix|TiledCBCMatrix)\b"
+                         r"|registry\.Matrix\s*=|\bisinstance\([^)]*Matrix\)")
+    offenders = []
+    for p in (ROOT / "compressor").rglob("*.py"):
+        if p.parent.name == "bench":
+            continue
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if pattern.search(line.split("#", 1)[0]):
+                offenders.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_registry_imports_no_format():
+    """Formats register themselves; the registry module knows none of them."""
+    text = (ROOT / "formats" / "registry.py").read_text()
+    assert not re.search(r"^\s*(from|import)\s+.*\b(iebme|tiled_cbc)\b", text, re.M)
+
+
 def test_every_library_error_is_a_value_error():
     from unionsparse.compressor.errors import UserError
     from unionsparse.formats import FormatError, UnionsparseError
