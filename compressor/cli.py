@@ -81,20 +81,24 @@ def _ns(text: str) -> list[int]:
     return ns
 
 
-def _check_artifact(path: str, no_verify: bool, open_now: bool = True, every_file: bool = False) -> None:
+def _check_artifact(path: str, no_verify: bool, open_now: bool = True, every_file: bool = False):
     """Commands that use an artifact open it with its manifest checked (signature, files, sizes; then each file as
     it is read: one line, exit 2, when one differs); ``open_now``: here, before any other work; ``every_file``:
     every file's SHA-256 too (bench, which reads them all after its own checks). ``--no-verify`` skips the checks
-    and says so on stderr."""
+    and says so on stderr. Returns the Artifact opened here (None: not opened here), which the command uses: an
+    artifact is opened once per command."""
     from .artifact.store import Artifact
 
     if no_verify:
         click.echo(printable(f"note: --no-verify: {path} is used without checking its files against its manifest"),
                    err=True)
-    elif open_now:
-        art = Artifact(path)
-        if every_file:
-            art.check_files()
+        return Artifact(path, verify=False) if open_now else None
+    if not open_now:
+        return None
+    art = Artifact(path)
+    if every_file:
+        art.check_files()
+    return art
 
 
 def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -283,8 +287,7 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
     decode steps."""
     from .config import choice
 
-    if artifact:
-        _check_artifact(artifact, no_verify, every_file=True)
+    opened = _check_artifact(artifact, no_verify, every_file=True) if artifact else None
 
     e2e_only = {"--spec": spec, "--batch": batches, "--context": contexts, "--kinds": kinds, "--steps": steps,
                 "--device": device, "--time-budget": time_budget, "--out": out_dir, "--record": record or None}
@@ -311,7 +314,7 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
     if not 0.0 <= sparsity < 1.0:
         raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")
     choice("--format", fmt, registry.names())
-    data = bench_command(artifact, shapes, _ns(ns), sparsity, as_json, fmt=fmt, verify=not no_verify)
+    data = bench_command(opened or artifact, shapes, _ns(ns), sparsity, as_json, fmt=fmt, verify=not no_verify)
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
@@ -351,12 +354,11 @@ def eval_cmd(source, text_path, seqlen, max_windows, tasks, tasks_data, limit, b
     is_artifact = store_attrs(Path(source)) is not None
     if record and not is_artifact:
         raise UserError(f"--record: {source} is not a unionsparse artifact (figures are kept beside artifacts)")
-    if is_artifact:
-        _check_artifact(source, no_verify)
+    opened = _check_artifact(source, no_verify) if is_artifact else None
     from .report.figures import record as keep
 
     if check_eval_mode(text_path, max_windows, tasks, limit, batch_size):
-        res = evaluate_tasks(source, tasks, tasks_data, limit, batch_size, device, dynamic_pruning=dp,
+        res = evaluate_tasks(opened or source, tasks, tasks_data, limit, batch_size, device, dynamic_pruning=dp,
                              tokenizer=tokenizer, verify=not no_verify)
         if record:
             for name, t in res["tasks"].items():
@@ -364,8 +366,8 @@ def eval_cmd(source, text_path, seqlen, max_windows, tasks, tasks_data, limit, b
                      {m: v["value"] for m, v in t["metrics"].items()})
         click.echo(json.dumps(res, indent=2) if as_json else format_table(res))
         return
-    res = evaluate_source(source, text_path, seqlen, max_windows, device, dynamic_pruning=dp, tokenizer=tokenizer,
-                          verify=not no_verify, quiet=as_json)
+    res = evaluate_source(opened or source, text_path, seqlen, max_windows, device, dynamic_pruning=dp,
+                          tokenizer=tokenizer, verify=not no_verify, quiet=as_json)
     if record:
         key = f"{Path(text_path).name}, seqlen {seqlen}" + (f", {max_windows} windows" if max_windows else "")
         keep(source, "perplexity", key + ("" if dp else ", no activation sparsity"),

@@ -373,7 +373,7 @@ def _tiled_cbc_shapes(shapes, ns: list[int], sparsity: float, log) -> dict:
 _SHAPE_BENCHES = {"iebme_spmm": _iebme_shapes, "spmspv": _tiled_cbc_shapes}  # by runtime op (Format.kernel_ops)
 
 
-def bench_artifact(path: str, ns: list[int], verify: bool = True) -> list[dict]:
+def bench_artifact(path, ns: list[int], verify: bool = True) -> list[dict]:
     """Time every IE-BME W4/W2 and Tiled-CBC layer of an artifact (its real arrays) beside cuBLAS fp16 on its
     shape, and IE-BME beside dense int8 too (Tiled-CBC: ``tiled_cbc_bench.bench_layer``)."""
     import cupy as cp
@@ -384,7 +384,7 @@ def bench_artifact(path: str, ns: list[int], verify: bool = True) -> list[dict]:
     from ..artifact.store import Artifact
     from .tiled_cbc import bench_layer
 
-    art = Artifact(path, verify=verify)
+    art = path if isinstance(path, Artifact) else Artifact(path, verify=verify)  # opened once by the command
     rows = []
     for name in art.layer_names:
         rec = art.read_layer(name)

@@ -98,10 +98,28 @@ def perplexity(
     return ppl
 
 
-def is_artifact(source: str | Path) -> bool:
-    """True when ``source`` is a zarr directory store (an artifact rather than a model)."""
+def is_artifact(source) -> bool:
+    """True when ``source`` is an open Artifact or a zarr directory store (an artifact rather than a model)."""
+    from ..artifact.store import Artifact
+
+    if isinstance(source, Artifact):
+        return True
     p = Path(source)
     return p.is_dir() and (p / "zarr.json").is_file()
+
+
+def source_name(source) -> str:
+    """The path of MODEL or of an artifact (open or not), as the results name it."""
+    from ..artifact.store import Artifact
+
+    return str(source.path) if isinstance(source, Artifact) else str(source)
+
+
+def open_artifact(source, verify: bool = True):
+    """``source`` itself when it is an open Artifact (a command opens its artifact once), else opened here."""
+    from ..artifact.store import Artifact
+
+    return source if isinstance(source, Artifact) else Artifact(source, verify=verify)
 
 
 def load_artifact_tokenizer(art, tokenizer: str | Path | None = None):
@@ -136,9 +154,9 @@ def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynami
     from ..calibrate.layerwise import load_tokenizer
 
     if is_artifact(source):
-        from ..artifact.store import Artifact
         from ..model.rebuild import rebuild_model
-        art = Artifact(source, verify=verify)
+
+        art = open_artifact(source, verify)
         tok = load_artifact_tokenizer(art, tokenizer)  # before the slow rebuild
         model = rebuild_model(art, dynamic_pruning=dynamic_pruning)
         return model.eval(), tok, "artifact"
@@ -155,12 +173,11 @@ def load_artifact_on_gpu(source: str | Path, dynamic_pruning: bool = True, token
     """``(model, tokenizer, "artifact")``: the artifact as ``generate --device cuda`` runs it (its CuPy kernels,
     fused Q/K/V and gate/up, float16 dense parts), with the stored thresholds applied to every token as the CPU
     path's eval does (docs/runtime.md, "eval on a GPU")."""
-    from ..artifact.store import Artifact
     from ..runtime.cuda import require_cuda
     from ..runtime.model import build_model, thresholds_on_every_row
 
     require_cuda()
-    art = Artifact(source, verify=verify)
+    art = open_artifact(source, verify)
     tok = load_artifact_tokenizer(art, tokenizer)  # before the slow build
     model = build_model(art, "cuda", "cuda", dynamic_pruning=dynamic_pruning, fuse=True)
     return thresholds_on_every_row(model), tok, "artifact"
@@ -195,12 +212,13 @@ def evaluate_source(
     text = load_eval_text(text_path)  # check the text before the slow model load
     from ..preflight import check_eval_args
 
-    check_eval_args(str(source), seqlen, max_windows, verify)  # and the window length against the context
+    # and the window length against the context
+    check_eval_args(source if is_artifact(source) else str(source), seqlen, max_windows, verify)
     from ..progress import Reporter
 
     t0 = time.perf_counter()
     with Reporter(quiet=quiet) as rep:
-        what = "rebuilding the artifact" if is_artifact(source) else f"loading {Path(str(source)).name}"
+        what = "rebuilding the artifact" if is_artifact(source) else f"loading {Path(source_name(source)).name}"
         with rep.stage(what, total=None):
             if device == "cuda" and is_artifact(source):  # the runtime users run: the artifact's kernels, float16
                 model, tok, kind = load_artifact_on_gpu(source, dynamic_pruning, tokenizer, verify)
@@ -216,7 +234,7 @@ def evaluate_source(
 
     return {
         "dynamic_pruning": activation_sparsity_summary(model),
-        "source": str(source),
+        "source": source_name(source),
         "kind": kind,
         "device": device,
         "runtime": "cuda kernels, float16" if device == "cuda" and kind == "artifact" else "torch, float32",
