@@ -99,10 +99,11 @@ def _study_shape(cp, torch, M, K, static, ns, reps, seed, limit, parts=()):
 
 
 def main(argv=None) -> int:
-    from unionsparse.compressor.bench.tiled_cbc import SPMM_NS, SPMM_SHAPES, _token_counts
+    from bench_tiled_cbc import token_counts  # benchmarks/, beside this script
+    from unionsparse.compressor.bench.tiled_cbc import SPMM_NS, SPMM_SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ns", type=_token_counts, default=SPMM_NS)
+    ap.add_argument("--ns", type=token_counts, default=SPMM_NS)
     ap.add_argument("--shapes", type=_shapes, default=SPMM_SHAPES)
     ap.add_argument("--static", type=float, default=0.5)
     ap.add_argument("--out", default="benchmarks/results")

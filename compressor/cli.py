@@ -63,10 +63,11 @@ def config_options(command):
         if isinstance(f.default, bool):
             kw["is_flag"] = True
         else:
-            kw["default"] = None if meta["multiple"] else f.default
-            kw["show_default"] = f.default is not None and not meta["multiple"]
+            empty = meta["multiple"] or isinstance(f.default, tuple)  # nothing given: the configuration's ()
+            kw["default"] = None if empty else f.default
+            kw["show_default"] = f.default is not None and not empty
             kw["type"] = (LiveChoice(choices) if callable(choices) else click.Choice(choices) if choices
-                          else meta["type"] or (type(f.default) if f.default is not None else None))
+                          else meta["type"] or (type(f.default) if f.default is not None and not empty else None))
         command = click.option(*meta["flags"], f.name, **kw)(command)
     return command
 
