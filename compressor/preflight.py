@@ -265,12 +265,13 @@ def check_eval_args(source, seqlen: int, max_windows: int | None, verify: bool =
         raise UserError(f"--max-windows must be >= 1, got {max_windows}")
     from .artifact.store import Artifact
 
+    name = str(source.path) if isinstance(source, Artifact) else str(source)
     if isinstance(source, Artifact):
         attrs = source.attrs
     elif (attrs := store_attrs(Path(source))) is not None:  # an artifact: opened through the scanned store
         attrs = Artifact(source, verify=verify).attrs  # its manifest too, unless --no-verify
-    context = model_context(attrs.get("model_config")) if attrs is not None else source_context(str(source))
-    check_seqlen("--seqlen", seqlen, context, str(source))
+    context = model_context(attrs.get("model_config")) if attrs is not None else source_context(name)
+    check_seqlen("--seqlen", seqlen, context, name)
 
 
 def read_user_text(flag: str, path: str | Path) -> str:
