@@ -189,7 +189,7 @@ def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> 
     """PMR/CR statistics of ARTIFACT, per layer and for the whole model."""
     from rich.console import Console
 
-    from .report.tables import inspect_data, print_tables
+    from .report.tables import inspect_data, print_tables, without_baselines
 
     if recipe:
         from .recipe import read_recipe, recipe_yaml
@@ -207,7 +207,7 @@ def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> 
         if html_file:
             click.echo(f"wrote {write_html(data, html_file, render(data))}", err=True)
         if not compare:
-            data = inspect_data(artifact, layer, False)
+            data = without_baselines(data)  # the artifact is read once
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
