@@ -18,7 +18,7 @@ dense FLOPs, so its floor is max(read floor of its bytes, 2·M·K·N / the best 
 ceiling = t_cuBLAS / that floor.
 
 Timing: CUDA graphs of back-to-back launches, each launch on its own copy of the data (copies together
-> 200 MB, beyond the 60 MB L2), median of replays (``kernels/tiled_cbc_bench.time_graph_*``). Writes
+> 200 MB, beyond the 60 MB L2), median of replays (``compressor/bench/tiled_cbc.py``'s ``time_graph_*``). Writes
 ``ceilings_h200.json`` and ``ceilings_h200.md`` to --out.
 """
 

@@ -134,7 +134,7 @@ def compress_model(model, samples, cfg: dict, device: str, max_blocks: int | Non
     from unionsparse.compressor import pruning
     from unionsparse.compressor.calibrate.layerwise import calibrated_blocks
     from unionsparse.compressor.model.loading import block_linears, find_blocks
-    from unionsparse.compressor.quantize.fake_quant import replace_linear
+    from unionsparse.compressor.model.modules import replace_linear
     from unionsparse.compressor.quantize.layer import QuantSpec, TokenTap, quantize_layer
 
     spec = None

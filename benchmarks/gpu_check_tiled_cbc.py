@@ -77,9 +77,8 @@ def main(argv=None) -> int:
         dev = DeviceTiledCBC(m, s, g)
         w64 = dense_weights_f64(m, s, g)
         b = 16 if bits is None else bits
-        runs = [dict(version=1)] + [dict(version=2, warps=w, stages=st, mode=md) for bb, w, st in V2_CONFIGS
-                                    if bb == b for md in MODES[b] if md != 1]
-        runs += [dict(version=2, warps=w, stages=st, streamk=True, blocks=nb) for bb, w, st in V2_CONFIGS if bb == b
+        runs = [dict(warps=w, stages=st, mode=md) for bb, w, st in V2_CONFIGS if bb == b for md in MODES[b]]
+        runs += [dict(warps=w, stages=st, streamk=True, blocks=nb) for bb, w, st in V2_CONFIGS if bb == b
                  for nb in (1, 3, None)]
         for tau in (None, 0.0, 0.4, 1.5):
             x = rng.standard_normal(K).astype(np.float16)
@@ -111,8 +110,7 @@ def main(argv=None) -> int:
             X = rng.standard_normal((n, K)).astype(np.float16)
             truth = X.astype(np.float64) @ W.astype(np.float64).T
             bound = tolerance(W.astype(np.float64), X.astype(np.float64), 2.0, True)
-            runs = [dict(version=1, bn=64), dict(version=1, bn=128)]
-            runs += [dict(config=c, splits=sp, method="fused") for c in MM_CFG for sp in (1, 3, 40, None)]
+            runs = [dict(config=c, splits=sp, method="fused") for c in MM_CFG for sp in (1, 3, 40, None)]
             runs += [dict(method="dense"), dict(method="auto")]
             for kw in runs:
                 for _ in range(2):

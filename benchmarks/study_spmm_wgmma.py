@@ -1,12 +1,12 @@
-"""Same-run study of the Tiled-CBC SpMM wgmma kernels (v4, v5; sm_90a) beside cuBLAS fp16 and the shipped methods.
+"""Same-run study of the Tiled-CBC SpMM wgmma kernel (v4; sm_90a) beside cuBLAS fp16 and the shipped methods.
 
     python benchmarks/study_spmm_wgmma.py [--ns 8,16,...] [--shapes 4096x4096,...] [--static 0.5]
         [--out DIR] [--name spmm_wgmma.json]
 
 Per shape and token count N, in one process: cuBLAS fp16 (torch linear), the shipped ``method="auto"``,
 the dense path (decode + cuBLAS, one graph), v4 with its default launch and with each variant in VARIANTS
-(config, splits), and v5 with its default launch, its other configs and one split, each checked against an
-fp32 product first (relative error) and timed as CUDA-graph replays over weight copies beyond L2 (median).
+(config, splits), each checked against an fp32 product first (relative error) and timed as CUDA-graph replays
+over weight copies beyond L2 (median).
 Writes DIR/NAME (JSON) and prints geomean speedups over cuBLAS per N and per variant.
 """
 
@@ -36,7 +36,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 def _skip_build(skip: int):
     """Launch v4 from a build with -DTCBC_V4_SKIP=skip inside the block."""
     from unionsparse.kernels import tiled_cbc_spmm as k
-    from unionsparse.kernels.tiled_cbc_device import load_module
+    from unionsparse.kernels.loader import load_module
 
     saved, saved_smem = k._module, dict(k._SMEM_SET)
     k._module = lambda: load_module("tiled_cbc_spmm", k._EXPR + k._EXPR_V4,
@@ -58,16 +58,7 @@ def _study_shape(cp, torch, M, K, static, ns, reps, seed, limit, parts=()):
         time_graph_cupy,
         time_graph_torch,
     )
-    from unionsparse.kernels.tiled_cbc_spmm import (
-        V5_CONFIGS,
-        spmm,
-        v4_config,
-        v4_smem,
-        v4_splits,
-        v5_config,
-        v5_smem,
-        v5_splits,
-    )
+    from unionsparse.kernels.tiled_cbc_spmm import spmm, v4_config, v4_smem, v4_splits
 
     Wd, devs = rotated_copies(cp, torch, random_weights(cp, M, K, static, seed))
     Wt, dev0, nd, nc = Wd[0], devs[0], len(Wd), len(devs)
@@ -94,14 +85,6 @@ def _study_shape(cp, torch, M, K, static, ns, reps, seed, limit, parts=()):
         cfg = v4_config(dev0, n, limit)
         row["v4_default"] = dict(config=list(cfg), splits=v4_splits(dev0, n, cfg, v4_smem(dev0, cfg, 1)))
         timed("v4", method="wgmma")
-        cfg5 = v5_config(dev0, n, limit)
-        row["v5_default"] = dict(config=list(cfg5), splits=v5_splits(dev0, n, cfg5))
-        timed("v5", method="wgmma5")
-        for c5 in V5_CONFIGS:
-            if c5 != cfg5 and v5_smem(dev0, c5, -(-dev0.grid[1] // 4)) <= limit and c5[0] <= max(2 * n, 64):
-                timed(f"v5 {list(c5)}", method="wgmma5", config=c5)
-        if v5_splits(dev0, n, cfg5) > 1:
-            timed("v5 splits=1", method="wgmma5", splits=1)
         for skip in parts:  # the default launch without its decode and/or wgmma (results are wrong by design)
             with _skip_build(skip):
                 timed(f"v4 skip={skip}", method="wgmma")
@@ -116,10 +99,11 @@ def _study_shape(cp, torch, M, K, static, ns, reps, seed, limit, parts=()):
 
 
 def main(argv=None) -> int:
-    from unionsparse.compressor.bench.tiled_cbc import SPMM_NS, SPMM_SHAPES, _token_counts
+    from bench_tiled_cbc import token_counts  # benchmarks/, beside this script
+    from unionsparse.compressor.bench.tiled_cbc import SPMM_NS, SPMM_SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ns", type=_token_counts, default=SPMM_NS)
+    ap.add_argument("--ns", type=token_counts, default=SPMM_NS)
     ap.add_argument("--shapes", type=_shapes, default=SPMM_SHAPES)
     ap.add_argument("--static", type=float, default=0.5)
     ap.add_argument("--out", default="benchmarks/results")

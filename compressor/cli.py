@@ -26,6 +26,52 @@ EXIT_BAD_INPUT = 2
 EXIT_BUG = 3
 
 
+class LiveChoice(click.Choice):
+    """A choice whose values ``values()`` gives when the option is parsed (``--format``: the registered formats,
+    so that a format registered after this module was imported is a choice too)."""
+
+    def __init__(self, values) -> None:
+        self._values = values
+        super().__init__(values())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._values())
+
+    @choices.setter
+    def choices(self, _value) -> None:
+        pass
+
+
+def FormatChoice() -> LiveChoice:  # noqa: N802 - a click type, as click.Choice
+    return LiveChoice(registry.names)
+
+
+def config_options(command):
+    """The ``compress`` options, one per ``config.option`` field of CompressConfig, in its order: flags, help,
+    choices and type come from the configuration, which validates the values (docs/cli.md)."""
+    import dataclasses
+
+    from .config import CompressConfig
+
+    for f in reversed(dataclasses.fields(CompressConfig)):
+        meta = f.metadata.get("cli")
+        if meta is None:
+            continue
+        kw: dict = {"help": meta["help"], "metavar": meta["metavar"], "multiple": meta["multiple"]}
+        choices = meta["choices"]
+        if isinstance(f.default, bool):
+            kw["is_flag"] = True
+        else:
+            empty = meta["multiple"] or isinstance(f.default, tuple)  # nothing given: the configuration's ()
+            kw["default"] = None if empty else f.default
+            kw["show_default"] = f.default is not None and not empty
+            kw["type"] = (LiveChoice(choices) if callable(choices) else click.Choice(choices) if choices
+                          else meta["type"] or (type(f.default) if f.default is not None and not empty else None))
+        command = click.option(*meta["flags"], f.name, **kw)(command)
+    return command
+
+
 def _ns(text: str) -> list[int]:
     try:
         ns = [int(v) for v in text.split(",") if v.strip()]
@@ -36,20 +82,24 @@ def _ns(text: str) -> list[int]:
     return ns
 
 
-def _check_artifact(path: str, no_verify: bool, open_now: bool = True, every_file: bool = False) -> None:
+def _check_artifact(path: str, no_verify: bool, open_now: bool = True, every_file: bool = False):
     """Commands that use an artifact open it with its manifest checked (signature, files, sizes; then each file as
     it is read: one line, exit 2, when one differs); ``open_now``: here, before any other work; ``every_file``:
     every file's SHA-256 too (bench, which reads them all after its own checks). ``--no-verify`` skips the checks
-    and says so on stderr."""
+    and says so on stderr. Returns the Artifact opened here (None: not opened here), which the command uses: an
+    artifact is opened once per command."""
     from .artifact.store import Artifact
 
     if no_verify:
         click.echo(printable(f"note: --no-verify: {path} is used without checking its files against its manifest"),
                    err=True)
-    elif open_now:
-        art = Artifact(path)
-        if every_file:
-            art.check_files()
+        return Artifact(path, verify=False) if open_now else None
+    if not open_now:
+        return None
+    art = Artifact(path)
+    if every_file:
+        art.check_files()
+    return art
 
 
 def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -77,67 +127,18 @@ def cli(log_level: str) -> None:
               help="Recipe file (.yaml/.json) or an OUT.zarr whose recipe to reuse; flags override it.")
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Artifact path, OUT.zarr.")
-@click.option("--prune", default="magnitude", show_default=True,
-              type=click.Choice(["wanda", "sparsegpt", "magnitude", "none"]), help="Pruning method.")
-@click.option("--sparsity", default=0.5, show_default=True, type=float)
-@click.option("--nm", default=None, help="N:M semi-structured mask such as 2:4 (instead of unstructured).")
-@click.option("--sparsity-profile", default="uniform", show_default=True, type=click.Choice(["uniform", "owl"]))
-@click.option("--quant", default="w4a4", show_default=True, type=click.Choice(["w4a4", "w2a4", "w4a16", "none"]),
-              help="Weight/activation bits (none: fp16 values, tiled-cbc).")
-@click.option("--group-size", default=128, show_default=True, type=int)
-@click.option("--gptq", is_flag=True, help="GPTQ weight error feedback (needs --prune wanda|sparsegpt).")
-@click.option("--clip-search", is_flag=True, help="Per-group weight clip ratios scored on calibration H.")
-@click.option("--keep-outliers", default=0, show_default=True, type=int,
-              help="Atom: the N most active input channels as an 8-bit side matrix (ie-bme, w4a4|w2a4).")
-@click.option("--format", "fmt", default=registry.names()[0], show_default=True,
-              type=click.Choice(registry.names()))
-@click.option("--tile", default=None, help="Local tile HxW (ie-bme 16x64, tiled-cbc 256x16).")
-@click.option("--areas", default="2x2", show_default=True, help="IE-BME area grid R_AxC_A.")
-@click.option("--reorder", default="auto", show_default=True, type=click.Choice(["auto", "dp", "cpsat", "none"]),
-              help="Row reordering (ie-bme).")
-@click.option("--calib", default="c4", show_default=True, help="c4|alpaca|PATH (.json/.jsonl/.json.gz/.parquet)")
-@click.option("--nsamples", default=128, show_default=True, type=int)
-@click.option("--seqlen", default=2048, show_default=True, type=int)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
-@click.option("--workers", default=None, type=int, help="Local Dask workers for reordering/encoding.")
-@click.option("--scheduler", default=None, help="Address of an existing Dask scheduler.")
-@click.option("--act-sparsity", "--dp-sparsity", "act_sparsity", default=0.0, show_default=True, type=float,
-              help="Activation sparsity (TEAL) target: per-layer thresholds for formats whose decode kernel skips "
-                   "small inputs (tiled-cbc). --dp-sparsity: the old name, kept for one release.")
-@click.option("--act-sparsity-profile", "--dp-profile", "act_sparsity_profile", default="uniform", show_default=True,
-              type=click.Choice(["uniform", "greedy"]), help="Per-layer targets: uniform, or greedy (TEAL).")
-@click.option("--act-sparsity-calib", "--dp-calib", "act_sparsity_calib", default="alpaca", show_default=True,
-              help="Activation-sparsity calibration text: c4|alpaca|PATH (as --calib).")
-@click.option("--targets", multiple=True, metavar="REGEX",
-              help="Compress only the decoder linears whose module path matches (repeatable; default: all).")
-@click.option("--ignore", multiple=True, metavar="REGEX",
-              help="Keep the matching decoder linears dense fp16 (repeatable).")
-@click.option("--layer-overrides", default=None, metavar="JSON",
-              help='Per-layer options, e.g. \'[{"match": ".*down_proj", "quant": "w4a16"}]\' (docs/cli.md, '
-                   '"Per-layer rules"); usually from a recipe file.')
-@click.option("--resume", is_flag=True, help="Continue an interrupted run after its last complete layer.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT.zarr if it exists.")
+@config_options
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def compress(model, output, prune, sparsity, nm, sparsity_profile, quant, group_size, gptq, clip_search,
-             keep_outliers, fmt, tile, areas, reorder,
-             calib, nsamples, seqlen, seed, device, workers, scheduler, act_sparsity, act_sparsity_profile,
-             act_sparsity_calib, targets, ignore, layer_overrides, resume, overwrite, quiet, as_json) -> None:
+def compress(model, output, quiet, as_json, **options) -> None:
     """Compress MODEL (a model folder, a .gguf file or a hub id) into OUT.zarr."""
     from .config import CompressConfig
     from .pipeline.compress import compress as run
     from .progress import Reporter
 
-    cfg = CompressConfig(
-        model=model, output=output, prune=prune, sparsity=sparsity, nm=nm, sparsity_profile=sparsity_profile,
-        quant=quant, group_size=group_size, gptq=gptq, clip_search=clip_search, keep_outliers=keep_outliers,
-        format=fmt, tile=tile, areas=areas, reorder=reorder, calib=calib,
-        nsamples=nsamples, seqlen=seqlen, seed=seed, device=device, workers=workers, scheduler=scheduler,
-        act_sparsity=act_sparsity, act_sparsity_profile=act_sparsity_profile, act_sparsity_calib=act_sparsity_calib,
-        targets=tuple(targets), ignore=tuple(ignore), layer_overrides=parse_overrides_option(layer_overrides),
-        resume=resume, overwrite=overwrite,
-    ).validate()
+    options["layer_overrides"] = parse_overrides_option(options["layer_overrides"])
+    options["targets"], options["ignore"] = tuple(options["targets"]), tuple(options["ignore"])
+    cfg = CompressConfig(model=model, output=output, **options).validate()
     with Reporter(quiet=quiet or as_json) as rep:
         summary = run(cfg, rep)
     summary["requested_sparsity"] = cfg.requested_sparsity
@@ -188,7 +189,7 @@ def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> 
     """PMR/CR statistics of ARTIFACT, per layer and for the whole model."""
     from rich.console import Console
 
-    from .report.tables import inspect_data, print_tables
+    from .report.tables import inspect_data, print_tables, without_baselines
 
     if recipe:
         from .recipe import read_recipe, recipe_yaml
@@ -206,7 +207,7 @@ def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> 
         if html_file:
             click.echo(f"wrote {write_html(data, html_file, render(data))}", err=True)
         if not compare:
-            data = inspect_data(artifact, layer, False)
+            data = without_baselines(data)  # the artifact is read once
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
@@ -259,8 +260,8 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
               help="Kernel corpus (without ARTIFACT).")
 @click.option("--n", "ns", default="1,2,4,8,16,32", show_default=True, help="Decode widths.")
 @click.option("--sparsity", default=0.5, show_default=True, type=float)
-@click.option("--format", "fmt", default=registry.names()[0], show_default=True,
-              type=click.Choice(registry.names()), help="Kernels to time.")
+@click.option("--format", "fmt", default=registry.names()[0], show_default=True, type=FormatChoice(),
+              help="Kernels to time.")
 @click.option("--e2e", is_flag=True,
               help="Time per output token of whole decode steps (one CUDA graph per step) for every linear kind "
                    "beside dense fp16 and W4A16, with the breakdown and the byte floor (docs/cli.md).")
@@ -290,8 +291,7 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
     decode steps."""
     from .config import choice
 
-    if artifact:
-        _check_artifact(artifact, no_verify, every_file=True)
+    opened = _check_artifact(artifact, no_verify, every_file=True) if artifact else None
 
     e2e_only = {"--spec": spec, "--batch": batches, "--context": contexts, "--kinds": kinds, "--steps": steps,
                 "--device": device, "--time-budget": time_budget, "--out": out_dir, "--record": record or None}
@@ -318,7 +318,7 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
     if not 0.0 <= sparsity < 1.0:
         raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")
     choice("--format", fmt, registry.names())
-    data = bench_command(artifact, shapes, _ns(ns), sparsity, as_json, fmt=fmt, verify=not no_verify)
+    data = bench_command(opened or artifact, shapes, _ns(ns), sparsity, as_json, fmt=fmt, verify=not no_verify)
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
@@ -358,12 +358,11 @@ def eval_cmd(source, text_path, seqlen, max_windows, tasks, tasks_data, limit, b
     is_artifact = store_attrs(Path(source)) is not None
     if record and not is_artifact:
         raise UserError(f"--record: {source} is not a unionsparse artifact (figures are kept beside artifacts)")
-    if is_artifact:
-        _check_artifact(source, no_verify)
+    opened = _check_artifact(source, no_verify) if is_artifact else None
     from .report.figures import record as keep
 
     if check_eval_mode(text_path, max_windows, tasks, limit, batch_size):
-        res = evaluate_tasks(source, tasks, tasks_data, limit, batch_size, device, dynamic_pruning=dp,
+        res = evaluate_tasks(opened or source, tasks, tasks_data, limit, batch_size, device, dynamic_pruning=dp,
                              tokenizer=tokenizer, verify=not no_verify)
         if record:
             for name, t in res["tasks"].items():
@@ -371,8 +370,8 @@ def eval_cmd(source, text_path, seqlen, max_windows, tasks, tasks_data, limit, b
                      {m: v["value"] for m, v in t["metrics"].items()})
         click.echo(json.dumps(res, indent=2) if as_json else format_table(res))
         return
-    res = evaluate_source(source, text_path, seqlen, max_windows, device, dynamic_pruning=dp, tokenizer=tokenizer,
-                          verify=not no_verify, quiet=as_json)
+    res = evaluate_source(opened or source, text_path, seqlen, max_windows, device, dynamic_pruning=dp,
+                          tokenizer=tokenizer, verify=not no_verify, quiet=as_json)
     if record:
         key = f"{Path(text_path).name}, seqlen {seqlen}" + (f", {max_windows} windows" if max_windows else "")
         keep(source, "perplexity", key + ("" if dp else ", no activation sparsity"),
@@ -443,7 +442,7 @@ def generate(artifact, prompt, batch_file, batch_size, max_new_tokens, temperatu
                      act_sparsity, quiet, as_json, batch_size, verify=not no_verify)
 
 
-cli.add_command(summarize_command)  # compressor/batch.py: one table over a folder of artifacts
+cli.add_command(summarize_command)  # compressor/report/summarize.py: one table over a folder of artifacts
 
 
 def _name_env_vars(group: click.Group) -> None:

@@ -12,43 +12,74 @@ from .errors import UserError
 from .quantize.modes import QUANT_MODES, QuantMode
 
 PRUNE_METHODS = ("wanda", "sparsegpt", "magnitude", "none")
-FORMATS = registry.names()
 REORDER_METHODS = ("auto", "dp", "cpsat", "none")
+SPARSITY_PROFILES = ("uniform", "owl")
+ACT_SPARSITY_PROFILES = ("uniform", "greedy")
+DEVICES = ("cpu", "cuda")
 CALIB_SUFFIXES = (".json", ".jsonl", ".json.gz", ".parquet")
+
+
+def option(default, *flags: str, help: str | None = None, choices=None, type=None, metavar: str | None = None,
+           multiple: bool = False):
+    """One compress option: the configuration field and its command-line flag in one place. ``cli.py`` builds the
+    ``compress`` command's options from these (flags, help, choices, type), and :meth:`CompressConfig.validate`
+    checks the values whichever way they came (flags, a recipe file, Python). ``choices``: a tuple, or a callable
+    giving it when asked (the registered formats)."""
+    return dataclasses.field(default=default, metadata={"cli": {
+        "flags": flags, "help": help, "choices": choices, "type": type, "metavar": metavar, "multiple": multiple}})
 
 
 @dataclass
 class CompressConfig:
+    """Every compress option (the command line's ``compress`` flags are built from the ``option`` fields, in this
+    order)."""
+
     model: str
     output: str
-    prune: str = "magnitude"
-    sparsity: float = 0.5
-    nm: str | None = None
-    sparsity_profile: str = "uniform"
-    quant: str = "w4a4"
-    group_size: int = 128
-    gptq: bool = False  # GPTQ error feedback (needs calibration: --prune wanda|sparsegpt)
-    clip_search: bool = False  # per-group weight clip ratios scored on calibration H
-    keep_outliers: int = 0  # Atom: N most active input channels as an 8-bit side matrix (IE-BME, A4)
-    format: str = registry.names()[0]
-    tile: str | None = None
-    areas: str = "2x2"
-    reorder: str = "auto"
-    calib: str = "c4"
-    nsamples: int = 128
-    seqlen: int = 2048
-    seed: int = 0
-    device: str = "cpu"
-    workers: int | None = None
-    scheduler: str | None = None
-    resume: bool = False
-    overwrite: bool = False
-    act_sparsity: float = 0.0
-    act_sparsity_profile: str = "uniform"
-    act_sparsity_calib: str = "alpaca"  # the dynamic-pruning calibration text (TEAL: Alpaca), any --calib form
-    targets: tuple[str, ...] = ()  # per-layer rules (compressor/layer_rules.py): linears to compress (regexes)
-    ignore: tuple[str, ...] = ()  # linears kept dense
-    layer_overrides: tuple[dict, ...] = ()  # [{match: REGEX, option: value, ...}]
+    prune: str = option("magnitude", "--prune", choices=PRUNE_METHODS, help="Pruning method.")
+    sparsity: float = option(0.5, "--sparsity")
+    nm: str | None = option(None, "--nm", help="N:M semi-structured mask such as 2:4 (instead of unstructured).")
+    sparsity_profile: str = option("uniform", "--sparsity-profile", choices=SPARSITY_PROFILES)
+    quant: str = option("w4a4", "--quant", choices=tuple(QUANT_MODES),
+                        help="Weight/activation bits (none: fp16 values, tiled-cbc).")
+    group_size: int = option(128, "--group-size")
+    gptq: bool = option(False, "--gptq", help="GPTQ weight error feedback (needs --prune wanda|sparsegpt).")
+    clip_search: bool = option(False, "--clip-search", help="Per-group weight clip ratios scored on calibration H.")
+    keep_outliers: int = option(0, "--keep-outliers", help="Atom: the N most active input channels as an 8-bit side "
+                                                           "matrix (ie-bme, w4a4|w2a4).")
+    format: str = option(registry.names()[0], "--format", choices=registry.names)
+    tile: str | None = option(None, "--tile", help="Local tile HxW (ie-bme 16x64, tiled-cbc 256x16).")
+    areas: str = option("2x2", "--areas", help="IE-BME area grid R_AxC_A.")
+    reorder: str = option("auto", "--reorder", choices=REORDER_METHODS, help="Row reordering (ie-bme).")
+    calib: str = option("c4", "--calib", help="c4|alpaca|PATH (.json/.jsonl/.json.gz/.parquet)")
+    nsamples: int = option(128, "--nsamples")
+    seqlen: int = option(2048, "--seqlen")
+    seed: int = option(0, "--seed")
+    device: str = option("cpu", "--device", choices=DEVICES)
+    workers: int | None = option(None, "--workers", type=int, help="Local Dask workers for reordering/encoding.")
+    scheduler: str | None = option(None, "--scheduler", help="Address of an existing Dask scheduler.")
+    act_sparsity: float = option(
+        0.0, "--act-sparsity", "--dp-sparsity",
+        help="Activation sparsity (TEAL) target: per-layer thresholds for formats whose decode kernel skips small "
+             "inputs (tiled-cbc). --dp-sparsity: the old name, kept for one release.")
+    act_sparsity_profile: str = option("uniform", "--act-sparsity-profile", "--dp-profile",
+                                       choices=ACT_SPARSITY_PROFILES,
+                                       help="Per-layer targets: uniform, or greedy (TEAL).")
+    # the dynamic-pruning calibration text (TEAL: Alpaca), any --calib form
+    act_sparsity_calib: str = option("alpaca", "--act-sparsity-calib", "--dp-calib",
+                                     help="Activation-sparsity calibration text: c4|alpaca|PATH (as --calib).")
+    # per-layer rules (compressor/layer_rules.py)
+    targets: tuple[str, ...] = option((), "--targets", multiple=True, metavar="REGEX",
+                                      help="Compress only the decoder linears whose module path matches (repeatable; "
+                                           "default: all).")
+    ignore: tuple[str, ...] = option((), "--ignore", multiple=True, metavar="REGEX",
+                                     help="Keep the matching decoder linears dense fp16 (repeatable).")
+    layer_overrides: tuple[dict, ...] = option(
+        (), "--layer-overrides", metavar="JSON", type=str,
+        help='Per-layer options, e.g. \'[{"match": ".*down_proj", "quant": "w4a16"}]\' (docs/cli.md, "Per-layer '
+             'rules"); usually from a recipe file.')
+    resume: bool = option(False, "--resume", help="Continue an interrupted run after its last complete layer.")
+    overwrite: bool = option(False, "--overwrite", help="Replace OUT.zarr if it exists.")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -128,18 +159,18 @@ class CompressConfig:
         """The options alone (also each layer's options under the per-layer rules)."""
         choice("--prune", self.prune, PRUNE_METHODS)
         choice("--quant", self.quant, tuple(QUANT_MODES))
-        choice("--format", self.format, FORMATS)
+        choice("--format", self.format, registry.names())
         choice("--reorder", self.reorder, REORDER_METHODS)
-        choice("--device", self.device, ("cpu", "cuda"))
-        choice("--sparsity-profile", self.sparsity_profile, ("uniform", "owl"))
-        choice("--act-sparsity-profile", self.act_sparsity_profile, ("uniform", "greedy"))
+        choice("--device", self.device, DEVICES)
+        choice("--sparsity-profile", self.sparsity_profile, SPARSITY_PROFILES)
+        choice("--act-sparsity-profile", self.act_sparsity_profile, ACT_SPARSITY_PROFILES)
         if not (0.0 <= self.sparsity < 1.0):
             raise UserError(f"--sparsity must lie in [0, 1), got {self.sparsity}")
         if not (0.0 <= self.act_sparsity < 1.0):
             raise UserError(f"--act-sparsity must lie in [0, 1), got {self.act_sparsity}")
         if self.act_sparsity > 0 and not self.fmt.activation_sparsity:
             raise UserError(f"--act-sparsity: {self.format} has no activation-sparsity kernel; use --format "
-                            f"{' or '.join(f.name for f in map(registry.get, FORMATS) if f.activation_sparsity)}")
+                            f"{' or '.join(registry.names_with('activation_sparsity'))}")
         if self.act_sparsity > 0 and self.quant_mode.quantizes_activations:
             raise UserError(f"--act-sparsity: the spMspV kernel takes fp16 activations, not --quant {self.quant}; "
                             "use --quant none or w4a16")
@@ -165,7 +196,7 @@ class CompressConfig:
         self._validate_outliers()
         if self.bits is None and not self.fmt.holds_fp16:
             raise UserError(f"--quant none: {self.format} stores integer codes; use --format "
-                            f"{' or '.join(f.name for f in map(registry.get, FORMATS) if f.holds_fp16)} for fp16")
+                            f"{' or '.join(registry.names_with('holds_fp16'))} for fp16")
         if not self.fmt.reorders_rows and self.reorder not in ("auto", "none"):
             raise UserError(f"--reorder: {self.format} takes no row permutations")
         try:
@@ -213,7 +244,7 @@ class CompressConfig:
                             f"use --quant w4a4 or w2a4, not {self.quant}")
         if not self.fmt.outlier_side:
             raise UserError(f"--keep-outliers {n}: {self.format} has no 8-bit side matrix; use --format "
-                            f"{' or '.join(f for f in FORMATS if registry.get(f).outlier_side)}")
+                            f"{' or '.join(registry.names_with('outlier_side'))}")
         if self.prune not in ("wanda", "sparsegpt"):
             raise UserError(f"--keep-outliers {n}: channels are chosen from calibration statistics; "
                             "use --prune wanda|sparsegpt")

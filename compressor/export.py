@@ -2,7 +2,7 @@
 
 * :func:`export_hf`: a Hugging Face folder (config.json, safetensors shards, generation config, tokenizer)
   whose weights are the artifact's decoded values in fp16 (exact zeros where pruned, ``code · scale``,
-  outlier side matrices folded back), built by :func:`.rebuild.rebuild_model` without activation quantization.
+  outlier side matrices folded back), built by :func:`.model.rebuild.rebuild_model` without activation quantization.
 * :func:`export_compressed_tensors`: the same model with every integer-coded layer in compressed-tensors'
   ``pack-quantized`` layout (``weight_packed`` int32, ``weight_scale``, ``weight_shape``), written by the
   ``compressed-tensors`` package itself and read back through it: the codes and scales must equal the

@@ -255,20 +255,23 @@ def check_loaded_model(cfg, out: Path, loaded, blocks, prefix: str) -> None:
 
 
 
-def check_eval_args(source: str, seqlen: int, max_windows: int | None, verify: bool = True) -> None:
-    """``eval``'s numbers, and ``--seqlen`` against the context of the model or the artifact's stored config,
-    before anything is loaded (a window beyond the context only costs memory: attention is quadratic)."""
+def check_eval_args(source, seqlen: int, max_windows: int | None, verify: bool = True) -> None:
+    """``eval``'s numbers, and ``--seqlen`` against the context of the model or the artifact's stored config (a path,
+    or the Artifact the command opened), before anything is loaded (a window beyond the context only costs memory:
+    attention is quadratic)."""
     if seqlen < 2:
         raise UserError(f"--seqlen must be >= 2, got {seqlen}")
     if max_windows is not None and max_windows < 1:
         raise UserError(f"--max-windows must be >= 1, got {max_windows}")
-    attrs = store_attrs(Path(source))
-    if attrs is not None:  # an artifact: opened through the scanned store (links and special files refused)
-        from .artifact.store import Artifact
+    from .artifact.store import Artifact
 
+    name = str(source.path) if isinstance(source, Artifact) else str(source)
+    if isinstance(source, Artifact):
+        attrs = source.attrs
+    elif (attrs := store_attrs(Path(source))) is not None:  # an artifact: opened through the scanned store
         attrs = Artifact(source, verify=verify).attrs  # its manifest too, unless --no-verify
-    context = model_context(attrs.get("model_config")) if attrs is not None else source_context(str(source))
-    check_seqlen("--seqlen", seqlen, context, str(source))
+    context = model_context(attrs.get("model_config")) if attrs is not None else source_context(name)
+    check_seqlen("--seqlen", seqlen, context, name)
 
 
 def read_user_text(flag: str, path: str | Path) -> str:

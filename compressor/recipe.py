@@ -21,7 +21,7 @@ RUN_ONLY = ("config_file", "output", "quiet", "as_json", "log_level")
 
 
 def option_keys(command: click.Command) -> dict[str, str]:
-    """Recipe key -> click parameter name, for every option of ``command`` (``format`` -> ``fmt``)."""
+    """Recipe key -> click parameter name, for every option of ``command`` (old names too: ``dp_sparsity``)."""
     keys: dict[str, str] = {}
     for p in command.params:
         if p.name in RUN_ONLY:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import FormatError
+
 SUPPORTED_BITS = (2, 4, 8)
 
 
@@ -15,7 +17,7 @@ def code_range(bits: int) -> tuple[int, int]:
 
 def check_bits(bits: int) -> None:
     if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+        raise FormatError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
 
 
 def pack_codes(codes: np.ndarray, bits: int, xp=np) -> np.ndarray:
@@ -30,7 +32,7 @@ def pack_codes(codes: np.ndarray, bits: int, xp=np) -> np.ndarray:
         return codes.view(xp.uint8).copy()
     per_byte = 8 // bits
     if codes.size % per_byte:
-        raise ValueError(f"{codes.size} codes of {bits} bits do not fill whole bytes")
+        raise FormatError(f"{codes.size} codes of {bits} bits do not fill whole bytes")
     mask = (1 << bits) - 1
     u = (codes.view(xp.uint8) & mask).reshape(-1, per_byte)
     out = xp.zeros(u.shape[0], dtype=xp.uint8)
@@ -55,7 +57,7 @@ def unpack_codes(packed: np.ndarray, bits: int, count: int | None = None) -> np.
         out = ((fields << np.uint8(8 - bits)).view(np.int8) >> np.int8(8 - bits)).ravel()
     if count is not None:
         if count > out.size:
-            raise ValueError(f"asked for {count} codes but only {out.size} are stored")
+            raise FormatError(f"asked for {count} codes but only {out.size} are stored")
         out = out[:count]
     return out.copy()
 
@@ -69,7 +71,7 @@ def pack_bits_u64(bits_2d: np.ndarray, words_per_row: int) -> np.ndarray:
     rows, nbits = bits_2d.shape
     total = words_per_row * 64
     if nbits > total:
-        raise ValueError("row longer than its words")
+        raise FormatError("row longer than its words")
     if nbits < total:
         padded = np.zeros((rows, total), dtype=bool)
         padded[:, :nbits] = bits_2d

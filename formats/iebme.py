@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import registry
 from .bitpack import (
     check_bits,
     code_range,
@@ -25,6 +26,7 @@ from .bitpack import (
 )
 from .errors import FormatError
 from .runs import run_positions
+from .storage_stats import figures, scale_bytes
 
 NAME = "ie-bme"
 DEFAULT_TILE = (16, 64)
@@ -322,3 +324,37 @@ def stack_rows(ms: Sequence[IEBMEMatrix]) -> IEBMEMatrix:
                       np.concatenate([m.values for m in ms]), perm)
     validate(out)
     return out
+
+
+def statistics(enc: IEBMEMatrix, group_size: int | None = None) -> dict:
+    """docs/format.md, "Statistics": the figures, plus the union positions the row reordering minimises."""
+    m, k = enc.shape
+    g = enc.geometry
+    nnz = int(np.count_nonzero(unpack_codes(enc.values, g.bits)))
+    meta = enc.bitmaps.nbytes + enc.offsets.nbytes + (0 if enc.perm is None else enc.perm.nbytes)
+    gs = 128 if group_size is None else group_size
+    out = figures(m, k, nnz, g.bits, enc.values.nbytes, meta, scale_bytes(m, k, gs))
+    positions = int(enc.union_popcounts().sum())
+    out["union_positions"] = positions
+    out["union_density"] = positions / (g.n_tiles * g.h * g.w) if g.n_tiles else 0.0
+    return out
+
+
+def _check_geometry(tile, extra, bits, group_size) -> None:
+    Geometry((0, 0), tuple(tile), tuple(extra["areas"] or DEFAULT_AREAS), 4 if bits is None else bits)
+    if group_size is not None and group_size % tile[1]:  # a tile must lie inside one scale group
+        raise FormatError(f"group size {group_size} must be a multiple of the tile width {tile[1]}")
+
+
+FORMAT = registry.register(registry.Format(
+    NAME, IEBMEMatrix, DEFAULT_TILE, ("bitmaps", "offsets", "values", "perm"),
+    holds_fp16=False, reorders_rows=True, activation_sparsity=False, outlier_side=True, extra_geometry=("areas",),
+    encoder=lambda v, bits, tile, extra, perm: encode(v, bits, tile, extra["areas"] or DEFAULT_AREAS, perm),
+    rebuilder=lambda shape, bits, tile, extra, arr: from_arrays(
+        shape, bits, tile, extra["areas"], arr("bitmaps", True), arr("offsets", True), arr("values", True),
+        arr("perm", False)),
+    geometry_check=_check_geometry,
+    statistics=statistics,
+    kernel_ops=("iebme_spmm", "side_product"),
+    stacker=stack_rows,
+))

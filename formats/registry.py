@@ -11,14 +11,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from . import iebme, tiled_cbc
 from .errors import FormatError
-from .storage_stats import stats
 
-Matrix = iebme.IEBMEMatrix | tiled_cbc.TiledCBCMatrix
+
+class Matrix(Protocol):
+    """An encoded matrix of a registered format: what the code above formats/ may rely on."""
+
+    shape: tuple[int, int]
+    bits: int | None
+    tile: tuple[int, int]
+
+    def decode(self) -> np.ndarray: ...  # the codes (int8) or float16 values, [M, K]
+
+    def validate(self) -> None: ...  # FormatError when the arrays are inconsistent
+
+
 ArrayGetter = Callable[[str, bool], "np.ndarray | None"]  # (name, required) -> stored array
 
 
@@ -27,8 +38,15 @@ class Format:
     """One encoding. ``holds_fp16``: it can store float16 values (not only b-bit codes); ``reorders_rows``:
     it takes per-tile row permutations; ``activation_sparsity``: its decode kernel skips inactive inputs
     (TEAL thresholds); ``outlier_side``: its kernel takes b-bit activations and an 8-bit outlier side product
-    (Atom); ``extra_geometry``: the attrs beyond shape/bits/tile that describe a matrix; ``stacker``: stacks
-    matrices by rows, each padded to whole tiles (``formats.stacking``; None: the format cannot)."""
+    (Atom); ``extra_geometry``: the attrs beyond shape/bits/tile that describe a matrix (IE-BME: ``areas``), passed
+    to the encoder and the geometry check by name; ``statistics``: the figures of docs/format.md, "Statistics";
+    ``kernel_ops``: the names of the runtime ops its kernels provide (``kernels/runtime_ops.py``), which ``verify``
+    and ``bench`` look their kernel checks and benchmarks up by (empty: no kernel of its own; the runtime then
+    computes it from the decoded weight); ``stacker``: stacks matrices by rows, each padded to whole tiles
+    (``formats.stacking``; None: the format cannot).
+
+    A format module defines its matrix type and calls :func:`register` on import (``formats/__init__.py``
+    imports the shipped ones, IE-BME first: the default)."""
 
     name: str
     matrix_type: type
@@ -39,29 +57,37 @@ class Format:
     activation_sparsity: bool
     outlier_side: bool
     extra_geometry: tuple[str, ...]
-    encoder: Callable[..., Matrix]  # (values, bits, tile, extra geometry, perm) -> matrix
-    rebuilder: Callable[..., Matrix]  # (shape, bits, tile, extra geometry, array getter) -> matrix
+    encoder: Callable[..., Any]  # (values, bits, tile, extra geometry, perm) -> matrix
+    rebuilder: Callable[..., Any]  # (shape, bits, tile, extra geometry, array getter) -> matrix
     geometry_check: Callable[..., None]  # (tile, extra geometry, bits, group size) -> None or FormatError
-    stacker: Callable[..., Matrix] | None = None  # (matrices of this format) -> their rows in one matrix
+    statistics: Callable[..., dict]  # (matrix, group size or None) -> figures
+    kernel_ops: tuple[str, ...] = ()
+    stacker: Callable[..., Any] | None = None  # (matrices of this format) -> their rows in one matrix
 
-    def encode(self, values: np.ndarray, *, bits: int | None, tile: tuple[int, int],
-               areas: tuple[int, int] | None = None, perm: np.ndarray | None = None) -> Matrix:
-        """Encode codes (``bits`` set) or float16 values (``bits`` None, formats that hold fp16)."""
+    def _geometry(self, given: Mapping) -> dict:
+        """The format's extra geometry out of ``given`` (None where not given); other keys are not its own."""
+        return {k: given.get(k) for k in self.extra_geometry}
+
+    def encode(self, values: np.ndarray, *, bits: int | None, tile: tuple[int, int], perm: np.ndarray | None = None,
+               **geometry) -> Matrix:
+        """Encode codes (``bits`` set) or float16 values (``bits`` None, formats that hold fp16); ``geometry``:
+        values of the format's ``extra_geometry`` by name (others are ignored), ``perm`` for formats that
+        reorder rows."""
         if bits is None and not self.holds_fp16:
             raise FormatError(f"{self.name} stores b-bit integer codes; float16 values need another format")
-        return self.encoder(values, bits, tile, {"areas": areas}, perm)
+        return self.encoder(values, bits, tile, self._geometry(geometry), perm if self.reorders_rows else None)
 
     def check_geometry(self, tile: tuple[int, int], *, bits: int | None, group_size: int | None = None,
-                       areas: tuple[int, int] | None = None) -> None:
+                       **geometry) -> None:
         """FormatError when the format cannot take this geometry (before any encoding work)."""
         if bits is None and not self.holds_fp16:
             raise FormatError(f"{self.name} stores b-bit integer codes, not float16 values")
-        self.geometry_check(tile, {"areas": areas}, bits, group_size)
+        self.geometry_check(tile, self._geometry(geometry), bits, group_size)
 
     def reencode(self, m: Matrix, values: np.ndarray) -> Matrix:
         """Encode ``values`` with the geometry (and permutations) of ``m``."""
-        return self.encode(values, bits=m.bits, tile=m.tile, areas=getattr(m, "areas", None),
-                           perm=getattr(m, "perm", None))
+        return self.encode(values, bits=m.bits, tile=m.tile, perm=getattr(m, "perm", None),
+                           **{k: getattr(m, k) for k in self.extra_geometry})
 
     def to_arrays(self, m: Matrix) -> dict[str, np.ndarray]:
         """The arrays an artifact stores for ``m`` (optional ones only when present)."""
@@ -84,7 +110,10 @@ class Format:
         return self.rebuilder(shape, bits, tile, extra, arr)
 
     def stats(self, m: Matrix, group_size: int | None = None) -> dict:
-        return stats(m, group_size=group_size)
+        """Figures of ``m`` (``group_size`` adds the fp16 scale bytes of b-bit codes; 128 when not given)."""
+        out = self.statistics(m, group_size)
+        out["format"] = self.name
+        return out
 
 
 _REGISTRY: dict[str, Format] = {}
@@ -92,7 +121,7 @@ _REGISTRY: dict[str, Format] = {}
 
 def register(fmt: Format) -> Format:
     if fmt.name in _REGISTRY:
-        raise ValueError(f"format {fmt.name!r} is already registered")
+        raise FormatError(f"format {fmt.name!r} is already registered")
     _REGISTRY[fmt.name] = fmt
     return fmt
 
@@ -100,6 +129,11 @@ def register(fmt: Format) -> Format:
 def names() -> tuple[str, ...]:
     """Registered format names, in registration order (the first is the default)."""
     return tuple(_REGISTRY)
+
+
+def names_with(capability: str) -> tuple[str, ...]:
+    """Registered formats that have ``capability`` (a Format flag such as ``holds_fp16``), for messages."""
+    return tuple(n for n, f in _REGISTRY.items() if getattr(f, capability))
 
 
 def get(name: str) -> Format:
@@ -116,31 +150,3 @@ def of(m: Matrix) -> Format:
             return fmt
     raise FormatError(f"{type(m).__name__} is not an encoded matrix of a registered format")
 
-
-def _iebme_geometry(tile, extra, bits, group_size) -> None:
-    iebme.Geometry((0, 0), tuple(tile), tuple(extra["areas"] or iebme.DEFAULT_AREAS), 4 if bits is None else bits)
-    if group_size is not None and group_size % tile[1]:  # a tile must lie inside one scale group
-        raise FormatError(f"group size {group_size} must be a multiple of the tile width {tile[1]}")
-
-
-register(Format(
-    iebme.NAME, iebme.IEBMEMatrix, iebme.DEFAULT_TILE, ("bitmaps", "offsets", "values", "perm"),
-    holds_fp16=False, reorders_rows=True, activation_sparsity=False, outlier_side=True, extra_geometry=("areas",),
-    encoder=lambda v, bits, tile, extra, perm: iebme.encode(v, bits, tile, extra["areas"] or iebme.DEFAULT_AREAS,
-                                                            perm),
-    rebuilder=lambda shape, bits, tile, extra, arr: iebme.from_arrays(
-        shape, bits, tile, extra["areas"], arr("bitmaps", True), arr("offsets", True), arr("values", True),
-        arr("perm", False)),
-    geometry_check=_iebme_geometry,
-    stacker=iebme.stack_rows,
-))
-register(Format(
-    tiled_cbc.NAME, tiled_cbc.TiledCBCMatrix, tiled_cbc.DEFAULT_TILE, ("bitmap", "colinfo", "tile_offset", "values"),
-    holds_fp16=True, reorders_rows=False, activation_sparsity=True, outlier_side=False, extra_geometry=(),
-    encoder=lambda v, bits, tile, extra, perm: tiled_cbc.encode(v, tile=tile, bits=bits),
-    rebuilder=lambda shape, bits, tile, extra, arr: tiled_cbc.from_arrays(
-        shape, tile, bits, arr("bitmap", True), arr("colinfo", True), arr("tile_offset", True),
-        arr("values", True)),
-    geometry_check=lambda tile, extra, bits, group_size: tiled_cbc.Geometry((0, 0), tuple(tile), bits),
-    stacker=tiled_cbc.stack_rows,
-))

@@ -12,12 +12,11 @@ import math
 
 import numpy as np
 
-from .bitpack import round_up, unpack_codes
-from .iebme import IEBMEMatrix
-from .tiled_cbc import TiledCBCMatrix
+from . import registry
+from .bitpack import round_up
 
 
-def _figures(m: int, k: int, nnz: int, value_bits: int, payload: int, meta: int, scale: int) -> dict:
+def figures(m: int, k: int, nnz: int, value_bits: int, payload: int, meta: int, scale: int) -> dict:
     total = payload + meta + scale
     bw = value_bits / 8
     return {
@@ -39,35 +38,11 @@ def scale_bytes(m: int, k: int, group_size: int | None) -> int:
     return 0 if group_size is None else 2 * m * (-(-k // group_size))
 
 
-def stats(enc: IEBMEMatrix | TiledCBCMatrix, group_size: int | None = None) -> dict:
-    """Figures of an encoded matrix: nnz, payload/meta/scale bytes, pmr, cr, bits_per_weight, ...
-
-    ``group_size`` adds the fp16 scale bytes of a quantized matrix (None: no scales counted for
-    fp16 Tiled-CBC; 128 is assumed for b-bit codes when not given).
-    """
-    m, k = enc.shape
-    if isinstance(enc, IEBMEMatrix):
-        g = enc.geometry
-        codes = unpack_codes(enc.values, g.bits)
-        nnz = int(np.count_nonzero(codes))
-        meta = enc.bitmaps.nbytes + enc.offsets.nbytes + (0 if enc.perm is None else enc.perm.nbytes)
-        gs = 128 if group_size is None else group_size
-        out = _figures(m, k, nnz, g.bits, enc.values.nbytes, meta, scale_bytes(m, k, gs))
-        positions = int(enc.union_popcounts().sum())
-        out["union_positions"] = positions
-        out["union_density"] = positions / (g.n_tiles * g.h * g.w) if g.n_tiles else 0.0
-        out["format"] = "ie-bme"
-        return out
-    if isinstance(enc, TiledCBCMatrix):
-        g = enc.geometry
-        nnz = int(enc.column_counts().sum())
-        meta = enc.bitmap.nbytes + enc.colinfo.nbytes + enc.tile_offset.nbytes
-        gs = None if g.bits is None else (128 if group_size is None else group_size)
-        out = _figures(m, k, nnz, g.value_bits, enc.values.nbytes, meta, scale_bytes(m, k, gs))
-        out["formula_bytes"] = tiled_cbc_formula(m, k, nnz, g.tile, g.value_bits / 8)
-        out["format"] = "tiled-cbc"
-        return out
-    raise TypeError(f"stats() takes an IEBMEMatrix or TiledCBCMatrix, not {type(enc).__name__}")
+def stats(enc: registry.Matrix, group_size: int | None = None) -> dict:
+    """Figures of an encoded matrix (its format's ``statistics``): nnz, payload/meta/scale bytes, pmr, cr,
+    bits_per_weight, ... ``group_size`` adds the fp16 scale bytes of a quantized matrix (None: no scales counted
+    for fp16 values; 128 is assumed for b-bit codes when not given)."""
+    return registry.of(enc).stats(enc, group_size)
 
 
 def tca_bme_formula(m: int, k: int, nnz: int, value_bytes: float = 2) -> int:
@@ -104,9 +79,9 @@ def baselines(mask: np.ndarray, value_bits: int, group_size: int | None) -> dict
     sb = scale_bytes(m, k, group_size)
     vb = int(math.ceil(nnz * bw))
     out: dict[str, dict] = {}
-    out["dense-fp16"] = _figures(m, k, nnz, 16, 2 * m * k, 0, 0)
-    out[f"dense-{value_bits}bit"] = _figures(m, k, nnz, value_bits, int(math.ceil(m * k * bw)), 0, sb)
-    out["csr"] = _figures(m, k, nnz, value_bits, vb, 4 * nnz + 4 * (m + 1), sb)
+    out["dense-fp16"] = figures(m, k, nnz, 16, 2 * m * k, 0, 0)
+    out[f"dense-{value_bits}bit"] = figures(m, k, nnz, value_bits, int(math.ceil(m * k * bw)), 0, sb)
+    out["csr"] = figures(m, k, nnz, value_bits, vb, 4 * nnz + 4 * (m + 1), sb)
 
     mp, kp = int(round_up(m, 64)), int(round_up(k, 64))
     padded = np.zeros((mp, kp), dtype=bool)
@@ -115,8 +90,8 @@ def baselines(mask: np.ndarray, value_bits: int, group_size: int | None) -> dict
     ntiles = per_tile.size
     align = int(128 // value_bits)
     tile_vals = int(round_up(per_tile, align).sum())
-    out["tiled-csl"] = _figures(m, k, nnz, value_bits, int(tile_vals * bw), 2 * nnz + 4 * (ntiles + 1), sb)
-    tca = _figures(m, k, nnz, value_bits, int(tile_vals * bw), 4 * (ntiles + 1) + 8 * (mp * kp // 64), sb)
+    out["tiled-csl"] = figures(m, k, nnz, value_bits, int(tile_vals * bw), 2 * nnz + 4 * (ntiles + 1), sb)
+    tca = figures(m, k, nnz, value_bits, int(tile_vals * bw), 4 * (ntiles + 1) + 8 * (mp * kp // 64), sb)
     tca["formula_bytes"] = tca_bme_formula(m, k, nnz, bw)
     out["tca-bme"] = tca
     return out

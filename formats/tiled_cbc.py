@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import registry
 from .bitpack import (
     check_bits,
     code_range,
@@ -25,6 +26,7 @@ from .bitpack import (
 )
 from .errors import FormatError
 from .runs import run_positions
+from .storage_stats import figures, scale_bytes, tiled_cbc_formula
 
 NAME = "tiled-cbc"
 DEFAULT_TILE = (256, 16)
@@ -243,3 +245,28 @@ def stack_rows(ms: Sequence[TiledCBCMatrix]) -> TiledCBCMatrix:
 
 def _kind(bits: int | None) -> str:
     return "float16" if bits is None else f"{bits}-bit codes"
+
+
+def statistics(enc: TiledCBCMatrix, group_size: int | None = None) -> dict:
+    """docs/format.md, "Statistics": the figures, plus SPDP's seed formula on the same nonzeros."""
+    m, k = enc.shape
+    g = enc.geometry
+    nnz = int(enc.column_counts().sum())
+    meta = enc.bitmap.nbytes + enc.colinfo.nbytes + enc.tile_offset.nbytes
+    gs = None if g.bits is None else (128 if group_size is None else group_size)
+    out = figures(m, k, nnz, g.value_bits, enc.values.nbytes, meta, scale_bytes(m, k, gs))
+    out["formula_bytes"] = tiled_cbc_formula(m, k, nnz, g.tile, g.value_bits / 8)
+    return out
+
+
+FORMAT = registry.register(registry.Format(
+    NAME, TiledCBCMatrix, DEFAULT_TILE, ("bitmap", "colinfo", "tile_offset", "values"),
+    holds_fp16=True, reorders_rows=False, activation_sparsity=True, outlier_side=False, extra_geometry=(),
+    encoder=lambda v, bits, tile, extra, perm: encode(v, tile=tile, bits=bits),
+    rebuilder=lambda shape, bits, tile, extra, arr: from_arrays(
+        shape, tile, bits, arr("bitmap", True), arr("colinfo", True), arr("tile_offset", True), arr("values", True)),
+    geometry_check=lambda tile, extra, bits, group_size: Geometry((0, 0), tuple(tile), bits),
+    statistics=statistics,
+    kernel_ops=("spmspv", "tcbc_spmm"),
+    stacker=stack_rows,
+))

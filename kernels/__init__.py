@@ -1,4 +1,6 @@
-"""unionsparse.kernels: CuPy RawKernel runtime kernels and their CPU references."""
+"""unionsparse.kernels: CuPy RawKernel runtime kernels and their CPU references. Import the modules by name
+(``kernels.iebme_spmm``, ``kernels.tiled_cbc_reference``, ...); the package itself holds only whether a GPU is
+here (:func:`available`) and its SM count, and imports none of its modules."""
 
 from __future__ import annotations
 
@@ -43,8 +45,6 @@ def available() -> bool:
         return False
 
 
-gpu_available = available
-
 H200_SMS = 132  # the benchmark machine's SM count: what the launch rules use where no GPU is visible
 
 
@@ -66,26 +66,4 @@ def _device_sm_count(device: int) -> int:
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
-def __getattr__(name: str):
-    # lazy: importing the package must not import numba, cupy or torch
-    if name in ("iebme_spmm_reference", "iebme_partial_sums"):
-        from . import iebme_reference
-
-        return getattr(iebme_reference, name)
-    if name in ("spmm_iebme", "prepare_layer"):
-        from . import iebme_spmm
-
-        return getattr(iebme_spmm, name)
-    if name == "check_iebme_layer":
-        from .iebme_check import check_iebme_layer
-
-        return check_iebme_layer
-    if name == "quantize_activations":
-        from .activations import quantize_activations
-
-        return quantize_activations
-    raise AttributeError(f"module 'unionsparse.kernels' has no attribute {name!r}")
-
-
-__all__ = ["H200_SMS", "available", "check_iebme_layer", "gpu_available", "iebme_partial_sums",
-           "iebme_spmm_reference", "prepare_layer", "quantize_activations", "sm_count", "spmm_iebme"]
+__all__ = ["H200_SMS", "available", "sm_count"]

@@ -17,7 +17,8 @@ import torch
 from ..formats.arithmetic.activations import quantize_activations_torch
 from ..formats.arithmetic.outlier_side import quantize_inputs_torch
 from ..formats.arithmetic.weights import FP16_TINY, grid_max, n_groups
-from .tiled_cbc_device import _cupy, load_module
+from .errors import KernelError
+from .loader import load_module, require_cupy
 
 THREADS = 128
 _EXPR = ("act_quant<float>", "act_quant<unsigned short>")  # float16 inputs as their bits
@@ -34,13 +35,13 @@ def quantize_inputs(x, bits: int, group_size: int, clip: float, kp: int, perm=No
     """CuPy (int8 codes [N, kp], float32 scales [N, G], side int8 codes [N, n_side] or None, side float32
     scales [N, Gs] or None) of ``x`` (CuPy float16 or float32 [N, K]); ``perm`` (int32 [K]) gathers the
     channels first (outliers last). ``group_size`` is clamped to K as the formats' rule does."""
-    cp = _cupy()
+    cp = require_cupy()
     if x.ndim != 2 or x.dtype not in (cp.float16, cp.float32):
-        raise ValueError(f"x must be a float16 or float32 [N, K] array, got {x.dtype} {x.shape}")
+        raise KernelError(f"x must be a float16 or float32 [N, K] array, got {x.dtype} {x.shape}")
     x = cp.ascontiguousarray(x)
     n, k = x.shape
     if kp < k or (perm is None) != (n_side == 0):
-        raise ValueError(f"kp {kp} < K {k}, or a permutation without outliers (or outliers without one)")
+        raise KernelError(f"kp {kp} < K {k}, or a permutation without outliers (or outliers without one)")
     gm = min(int(group_size), k)
     g = n_groups(k, gm)
     gs = int(side_group or min(int(group_size), n_side)) if n_side else 1

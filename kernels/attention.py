@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .errors import KernelError
+
 CHUNK = 32  # attention.cu's CHUNK: cache slots per split block
 WARPS = 4  # attention.cu's WARPS: warps per block
 MAX_G = 8  # query heads per KV head
@@ -39,7 +41,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 @cache
 def _function(per: int):
-    from .tiled_cbc_device import load_module
+    from .loader import load_module
 
     return load_module("attention", ()).get_function(f"attention_decode_{per}")
 
@@ -81,13 +83,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     import cupy as cp
 
     if not supports(q, k_cache):
-        raise ValueError(f"decode_attention: unsupported case q {tuple(q.shape)} {q.dtype}, caches "
+        raise KernelError(f"decode_attention: unsupported case q {tuple(q.shape)} {q.dtype}, caches "
                          f"{tuple(k_cache.shape)} (see attention.supports)")
     b, h, _, d = q.shape
     hkv, length = k_cache.shape[1], k_cache.shape[2]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0):
-        raise ValueError("decode_attention: the caches must be contiguous and 16-byte aligned")
+        raise KernelError("decode_attention: the caches must be contiguous and 16-byte aligned")
     q = _aligned(q)
     chunks = -(-length // CHUNK)
     part_o = torch.empty(b, h, chunks, d, dtype=torch.float32, device=q.device)

@@ -17,6 +17,8 @@ import ctypes
 
 import numpy as np
 
+from .errors import KernelError
+
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 MAX_PORTABLE_CLUSTER = 8      # any sm_90 GPU; up to 16 with the non-portable opt-in (H100 / H200)
@@ -81,14 +83,14 @@ def launch_cluster(fn, grid: tuple[int, int], block: tuple[int], shared_mem: int
     import cupy as cp
 
     if any(g % c for g, c in zip((*grid, 1), cluster, strict=True)):
-        raise ValueError(f"cluster {cluster} must divide the grid {grid}")
+        raise KernelError(f"cluster {cluster} must divide the grid {grid}")
     fptr = getattr(fn, "kernel", fn).ptr  # CuPy RawKernel -> its cuda.Function (the CUfunction)
     size = cluster[0] * cluster[1] * cluster[2]
     if size > MAX_PORTABLE_CLUSTER and fptr not in _NON_PORTABLE:
         attr = CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
         status = _lib().cuFuncSetAttribute(ctypes.c_void_p(fptr), attr, 1)
         if status != 0:
-            raise RuntimeError(f"clusters of {size} CTAs are not allowed here (CUDA driver error {status})")
+            raise KernelError(f"clusters of {size} CTAs are not allowed here (CUDA driver error {status})")
         _NON_PORTABLE.add(fptr)
     s = stream if stream is not None else cp.cuda.get_current_stream()
     attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, x=cluster[0], y=cluster[1], z=cluster[2])
@@ -98,18 +100,4 @@ def launch_cluster(fn, grid: tuple[int, int], block: tuple[int], shared_mem: int
     ptrs, _keep = kernel_params(args)
     status = _lib().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fptr), ptrs, None)
     if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx (cluster {cluster}, grid {grid}) failed with CUDA driver error {status}")
-
-
-def launch_ex(fn, grid: tuple[int, int, int], block: int, shared_mem: int, args, stream=None) -> None:
-    """Launch CuPy kernel ``fn`` through ``cuLaunchKernelEx`` with no attributes (``args`` as above)."""
-    import cupy as cp
-
-    s = stream if stream is not None else cp.cuda.get_current_stream()
-    cfg = LaunchConfig(gridDimX=grid[0], gridDimY=grid[1], gridDimZ=grid[2], blockDimX=block, blockDimY=1,
-                       blockDimZ=1, sharedMemBytes=shared_mem, hStream=ctypes.c_void_p(s.ptr), attrs=None,
-                       numAttrs=0)
-    ptrs, _keep = kernel_params(args)
-    status = _lib().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(getattr(fn, "kernel", fn).ptr), ptrs, None)
-    if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx (grid {grid}) failed with CUDA driver error {status}")
+        raise KernelError(f"cuLaunchKernelEx (cluster {cluster}, grid {grid}) failed with CUDA driver error {status}")

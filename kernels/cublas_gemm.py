@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ctypes
 
+from .errors import KernelError
+
 CUDA_R_16F = 2
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
@@ -37,7 +39,7 @@ def _lib():
             except OSError:
                 continue
         else:
-            raise RuntimeError("libcublas not found (looked for libcublas.so.13/.12/.11)")
+            raise KernelError("libcublas not found (looked for libcublas.so.13/.12/.11)")
         vp, i = ctypes.c_void_p, ctypes.c_int
         lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
         lib.cublasSetStream_v2.argtypes = [vp, vp]
@@ -49,7 +51,7 @@ def _lib():
 
 def _check(status: int, what: str) -> None:
     if status != 0:
-        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+        raise KernelError(f"{what} failed with cuBLAS status {status}")
 
 
 def _handle():

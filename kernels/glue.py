@@ -11,6 +11,8 @@ from functools import cache
 import numpy as np
 import torch
 
+from .errors import KernelError
+
 THREADS = 256
 NORM_THREADS = 128  # rms_norm and the quantizing producers: one block size, so their sums of squares are equal
 NORM_SLICE = 512  # elements of a row one rms_norm block writes (a row of 4096 over 8 SMs)
@@ -63,7 +65,7 @@ def rotary_cache_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
 
 @cache
 def _functions():
-    from .tiled_cbc_device import load_module
+    from .loader import load_module
 
     mod = load_module("glue", ())
     return {name: mod.get_function(name) for name in ("rms_norm", "silu_mul", "rotary_cache")}
@@ -90,7 +92,7 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _check(*ts: torch.Tensor) -> None:
     for t in ts:
         if t.dtype != torch.float16 or t.device.type != "cuda":
-            raise ValueError(f"glue kernels take float16 CUDA tensors, got {t.dtype} on {t.device}")
+            raise KernelError(f"glue kernels take float16 CUDA tensors, got {t.dtype} on {t.device}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -148,7 +150,7 @@ def rotary_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     hkv = k.shape[2]
     length = k_cache.shape[2]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError("rotary_cache: the caches and tables must be contiguous")
+        raise KernelError("rotary_cache: the caches and tables must be contiguous")
     q2, ld_q = _rows(q.reshape(b * t, h * d))
     k2, ld_k = _rows(k.reshape(b * t, hkv * d))
     v2, ld_v = _rows(v.reshape(b * t, hkv * d))

@@ -18,6 +18,7 @@ import numba
 import numpy as np
 
 from ..formats.iebme import IEBMEMatrix
+from .errors import KernelError
 
 
 @numba.njit(cache=True, nogil=True)
@@ -93,9 +94,9 @@ def _scale(partial, w_scales, x_scales):
 def check_group_size(k: int, group_size: int) -> int:
     """Number of groups; the kernels need a group size that is a multiple of 64 or covers all of K."""
     if group_size <= 0:
-        raise ValueError(f"group_size must be positive, got {group_size}")
+        raise KernelError(f"group_size must be positive, got {group_size}")
     if group_size < k and group_size % 64:
-        raise ValueError(f"group_size {group_size} must be a multiple of 64 (or >= K = {k})")
+        raise KernelError(f"group_size {group_size} must be a multiple of 64 (or >= K = {k})")
     return -(-k // group_size)
 
 
@@ -105,7 +106,7 @@ def iebme_partial_sums(m: IEBMEMatrix, x_codes: np.ndarray, group_size: int) -> 
     mm, k = g.shape
     x = np.ascontiguousarray(x_codes, dtype=np.int8)
     if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"x_codes must be [N, {k}], got {x.shape}")
+        raise KernelError(f"x_codes must be [N, {k}], got {x.shape}")
     n_groups = check_group_size(k, group_size)
     gs = min(group_size, k)
     has_perm = m.perm is not None
@@ -114,7 +115,7 @@ def iebme_partial_sums(m: IEBMEMatrix, x_codes: np.ndarray, group_size: int) -> 
                   m.values.astype(np.uint8, copy=False), perm, has_perm, g.bits, g.tile[0], g.tile[1],
                   g.areas[0], g.areas[1], g.grid[1], mm, k, x, gs, n_groups)
     if p.size and np.abs(p).max() >= 2**31:
-        raise OverflowError("a group's integer partial sum exceeds int32")
+        raise KernelError("a group's integer partial sum exceeds int32")
     return np.ascontiguousarray(p.transpose(2, 0, 1)).astype(np.int32)
 
 
@@ -124,7 +125,7 @@ def scale_partials(partial: np.ndarray, w_scales: np.ndarray, x_scales: np.ndarr
     ws = np.asarray(w_scales)
     xs = np.asarray(x_scales)
     if ws.shape != (mm, gc) or xs.shape != (n, gc):
-        raise ValueError(f"scales must be w [{mm}, {gc}] and x [{n}, {gc}], got {ws.shape} and {xs.shape}")
+        raise KernelError(f"scales must be w [{mm}, {gc}] and x [{n}, {gc}], got {ws.shape} and {xs.shape}")
     y = _scale(np.ascontiguousarray(partial.transpose(1, 2, 0)), ws.astype(np.float32), xs.astype(np.float32))
     return y.astype(np.float16)
 

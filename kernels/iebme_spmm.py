@@ -23,7 +23,9 @@ import numpy as np
 from ..formats.iebme import IEBMEMatrix
 from . import sm_count
 from .cluster_launch import launch_cluster
+from .errors import KernelError
 from .iebme_reference import check_group_size
+from .loader import compile_source, require_cupy
 
 SOURCE = Path(__file__).with_name("iebme_spmm.cu")
 BT = 4                                                       # tiles per batch (fixed in the .cu)
@@ -55,7 +57,7 @@ class LaunchSettings:
 
     def __post_init__(self) -> None:
         if self.warps is not None and self.warps not in WARP_CHOICES:
-            raise ValueError(f"warps per CTA must be one of {WARP_CHOICES}, got {self.warps}")
+            raise KernelError(f"warps per CTA must be one of {WARP_CHOICES}, got {self.warps}")
 
 
 _settings = LaunchSettings()
@@ -80,7 +82,7 @@ def config(n: int, warps: int | None = None) -> tuple[int, int, int, int]:
     st = settings()
     warps = st.warps or warps or 8
     if warps not in WARP_CHOICES:
-        raise ValueError(f"warps per CTA must be one of {WARP_CHOICES}, got {warps}")
+        raise KernelError(f"warps per CTA must be one of {WARP_CHOICES}, got {warps}")
     return st.nstage, warps, st.ilp or (2 if n <= 16 else 4), st.minb
 
 
@@ -92,12 +94,6 @@ WIDE_WARPS = 16       # CTAs of 16 tile rows (X staged once for twice the rows, 
 WIDE_N = (4, 16)      # ...are considered for these N and taken when they need fewer waves (docs/kernels.md)
 SMEM_SM = 228 * 1024    # shared memory per SM (sm_90), 1 KiB of it reserved per resident CTA
 SMEM_CTA = 227 * 1024   # opt-in limit per CTA, static + dynamic
-
-
-def _cupy():
-    import cupy
-
-    return cupy
 
 
 def static_smem(nstage: int, warps: int) -> int:
@@ -138,13 +134,12 @@ def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int
 @cache
 def _compiled(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int,
               tma: str, trace: str, source: str):
-    cp = _cupy()
     name = kernel_name(bits, nt, perm, debug)
     code = Path(source or SOURCE).read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
-    opts = ("-std=c++17", f"-DIEBME_NSTAGE={nstage}", f"-DIEBME_WARPS={warps}", f"-DIEBME_ILP={ilp}",
+    opts = (f"-DIEBME_NSTAGE={nstage}", f"-DIEBME_WARPS={warps}", f"-DIEBME_ILP={ilp}",
             f"-DIEBME_MINB={minb}")
     opts += tuple(f"-DIEBME_{k}={int(v)}" for k, v in (("TMA", tma), ("TRACE", trace)) if v)
-    fn = cp.RawModule(code=code, options=opts).get_function(name)
+    fn = compile_source(code, opts).get_function(name)
     fn.max_dynamic_shared_size_bytes = SMEM_CTA - static_smem(nstage, warps)
     fn.preferred_shared_memory_carveout = 100  # all of L1 as shared memory: the most CTAs per SM
     return fn
@@ -192,13 +187,13 @@ def device_layer(shape: tuple[int, int], bits: int, group_size: int, values, bit
                  w_scales_t) -> DeviceLayer:
     """Wrap CuPy arrays (values with a 16-byte tail, bitmaps as bytes, offsets uint32, pinv uint8 [T, 16]
     or None, weight scales fp16 [G, Mp]) and allocate the split-K workspace."""
-    cp = _cupy()
+    cp = require_cupy()
     m, k = shape
     tr, tc = -(-m // 16), -(-k // 64)
     grid_x = -(-tr // 4)                   # the most CTAs along M (4 warps per CTA)
     mp = padded_rows(m)
     if tuple(w_scales_t.shape) != (-(-k // min(group_size, k)), mp):
-        raise ValueError(f"transposed scales must be [G, {mp}], got {tuple(w_scales_t.shape)}")
+        raise KernelError(f"transposed scales must be [G, {mp}], got {tuple(w_scales_t.shape)}")
     return DeviceLayer(shape=(m, k), bits=bits, group_size=int(group_size), n_groups=int(w_scales_t.shape[0]),
                        values=values, bitmaps=bitmaps, offsets=offsets, pinv=pinv, wsT=w_scales_t,
                        ws_acc=cp.zeros((MAX_N, mp), dtype=cp.float32), counters=cp.zeros(grid_x, dtype=cp.int32),
@@ -214,17 +209,17 @@ def padded_rows(m: int) -> int:
 
 def prepare_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> DeviceLayer:
     """Upload an encoded layer (arrays as stored) and its fp16 weight scales [M, G]."""
-    cp = _cupy()
+    cp = require_cupy()
     g = m.geometry
     if g.tile != (16, 64) or g.areas != (2, 2):
-        raise ValueError(f"the GPU kernel supports tile 16x64 and areas 2x2, got {g.tile} and {g.areas}")
+        raise KernelError(f"the GPU kernel supports tile 16x64 and areas 2x2, got {g.tile} and {g.areas}")
     if g.bits not in (2, 4):
-        raise ValueError(f"the GPU kernel supports 4- and 2-bit codes, got {g.bits}")
+        raise KernelError(f"the GPU kernel supports 4- and 2-bit codes, got {g.bits}")
     mm, k = g.shape
     n_groups = check_group_size(k, group_size)
     ws = np.asarray(w_scales)
     if ws.shape != (mm, n_groups):
-        raise ValueError(f"w_scales must be [{mm}, {n_groups}], got {ws.shape}")
+        raise KernelError(f"w_scales must be [{mm}, {n_groups}], got {ws.shape}")
     wst = np.zeros((n_groups, padded_rows(mm)), dtype=np.float16)
     wst[:, :mm] = ws.astype(np.float16).T
     pinv = None
@@ -343,11 +338,11 @@ def single_chunk(layer: DeviceLayer, n: int, splits: int | None = None) -> bool:
 
 def prepare_x(layer: DeviceLayer, x_codes, x_scales):
     """(int8 [N, Kp] padded, fp32 [N, G]) on the GPU; no copy when already in that form."""
-    cp = _cupy()
+    cp = require_cupy()
     kp = layer.tc * 64
     x = cp.asarray(x_codes)
     if x.dtype != cp.int8 or x.ndim != 2 or x.shape[1] not in (layer.shape[1], kp):
-        raise ValueError(f"x_codes must be int8 [N, {layer.shape[1]}], got {x.dtype} {x.shape}")
+        raise KernelError(f"x_codes must be int8 [N, {layer.shape[1]}], got {x.dtype} {x.shape}")
     if x.shape[1] != kp:
         xp = cp.zeros((x.shape[0], kp), dtype=cp.int8)
         xp[:, : x.shape[1]] = x
@@ -355,13 +350,13 @@ def prepare_x(layer: DeviceLayer, x_codes, x_scales):
     x = cp.ascontiguousarray(x)
     xs = cp.ascontiguousarray(cp.asarray(x_scales, dtype=cp.float32))
     if xs.shape != (x.shape[0], layer.n_groups):
-        raise ValueError(f"x_scales must be [{x.shape[0]}, {layer.n_groups}], got {xs.shape}")
+        raise KernelError(f"x_scales must be [{x.shape[0]}, {layer.n_groups}], got {xs.shape}")
     return x, xs
 
 
 @cache
 def _cc() -> int:
-    cp = _cupy()
+    cp = require_cupy()
     return int(cp.cuda.Device().compute_capability)
 
 
@@ -417,7 +412,7 @@ def spmm_iebme(layer: DeviceLayer, x_codes, x_scales, *, splits: int | None = No
     with NaN first, so that an element the kernel fails to write shows (checks); the runtime skips that
     launch.
     """
-    cp = _cupy()
+    cp = require_cupy()
     x, xs = prepare_x(layer, x_codes, x_scales)
     n = x.shape[0]
     m, _ = layer.shape

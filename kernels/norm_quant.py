@@ -14,6 +14,7 @@ import torch
 
 from ..formats.arithmetic.weights import FP16_TINY, grid_max, n_groups
 from .act_quant import quantize_inputs_reference
+from .errors import KernelError
 from .glue import NORM_THREADS, _check, _ptr, _rows, _stream, residual_args, rms_norm_reference, silu_mul_reference
 
 QuantizedInput = tuple  # (codes int8 [N, kp], scales float32 [N, G], side codes int8 [N, n] | None, side scales | None)
@@ -73,7 +74,7 @@ def _launch(name: str, rows: int, k: int, rule: InputRule, args: tuple) -> None:
 
 @cache
 def _functions():
-    from .tiled_cbc_device import load_module
+    from .loader import load_module
 
     mod = load_module("norm_quant", ())
     return {name: mod.get_function(name) for name in ("rms_norm_quant", "silu_mul_quant")}
@@ -94,7 +95,7 @@ def _quant_args(k: int, rule: InputRule, out: tuple) -> tuple:
     null = np.uint64(0)
     perm = null if rule.perm is None else _ptr(rule.perm)
     if rule.perm is not None and (rule.perm.dtype != torch.int32 or not rule.perm.is_contiguous()):
-        raise ValueError("InputRule.perm must be a contiguous int32 tensor for the kernels")
+        raise KernelError("InputRule.perm must be a contiguous int32 tensor for the kernels")
     gs = (rule.side_group or min(rule.group, rule.n_side)) if rule.n_side else 1
     codes, scales, side_codes, side_scales = out
     return (perm, np.int32(k), np.int32(rule.kp), np.int32(rule.n_side), np.int32(min(rule.group, k)),

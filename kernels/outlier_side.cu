@@ -1,7 +1,7 @@
 // The 8-bit outlier side product added to the IE-BME kernel's output in one launch (docs/kernels.md, "Outlier side
 // product"): out[r, m] = fp16(y[r, m] + sum over side groups j of (sx[r, j] * sw[m, j]) * (q_x[r, g_j] . q_w[m, g_j])),
 // float32 in group order, each product and sum rounded once (no fused multiply-add), the integer dot products exact:
-// the arithmetic of compressor/quantize/fake_quant.grouped_int_matmul on the float32 of y, then one float16 rounding.
+// the arithmetic of formats/arithmetic/grouped.py's grouped_int_matmul on the float32 of y, then one float16 rounding.
 // One thread per output element; the token row's side codes in shared memory.
 #include "fp16.cuh"
 

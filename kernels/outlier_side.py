@@ -1,5 +1,5 @@
 """The 8-bit outlier side product added to the IE-BME kernel's output in one launch (``outlier_side.cu``); its
-reference is ``compressor.quantize.fake_quant.grouped_int_matmul(xq, sx, wq, sw, gs, out=y.float()).half()``,
+reference is ``formats.arithmetic.grouped.grouped_int_matmul(xq, sx, wq, sw, gs, out=y.float()).half()``,
 which it equals bit for bit (same float32 operations in the same order, exact integer dot products)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from functools import cache
 import numpy as np
 import torch
 
+from .errors import KernelError
 from .glue import _ptr, _rows, _stream
 
 THREADS = 128
@@ -16,7 +17,7 @@ THREADS = 128
 
 @cache
 def _function():
-    from .tiled_cbc_device import load_module
+    from .loader import load_module
 
     return load_module("outlier_side", ()).get_function("side_product")
 
@@ -31,7 +32,7 @@ def side_product(y: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor, wq: torch.
     n = xq.shape[1]
     for t, dt in ((xq, torch.int8), (wq, torch.int8), (sx, torch.float32), (sw, torch.float32)):
         if t.dtype != dt or not t.is_contiguous() or t.device.type != "cuda":
-            raise ValueError(f"side_product: expected contiguous {dt} CUDA tensors, got {t.dtype} on {t.device}")
+            raise KernelError(f"side_product: expected contiguous {dt} CUDA tensors, got {t.dtype} on {t.device}")
     out = torch.empty((n_rows, m), dtype=torch.float16, device=y.device)
     with _stream(y.device):
         _function()((-(-m // THREADS), n_rows), (THREADS,),

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .errors import KernelError
 from .norm_quant import InputRule, QuantizedInput
 
 
@@ -85,4 +86,4 @@ def get(name: str) -> RuntimeKernels:
         from .cuda_ops import cuda_kernels
 
         return cuda_kernels()
-    raise ValueError(f"no runtime kernels named {name!r} (cuda or reference)")
+    raise KernelError(f"no runtime kernels named {name!r} (cuda or reference)")

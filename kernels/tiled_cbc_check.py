@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..formats.tiled_cbc import TiledCBCMatrix
+from .errors import KernelError
 from .tiled_cbc_reference import dense_weights_f64, spmm_reference, spmspv_reference
 
 U32 = 2.0**-24
@@ -71,16 +72,17 @@ def check_tiled_cbc_layer(
     the reference's SpMM is checked.
     """
     if backend not in ("cupy", "cpu"):
-        raise ValueError(f"backend must be 'cupy' or 'cpu', got {backend!r}")
+        raise KernelError(f"backend must be 'cupy' or 'cpu', got {backend!r}")
     rng = np.random.default_rng() if rng is None else rng
     M, K = m.shape
     w64 = dense_weights_f64(m, w_scales, group_size)
     fails: list[str] = []
     dev = cp = None
     if backend == "cupy":
-        from .tiled_cbc_device import DeviceTiledCBC, _cupy
+        from .loader import require_cupy
+        from .tiled_cbc_device import DeviceTiledCBC
 
-        cp = _cupy()
+        cp = require_cupy()
         dev = DeviceTiledCBC(m, w_scales, group_size)
 
     x = rng.standard_normal(K).astype(np.float16)

@@ -9,45 +9,14 @@ int8 codes) on the GPU (used by the benchmark, whose largest shapes would take m
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
-
 import numpy as np
 
 from ..formats.bitpack import pack_codes
 from ..formats.tiled_cbc import TiledCBCMatrix
+from .errors import KernelError
+from .loader import require_cupy
 
 TILE = (256, 16)
-_HERE = Path(__file__).resolve().parent
-
-
-def cupy_or_none():
-    """The cupy module if it imports and sees a CUDA device, else None."""
-    try:
-        import cupy as cp
-
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            return None
-        return cp
-    except Exception:  # no cupy, no driver, no device
-        return None
-
-
-def _cupy():
-    cp = cupy_or_none()
-    if cp is None:
-        raise RuntimeError("the Tiled-CBC GPU kernels need CuPy and a CUDA device")
-    return cp
-
-
-@cache
-def load_module(name: str, expressions: tuple[str, ...], source: str = "", options: tuple[str, ...] = ()):
-    """Compile ``kernels/<name>.cu`` (or the file ``source``, another revision of it, for same-process A/B
-    timings) with NVRTC for the current device (cached per process); ``options`` are added to NVRTC's."""
-    cp = _cupy()
-    src = Path(source or _HERE / f"{name}.cu").read_text()
-    return cp.RawModule(code=src, options=("-std=c++17", f"-I{_HERE}", *options),  # -I: the kernels' fp16.cuh
-                        name_expressions=list(expressions))
 
 
 class DeviceTiledCBC:
@@ -55,13 +24,13 @@ class DeviceTiledCBC:
 
     def __init__(self, m: TiledCBCMatrix | None = None, w_scales=None, group_size: int | None = None, *,
                  arrays: dict | None = None):
-        cp = _cupy()
+        cp = require_cupy()
         if m is not None:
             g = m.geometry
             arrays = dict(shape=g.shape, bits=g.bits, bitmap=m.bitmap, colinfo=m.colinfo,
                           tile_offset=m.tile_offset, values=m.values)
             if tuple(g.tile) != TILE:
-                raise ValueError(f"the GPU kernels are built for GTiles {TILE}, this layer has {g.tile}")
+                raise KernelError(f"the GPU kernels are built for GTiles {TILE}, this layer has {g.tile}")
         assert arrays is not None
         self.shape = tuple(int(v) for v in arrays["shape"])
         self.bits = arrays["bits"]
@@ -79,14 +48,14 @@ class DeviceTiledCBC:
         self.scales_t = None
         if self.bits is not None:
             if w_scales is None or group_size is None:
-                raise ValueError(f"a {self.bits}-bit layer needs w_scales and group_size")
+                raise KernelError(f"a {self.bits}-bit layer needs w_scales and group_size")
             gs = int(group_size)
             ng = -(-K // gs)
             s = cp.asarray(w_scales, dtype=cp.float16)
             if s.shape != (M, ng):
-                raise ValueError(f"w_scales must be [{M}, {ng}], got {tuple(s.shape)}")
+                raise KernelError(f"w_scales must be [{M}, {ng}], got {tuple(s.shape)}")
             if gs % TILE[1] and gs < K:
-                raise ValueError(f"the GPU kernels need group_size % {TILE[1]} == 0 (or one group), got {gs}")
+                raise KernelError(f"the GPU kernels need group_size % {TILE[1]} == 0 (or one group), got {gs}")
             st = cp.zeros((ng, self.Mp), dtype=cp.float16)
             st[:, :M] = s.T
             self.scales_t = st.view(cp.uint16)
@@ -96,7 +65,7 @@ class DeviceTiledCBC:
         self.dummy = cp.zeros(8, dtype=cp.uint16)
 
     def partial(self, splits: int):
-        cp = _cupy()
+        cp = require_cupy()
         if splits not in self._partial:
             self._partial[splits] = cp.empty(splits * self.Mp, dtype=cp.float32)
         return self._partial[splits]
@@ -121,7 +90,7 @@ class DeviceTiledCBC:
 
     def spmm_tickets(self, n: int):
         """Zeroed split-K tickets of the SpMM (one per output tile; the kernel leaves them zeroed)."""
-        cp = _cupy()
+        cp = require_cupy()
         if getattr(self, "_spmm_tickets", None) is None or self._spmm_tickets.size < n:
             self._spmm_tickets = cp.zeros(n, dtype=cp.uint32)
         return self._spmm_tickets
@@ -143,13 +112,13 @@ class DeviceTiledCBC:
 def encode_on_device(W, bits=None):
     """Tiled-CBC arrays (dict, CuPy) of a CuPy matrix W [M, K], float16 values or (``bits`` 4 or 2) int8
     codes of a signed b-bit quantizer: the same bytes as ``tiled_cbc.encode`` (benchmarks of large layers)."""
-    cp = _cupy()
+    cp = require_cupy()
     if bits is not None:
         if int(bits) not in (4, 2) or W.dtype != cp.int8:
-            raise ValueError(f"integer codes need int8 W and bits 4 or 2, got {W.dtype} and {bits}")
+            raise KernelError(f"integer codes need int8 W and bits 4 or 2, got {W.dtype} and {bits}")
         bits = int(bits)
     elif W.dtype != cp.float16:
-        raise ValueError(f"W must be float16 (or int8 codes with bits), got {W.dtype}")
+        raise KernelError(f"W must be float16 (or int8 codes with bits), got {W.dtype}")
     align = 8 if bits is None else 128 // bits  # values per 16 bytes: each column run is padded to it
     M, K = W.shape
     gr, gc = -(-M // TILE[0]), -(-K // TILE[1])

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..formats.bitpack import unpack_codes
 from ..formats.tiled_cbc import TiledCBCMatrix
+from .errors import KernelError
 
 
 @nb.njit(cache=True, inline="always")
@@ -58,7 +59,7 @@ def _column_weights(
                 w_out[n] = v
                 n += 1
     if n != np.int64(info & np.uint32(0xFFFF)):
-        raise ValueError("colinfo count disagrees with the bitmap popcount")
+        raise KernelError("colinfo count disagrees with the bitmap popcount")
     return n
 
 
@@ -122,15 +123,15 @@ def _prepare(m: TiledCBCMatrix, w_scales, group_size):
     g = m.geometry
     if g.bits is None:
         if w_scales is not None:
-            raise ValueError("w_scales given for a float16 Tiled-CBC matrix")
+            raise KernelError("w_scales given for a float16 Tiled-CBC matrix")
         return m.values.astype(np.float32), np.zeros((0, 1), dtype=np.float32), 1
     if w_scales is None or group_size is None:
-        raise ValueError(f"a {g.bits}-bit Tiled-CBC matrix needs w_scales and group_size")
+        raise KernelError(f"a {g.bits}-bit Tiled-CBC matrix needs w_scales and group_size")
     vals = unpack_codes(m.values, g.bits).astype(np.float32)
     scales = np.asarray(w_scales)
     ngroups = -(-g.shape[1] // int(group_size))
     if scales.shape != (g.shape[0], ngroups):
-        raise ValueError(
+        raise KernelError(
             f"w_scales must be [{g.shape[0]}, {ngroups}] for group size {group_size}, got {scales.shape}"
         )
     # padded rows (beyond M) have no nonzeros, so they never index the scales
@@ -156,7 +157,7 @@ def spmspv_reference(
     g = m.geometry
     x = np.asarray(x)
     if x.shape != (g.shape[1],):
-        raise ValueError(f"x must have shape ({g.shape[1]},), got {x.shape}")
+        raise KernelError(f"x must have shape ({g.shape[1]},), got {x.shape}")
     y = _spmspv(*_layout_args(m, w_scales, group_size), x.astype(np.float16).astype(np.float32), _threshold(tau))
     return y.astype(out_dtype)
 
@@ -168,7 +169,7 @@ def spmm_reference(
     g = m.geometry
     X = np.asarray(X)
     if X.ndim != 2 or X.shape[1] != g.shape[1]:
-        raise ValueError(f"X must have shape (N, {g.shape[1]}), got {X.shape}")
+        raise KernelError(f"X must have shape (N, {g.shape[1]}), got {X.shape}")
     Y = _spmm(*_layout_args(m, w_scales, group_size), np.ascontiguousarray(X.astype(np.float16).astype(np.float32)))
     return Y.astype(out_dtype)
 

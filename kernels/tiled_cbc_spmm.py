@@ -10,10 +10,8 @@ t+1 overlapped with the mma of step t; ``"wgmma"`` (v4, compute capability 9.0 o
 ``WARP_UP_TO_N`` up to ``WGMMA_UP_TO_N`` tokens): the decode writes a 128-byte-swizzled W tile to shared
 memory and Hopper's asynchronous warpgroup MMA multiplies it while the next step is decoded;
 ``"dense"``: decode once, then cuBLAS (the default from ``DENSE_FROM_N`` tokens, above ``WGMMA_UP_TO_N`` on
-sm_90). ``"wgmma5"`` (v5, sm_90a, never chosen by ``"auto"``: slower than the paths above at every N, kept for
-studies, docs/kernels.md): warp-specialised, X and W by the copy engine (TMA, bulk copies), W decoded straight
-into wgmma's A registers. ``version=1``: the first kernel (no split-K, serial decode -> mma), kept as the benchmark's
-same-machine baseline.
+sm_90). Earlier generations (v1, the serial decode -> mma kernel; v5, warp-specialised with W decoded into
+wgmma's A registers) were slower at every N and are gone (docs/kernels.md keeps their figures).
 """
 
 from __future__ import annotations
@@ -23,13 +21,12 @@ from functools import cache
 import numpy as np
 
 from . import sm_count
-from .cluster_launch import launch_ex
 from .cublas_gemm import OP_N, OP_T, gemm_f16
-from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
-from .tma import fp16_2d
+from .errors import KernelError
+from .loader import load_module, require_cupy
+from .tiled_cbc_device import TILE, DeviceTiledCBC
 
 GK = 2
-CONFIGS = {128: 1, 64: 2}  # v1: BN -> min blocks per SM (launch bounds)
 # v2: (BN, NST, MINB) as instantiated in the .cu file
 V2_CONFIGS = ((32, 3, 2), (64, 3, 2), (64, 3, 1), (128, 3, 1), (128, 4, 1), (32, 5, 2), (64, 4, 2))
 # v3: (NT, NST, MINB) as instantiated in the .cu file: n8 tiles (tokens / 8), ring slots per warp, blocks per SM
@@ -38,10 +35,9 @@ V3_W, V3_XS = 2560, 48  # ring slot: W bytes of a GTile quarter, then X rows of 
 V3_MAX_N = 64  # tokens per v3 launch (NT = 8); more tokens take several launches
 _SMEM_SET: dict[str, int] = {}
 _EXPR = (
-    tuple(f"tcbc_spmm<{bn}, {GK}, {mb}>" for bn, mb in CONFIGS.items())
-    + tuple(f"tcbc_spmm2<{bn}, {GK}, {nst}, {mb}>" for bn, nst, mb in V2_CONFIGS)
+    tuple(f"tcbc_spmm2<{bn}, {GK}, {nst}, {mb}>" for bn, nst, mb in V2_CONFIGS)
     + tuple(f"tcbc_spmm3<{nt}, {nst}, {mb}>" for nt, nst, mb in V3_CONFIGS)
-    + ("tcbc_decode_dense", "tcbc_decode_dense2")
+    + ("tcbc_decode_dense2",)
 )
 DD_G = 4  # GTiles side by side per decode_dense block (DD_G in the .cu)
 DENSE_FROM_N = 32  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
@@ -59,22 +55,16 @@ V4_CONFIGS = ((16, 2, 6), (16, 2, 3), (32, 2, 6), (32, 2, 3), (64, 2, 5), (64, 2
 V4_GK = 4
 _EXPR_V4 = tuple(f"tcbc_spmm4<{bn}, {tpr}, {nst}>" for bn, tpr, nst in V4_CONFIGS)
 
-# v5 (warp-specialised, W decoded into wgmma's A registers, sm_90a): (BN, NST) as instantiated in the .cu file, in
-# order of preference per BN (deeper ring first); 384 threads, 128 rows of W per block, 4 GTiles per step.
-V5_CONFIGS = ((16, 10), (16, 4), (32, 8), (32, 4), (64, 6), (64, 4), (128, 4), (128, 3), (256, 4), (256, 3))
-V5_BM = 128
-_EXPR_V5 = tuple(f"tcbc_spmm5<{bn}, {nst}>" for bn, nst in V5_CONFIGS)
-
 
 def wgmma_available() -> bool:
     """True on a compute-capability 9.0 GPU (H100 / H200), where the module is built for sm_90a and holds v4."""
-    cp = _cupy()
+    cp = require_cupy()
     return _is_sm90(cp.cuda.Device().id)
 
 
 @cache
 def _is_sm90(device: int) -> bool:  # one driver query per device: launches may be captured into graphs
-    return _cupy().cuda.Device(device).compute_capability == "90"
+    return require_cupy().cuda.Device(device).compute_capability == "90"
 
 
 def auto_method(n: int, wgmma: bool) -> str:
@@ -88,12 +78,8 @@ def auto_method(n: int, wgmma: bool) -> str:
 
 def _module():
     if wgmma_available():  # CuPy appends its own -arch=sm_90; NVRTC keeps the arch-specific target
-        return load_module("tiled_cbc_spmm", _EXPR + _EXPR_V4 + _EXPR_V5, options=("-arch=sm_90a",))
+        return load_module("tiled_cbc_spmm", _EXPR + _EXPR_V4, options=("-arch=sm_90a",))
     return load_module("tiled_cbc_spmm", _EXPR)
-
-
-def default_bn(n: int) -> int:
-    return 64 if n <= 256 else 128
 
 
 def default_config(n: int) -> tuple[int, int, int]:
@@ -105,22 +91,19 @@ def default_config(n: int) -> tuple[int, int, int]:
     return (128, 4, 1)
 
 
-def decode_dense(dev: DeviceTiledCBC, out=None, version: int = 2):
-    """W as a dense CuPy fp16 [M, Kp] (Kp = K padded to 16; columns >= K are zero), decoded on the GPU.
-    ``version=1`` is the first decode kernel (kept as the benchmark's baseline)."""
-    cp = _cupy()
+def decode_dense(dev: DeviceTiledCBC, out=None):
+    """W as a dense CuPy fp16 [M, Kp] (Kp = K padded to 16; columns >= K are zero), decoded on the GPU."""
+    cp = require_cupy()
     if dev.bits is not None:
-        raise NotImplementedError("decode_dense takes float16 Tiled-CBC values only")
+        raise KernelError("decode_dense takes float16 Tiled-CBC values only")
     M, _ = dev.shape
     gr, gc = dev.grid
     kp = gc * TILE[1]
     if out is None:
         out = cp.empty((M, kp), dtype=cp.float16)
     if out.shape != (M, kp) or out.dtype != cp.float16 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a contiguous float16 [{M}, {kp}] array")
-    if version not in (1, 2):
-        raise ValueError(f"version must be 1 or 2, got {version!r}")
-    _module().get_function("tcbc_decode_dense2" if version == 2 else "tcbc_decode_dense")(
+        raise KernelError(f"out must be a contiguous float16 [{M}, {kp}] array")
+    _module().get_function("tcbc_decode_dense2")(
         (-(-gc // DD_G), gr), (256,), (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, out, np.int32(gc),
                            np.int32(M), np.int32(kp)))
     return out
@@ -132,7 +115,7 @@ def spmm_dense(dev: DeviceTiledCBC, X, out=None):
     weight) for cuBLAS's wgmma kernels, which mma.sync cannot match on Hopper. The GEMM goes through
     ``cublas_gemm`` (not CuPy's bindings), so the whole path captures into a CUDA graph.
     X: fp16 [N, Kx >= K] contiguous (columns past K are ignored)."""
-    cp = _cupy()
+    cp = require_cupy()
     M, K = dev.shape
     key = (M, dev.grid[1] * TILE[1])
     ws = _DENSE_WS.get(key)
@@ -140,12 +123,12 @@ def spmm_dense(dev: DeviceTiledCBC, X, out=None):
         ws = _DENSE_WS[key] = cp.empty(key, dtype=cp.float16)
     X = cp.ascontiguousarray(X)
     if X.dtype != cp.float16 or X.ndim != 2 or X.shape[1] < K:
-        raise ValueError(f"X must be a float16 [N, >= {K}] array, got {X.dtype} {X.shape}")
+        raise KernelError(f"X must be a float16 [N, >= {K}] array, got {X.dtype} {X.shape}")
     n = X.shape[0]
     if out is None:
         out = cp.empty((n, M), dtype=cp.float16)
     if out.shape != (n, M) or out.dtype != cp.float16 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a contiguous float16 [{n}, {M}] array")
+        raise KernelError(f"out must be a contiguous float16 [{n}, {M}] array")
     decode_dense(dev, ws)
     # Y [N, M] row-major is Y^T [M, N] column-major: Y^T = W X^T with W [M, Kp] read transposed
     gemm_f16(OP_T, OP_N, M, n, K, ws.data.ptr, ws.shape[1], X.data.ptr, X.shape[1], out.data.ptr, M)
@@ -183,10 +166,10 @@ def spmm_warp(dev: DeviceTiledCBC, X, out, config: tuple[int, int, int] | None =
         n = min(V3_MAX_N, N - n0)
         cfg = v3_config(n) if config is None else tuple(config)
         if cfg not in V3_CONFIGS:
-            raise ValueError(f"config must be one of {V3_CONFIGS}")
+            raise KernelError(f"config must be one of {V3_CONFIGS}")
         nt, nst, mb = cfg
         if 8 * nt < n:
-            raise ValueError(f"config {cfg} covers {8 * nt} tokens, this launch has {n}")
+            raise KernelError(f"config {cfg} covers {8 * nt} tokens, this launch has {n}")
         sp = v3_splits(dev, mb) if splits is None else max(1, min(int(splits), gc))
         cps = -(-gc // sp)
         sp = -(-gc // cps)
@@ -224,7 +207,7 @@ def v4_config(dev: DeviceTiledCBC, n: int, limit: int) -> tuple[int, int, int]:
     nsteps = -(-dev.grid[1] // V4_GK)
     fits = [c for c in V4_CONFIGS if c[0] == bn and v4_smem(dev, c, nsteps) <= limit]
     if not fits:
-        raise ValueError(f"no v4 configuration for {n} tokens fits {limit} bytes of shared memory")
+        raise KernelError(f"no v4 configuration for {n} tokens fits {limit} bytes of shared memory")
     return fits[0]
 
 
@@ -248,23 +231,23 @@ def v4_splits(dev: DeviceTiledCBC, n: int, config: tuple[int, int, int], smem: i
 
 def spmm_wgmma(dev: DeviceTiledCBC, X, out, config: tuple[int, int, int] | None = None, splits: int | None = None):
     """v4 launch (sm_90a: decode into shared memory, wgmma) into ``out`` [N, M]; X is fp16 [N, Kx], Kx % 8 == 0."""
-    cp = _cupy()
+    cp = require_cupy()
     if not wgmma_available():
-        raise RuntimeError("method='wgmma' needs a compute-capability 9.0 GPU (sm_90a)")
+        raise KernelError("method='wgmma' needs a compute-capability 9.0 GPU (sm_90a)")
     N, Kx = X.shape
     M = dev.shape[0]
     gr, gc = dev.grid
     limit = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     cfg = v4_config(dev, N, limit) if config is None else tuple(config)
     if cfg not in V4_CONFIGS:
-        raise ValueError(f"config must be one of {V4_CONFIGS}")
+        raise KernelError(f"config must be one of {V4_CONFIGS}")
     bn, tpr, nst = cfg
     gk = V4_GK
     nsteps = -(-gc // gk)
     sp, sps = _split_plan(nsteps, v4_splits(dev, N, cfg, v4_smem(dev, cfg, 1)) if splits is None else splits)
     smem = v4_smem(dev, cfg, sps)
     if smem > limit:
-        raise ValueError(f"v4 config {cfg} needs {smem} bytes of shared memory, the device allows {limit}")
+        raise KernelError(f"v4 config {cfg} needs {smem} bytes of shared memory, the device allows {limit}")
     raw = -(-dev.max_window_bytes(gk) // 16) * 16
     ntn = -(-N // bn)
     name = f"tcbc_spmm4<{bn}, {tpr}, {nst}>"
@@ -278,94 +261,25 @@ def spmm_wgmma(dev: DeviceTiledCBC, X, out, config: tuple[int, int, int] | None 
     return out
 
 
-def v5_smem(dev: DeviceTiledCBC, config: tuple[int, int], sps: int) -> int:
-    """Dynamic shared memory of one v5 block (layout in the .cu file; 1024 bytes of slack to align it)."""
-    bn, nst = config
-    ncol = TILE[1] * V4_GK
-    raw = -(-dev.max_window_bytes(V4_GK) // 16) * 16
-    return 1024 + nst * (bn * 128 + raw + ncol * (32 + 4 + 32)) + (sps * V4_GK + 1) * 4
-
-
-def v5_config(dev: DeviceTiledCBC, n: int, limit: int) -> tuple[int, int]:
-    """(BN, NST) of the v5 kernel for n tokens: the smallest BN covering n (at most 256) whose deepest ring fits
-    ``limit`` bytes of shared memory; a smaller BN when none of that BN fits (layers with dense GTiles)."""
-    nsteps = -(-dev.grid[1] // V4_GK)
-    want = next((b for b in (16, 32, 64, 128, 256) if b >= n), 256)
-    for bn in sorted({c[0] for c in V5_CONFIGS if c[0] <= want}, reverse=True):
-        fits = [c for c in V5_CONFIGS if c[0] == bn and v5_smem(dev, c, nsteps) <= limit]
-        if fits:
-            return fits[0]
-    raise ValueError(f"no v5 configuration for {n} tokens fits {limit} bytes of shared memory")
-
-
-def v5_splits(dev: DeviceTiledCBC, n: int, config: tuple[int, int]) -> int:
-    """Split K so that the blocks (one per SM) fill the GPU: the split count minimising waves x (steps per block
-    + 2 to fill the ring) plus the fp32 partial sums' traffic in step units (v4's rule)."""
-    bn = config[0]
-    nsteps = -(-dev.grid[1] // V4_GK)
-    sms = sm_count()
-    blocks = -(-dev.shape[0] // V5_BM) * -(-n // bn)
-    best, best_cost = 1, float("inf")
-    for sp in range(1, max(1, nsteps // 4) + 1):
-        waves = -(-blocks * sp // sms)
-        cost = waves * (-(-nsteps // sp) + 2) + (sp > 1) * sp * n * dev.Mp * 8 / (sms * 20480)
-        if cost < best_cost:
-            best, best_cost = sp, cost
-    return best
-
-
-def spmm_wgmma5(dev: DeviceTiledCBC, X, out, config: tuple[int, int] | None = None, splits: int | None = None):
-    """v5 launch (sm_90a: warp-specialised, W decoded into wgmma's A registers) into ``out`` [N, M]; X is fp16
-    [N, Kx], Kx % 8 == 0."""
-    cp = _cupy()
-    if not wgmma_available():
-        raise RuntimeError("method='wgmma5' needs a compute-capability 9.0 GPU (sm_90a)")
-    N, Kx = X.shape
-    M = dev.shape[0]
-    gr, gc = dev.grid
-    limit = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-    cfg = v5_config(dev, N, limit) if config is None else tuple(config)
-    if cfg not in V5_CONFIGS:
-        raise ValueError(f"config must be one of {V5_CONFIGS}")
-    bn, nst = cfg
-    nsteps = -(-gc // V4_GK)
-    sp, sps = _split_plan(nsteps, v5_splits(dev, N, cfg) if splits is None else splits)
-    smem = v5_smem(dev, cfg, sps)
-    if smem > limit:
-        raise ValueError(f"v5 config {cfg} needs {smem} bytes of shared memory, the device allows {limit}")
-    raw = -(-dev.max_window_bytes(V4_GK) // 16) * 16
-    ntn, nmt = -(-N // bn), -(-M // V5_BM)
-    name = f"tcbc_spmm5<{bn}, {nst}>"
-    f = _module().get_function(name)
-    _set_smem(f, name, smem)
-    part = dev.partial(sp * N) if sp > 1 else dev.dummy
-    tickets = dev.spmm_tickets(nmt * ntn) if sp > 1 else dev.tickets
-    xmap = fp16_2d(X, (64, bn))  # the X tiles come by the copy engine, 128-byte swizzled
-    launch_ex(f, (ntn, nmt, sp), 384, smem,
-              (xmap, dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, X, out, np.int32(gc), np.int32(M),
-               np.int32(Kx), np.int32(N), np.int32(dev.Mp), np.int32(raw), np.int32(sps), part, tickets))
-    return out
-
-
 def _set_smem(f, name: str, smem: int) -> None:
     if _SMEM_SET.get(name, -1) < smem:  # once per size: no driver call while a graph is captured
         f.max_dynamic_shared_size_bytes = smem
         _SMEM_SET[name] = smem
 
 
-def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int = 2,
-         config: tuple[int, int, int] | None = None, splits: int | None = None, method: str = "auto"):
+def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, config: tuple[int, int, int] | None = None,
+         splits: int | None = None, method: str = "auto"):
     """Launch on the current stream; returns ``out`` (CuPy fp16 [N, M]).
 
-    method (version 2): "warp" (v3, ``spmm_warp``; ``config`` is then its (NT, NST, MINB)), "fused" (the v2
-    tensor-core kernel), "wgmma" (v4, ``spmm_wgmma``; config (BN, TPR, NST)), "dense" (``spmm_dense``) or
-    "auto" (``auto_method``). ``version=1`` is always the first fused kernel."""
-    cp = _cupy()
+    method: "warp" (v3, ``spmm_warp``; ``config`` is then its (NT, NST, MINB)), "fused" (the v2 tensor-core
+    kernel; ``config`` (BN, NST, MINB) or ``bn``), "wgmma" (v4, ``spmm_wgmma``; config (BN, TPR, NST)), "dense"
+    (``spmm_dense``) or "auto" (``auto_method``)."""
+    cp = require_cupy()
     if dev.bits is not None:
-        raise NotImplementedError("the tensor-core SpMM kernel takes float16 Tiled-CBC values only")
+        raise KernelError("the tensor-core SpMM kernel takes float16 Tiled-CBC values only")
     M, K = dev.shape
     if X.ndim != 2 or X.shape[1] != K or X.dtype != cp.float16:
-        raise ValueError(f"X must be a CuPy float16 array [N, {K}], got {X.dtype} {X.shape}")
+        raise KernelError(f"X must be a CuPy float16 array [N, {K}], got {X.dtype} {X.shape}")
     if K % 8:
         Xp = cp.zeros((X.shape[0], -(-K // 8) * 8), dtype=cp.float16)
         Xp[:, :K] = X
@@ -373,62 +287,45 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, version: int =
     else:
         X, Kx = cp.ascontiguousarray(X), K
     N = X.shape[0]
-    if method not in ("warp", "fused", "dense", "wgmma", "wgmma5", "auto"):
-        raise ValueError(f"method must be warp, fused, dense, wgmma, wgmma5 or auto, got {method!r}")
-    if version == 2 and method == "auto":
+    if method not in ("warp", "fused", "dense", "wgmma", "auto"):
+        raise KernelError(f"method must be warp, fused, dense, wgmma or auto, got {method!r}")
+    if method == "auto":
         method = auto_method(N, wgmma_available())
-    if version == 2 and method == "dense":
+    if method == "dense":
         return spmm_dense(dev, X, out)
     if out is None:
         out = cp.empty((N, M), dtype=cp.float16)
     if out.shape != (N, M) or out.dtype != cp.float16 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a contiguous float16 [{N}, {M}] array")
-    if version == 2 and method == "wgmma":
+        raise KernelError(f"out must be a contiguous float16 [{N}, {M}] array")
+    if method == "wgmma":
         return spmm_wgmma(dev, X, out, config, splits)
-    if version == 2 and method == "wgmma5":
-        return spmm_wgmma5(dev, X, out, config, splits)
-    if version == 2 and method == "warp":
+    if method == "warp":
         return spmm_warp(dev, X, out, config, splits)
     gr, gc = dev.grid
     if not hasattr(dev, "_spmm_raw"):
         dev._spmm_raw = -(-dev.max_window_bytes(GK) // 16) * 16
     raw = dev._spmm_raw
     bk = TILE[1] * GK
-    if version == 2:
-        if config is None:
-            config = default_config(N) if bn is None else next(c for c in V2_CONFIGS if c[0] == bn)
-        if tuple(config) not in V2_CONFIGS:
-            raise ValueError(f"config must be one of {V2_CONFIGS}")
-        bn2, nst, mb = config
-        nsteps = -(-gc // GK)
-        splits = default_splits(dev, N, bn2) if splits is None else max(1, min(int(splits), nsteps))
-        sps = -(-nsteps // splits)
-        splits = -(-nsteps // sps)
-        ntn = -(-N // bn2)
-        smem = (nst * raw + 2 * bk * (TILE[0] + 8) * 2 + nst * bn2 * (bk + 8) * 2 + nst * GK * TILE[1] * 36
-                + (sps * GK + 1) * 4)
-        smem = -(-smem // 16) * 16
-        name = f"tcbc_spmm2<{bn2}, {GK}, {nst}, {mb}>"
-        f = _module().get_function(name)
-        _set_smem(f, name, smem)
-        part = dev.partial(splits * N) if splits > 1 else dev.dummy
-        tickets = dev.spmm_tickets(gr * ntn) if splits > 1 else dev.tickets
-        f((ntn, gr, splits), (256,),
-          (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, X, out, np.int32(gc), np.int32(M),
-           np.int32(Kx), np.int32(N), np.int32(dev.Mp), np.int32(raw), np.int32(sps), part, tickets),
-          shared_mem=smem)
-        return out
-    if version != 1:
-        raise ValueError(f"version must be 1 or 2, got {version}")
-    bn = default_bn(N) if bn is None else int(bn)
-    if bn not in CONFIGS:
-        raise ValueError(f"bn must be one of {tuple(CONFIGS)}")
-    smem = 2 * raw + bk * (TILE[0] + 8) * 2 + 2 * bn * (bk + 8) * 2
-    name = f"tcbc_spmm<{bn}, {GK}, {CONFIGS[bn]}>"
+    if config is None:
+        config = default_config(N) if bn is None else next(c for c in V2_CONFIGS if c[0] == bn)
+    if tuple(config) not in V2_CONFIGS:
+        raise KernelError(f"config must be one of {V2_CONFIGS}")
+    bn2, nst, mb = config
+    nsteps = -(-gc // GK)
+    splits = default_splits(dev, N, bn2) if splits is None else max(1, min(int(splits), nsteps))
+    sps = -(-nsteps // splits)
+    splits = -(-nsteps // sps)
+    ntn = -(-N // bn2)
+    smem = (nst * raw + 2 * bk * (TILE[0] + 8) * 2 + nst * bn2 * (bk + 8) * 2 + nst * GK * TILE[1] * 36
+            + (sps * GK + 1) * 4)
+    smem = -(-smem // 16) * 16
+    name = f"tcbc_spmm2<{bn2}, {GK}, {nst}, {mb}>"
     f = _module().get_function(name)
     _set_smem(f, name, smem)
-    # K passed is X's row length; columns beyond the true K have no weights, so the padding is inert
-    f((-(-N // bn), gr), (256,),
+    part = dev.partial(splits * N) if splits > 1 else dev.dummy
+    tickets = dev.spmm_tickets(gr * ntn) if splits > 1 else dev.tickets
+    f((ntn, gr, splits), (256,),
       (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, X, out, np.int32(gc), np.int32(M),
-       np.int32(Kx), np.int32(N), np.int32(raw)), shared_mem=smem)
+       np.int32(Kx), np.int32(N), np.int32(dev.Mp), np.int32(raw), np.int32(sps), part, tickets),
+      shared_mem=smem)
     return out

@@ -1,20 +1,12 @@
-// Tiled-CBC spMspV (decode, N = 1) on CUDA cores with dynamic pruning (SPDP, HAD-SMBD).
-// Two kernels: tcbc_spmspv2 (v2, the default; described further down) and tcbc_spmspv (v1, below, kept as
-// the benchmark's same-machine baseline). v1:
-//
-// Block = one GTile row (TILE_M = 256 outputs) x a chunk of `chunk` GTiles along K (split-K).
-//  1. ColInfo, TileOffset and the X tile of the chunk go to shared memory; each column is tested
-//     (|x_k| > tau, nnz > 0) and the active ones are compacted into a list (ballot + warp prefix).
-//  2. Warps take list entries round-robin. Each warp streams its columns through a private ring of
-//     NSTAGE shared-memory slots with cp.async (one 16-byte copy per lane moves a whole 256-row fp16
-//     column; two more lanes copy its 4 bitmap words): slot j+NSTAGE-1 is in flight while slot j is
-//     decoded. Inactive columns are never read.
-//  3. HAD-SMBD: lane l owns rows 8l..8l+7 = byte (l & 7) of bitmap word l >> 3. Its first value's rank
-//     is the masked popcount of the bits below it; the next set bits take rank+1, rank+2, ... so one
-//     popcount serves all 8 rows. fp32 FMA into 8 register accumulators.
-//  4. Warps reduce through shared memory; with split-K each block writes an fp32 partial row and the
-//     last block of the GTile row (atomic ticket) sums the partials in split order (deterministic) and
-//     writes the output, then resets its ticket for the next launch.
+// Tiled-CBC spMspV (decode, N = 1) on CUDA cores with dynamic pruning (SPDP, HAD-SMBD): tcbc_spmspv2 (v2,
+// described further down). The first kernel (v1: a compacted list of active columns, one cp.async + wait per
+// column) is gone; docs/kernels.md keeps its figures. What v2 keeps of it:
+//  - HAD-SMBD: lane l owns rows 8l..8l+7 = byte (l & 7) of bitmap word l >> 3. Its first value's rank
+//    is the masked popcount of the bits below it; the next set bits take rank+1, rank+2, ... so one
+//    popcount serves all 8 rows. fp32 FMA into 8 register accumulators.
+//  - Warps reduce through shared memory; with split-K each block writes an fp32 partial row and the
+//    last block of the GTile row (atomic ticket) sums the partials in split order (deterministic) and
+//    writes the output, then resets its ticket for the next launch.
 // Values: BITS = 16 (float16) or 4 / 2 (two's-complement codes, LSB-first packing) times an fp16 group
 // scale read from scales_t [ngroups, Mp] (the [M, ngroups] scales transposed once on the host).
 
@@ -109,7 +101,7 @@ __device__ __forceinline__ constexpr u32 code_flip() {
     return BITS == 4 ? 0x88888888u : 0xAAAAAAAAu;
 }
 
-// Step 4 of v1 and v2: the NW warps' accumulators (lane l: rows 8l..8l+7 of GTile row tr) are summed
+// The reduction: the NW warps' accumulators (lane l: rows 8l..8l+7 of GTile row tr) are summed
 // through `red` (shared, NW * TILE_M floats, free to reuse: the caller has synchronized the block). When the
 // block is the row's only part it writes the output directly; otherwise it writes its fp32 partial row as
 // part `part` of `nparts`, and the last part to finish (atomic ticket, `last_s` a __shared__ int) sums the
@@ -156,141 +148,10 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[8], float* red, 
     if (tid == 0) tickets[tr] = 0u;
 }
 
-template <int BITS, int NW, int NSTAGE>
-__global__ void __launch_bounds__(NW * 32) tcbc_spmspv(
-    const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
-    const unsigned char* __restrict__ values, const u16* __restrict__ x, float tau,
-    const u16* __restrict__ scales_t, int group, int grid_c, int M, int K, int Mp, int chunk,
-    float* __restrict__ partial, u32* __restrict__ tickets, void* __restrict__ out, int out_f32) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    constexpr int SLOT = Slot<BITS>::BYTES;
-    // the ring doubles as the warp-reduction buffer (NW * TILE_M floats) after the main loop
-    constexpr int RING = NW * NSTAGE * SLOT > NW * TILE_M * 4 ? NW * NSTAGE * SLOT : NW * TILE_M * 4;
-    const int ncol = chunk * TILE_K;
-    unsigned char* ring = smem;                                           // RING bytes
-    float* xs = reinterpret_cast<float*>(smem + RING);                    // ncol
-    u32* cis = reinterpret_cast<u32*>(xs + ncol);                         // ncol
-    u32* toff = cis + ncol;                                               // chunk
-    u16* list = reinterpret_cast<u16*>(toff + chunk);                     // ncol
-    __shared__ int warp_cnt[NW];
-    __shared__ int last_s;
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int tr = blockIdx.y, split = blockIdx.x;
-    const int c0 = split * chunk;
-    const int nct = min(chunk, grid_c - c0);  // GTiles in this chunk
-    const int gt0 = tr * grid_c + c0;
-
-    // 1. metadata + X tile, activity test, compaction
-    for (int i = tid; i < nct; i += NW * 32) toff[i] = tile_offset[gt0 + i];
-    int base = 0;
-    for (int r0 = 0; r0 < nct * TILE_K; r0 += NW * 32) {
-        int i = r0 + tid;
-        bool act = false;
-        if (i < nct * TILE_K) {
-            int k = (c0 + i / TILE_K) * TILE_K + (i % TILE_K);
-            float xv = k < K ? h2f(x[k]) : 0.f;
-            u32 ci = colinfo[gt0 * TILE_K + i];
-            xs[i] = xv;
-            cis[i] = ci;
-            act = k < K && fabsf(xv) > tau && (ci & 0xFFFFu) != 0;
-        }
-        u32 b = __ballot_sync(0xFFFFFFFFu, act);
-        if (lane == 0) warp_cnt[warp] = __popc(b);
-        __syncthreads();
-        int off = base, tot = 0;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) {
-            off += w < warp ? warp_cnt[w] : 0;
-            tot += warp_cnt[w];
-        }
-        if (act) list[off + __popc(b & ((1u << lane) - 1u))] = (u16)i;
-        base += tot;
-        __syncthreads();
-    }
-    const int nlist = base;
-
-    // 2./3. per-warp cp.async ring over its columns, HAD-SMBD decode, fp32 FMA
-    unsigned char* myring = ring + warp * NSTAGE * SLOT;
-    const int mine = nlist > warp ? (nlist - warp + NW - 1) / NW : 0;
-    auto issue = [&](int j) {
-        if (j < mine) {
-            int li = list[warp + j * NW];
-            u32 ci = cis[li];
-            int gt = gt0 + li / TILE_K;
-            size_t start = (size_t)toff[li / TILE_K] + (ci >> 16);
-            int chunks = ((ci & 0xFFFFu) * BITS + 127) / 128;
-            unsigned char* dst = myring + (j % NSTAGE) * SLOT;
-            if (lane < chunks) cp_async16(dst + lane * 16, values + start * BITS / 8 + lane * 16);
-            if (lane < 2)
-                cp_async16(dst + Slot<BITS>::VAL_BYTES + lane * 16,
-                           bitmap + (size_t)(gt * TILE_K + li % TILE_K) * 4 + lane * 2);
-        }
-        cp_commit();
-    };
-    float acc[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] = 0.f;
-    float sc[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) sc[j] = 1.f;
-    int cur_grp = -1;
-    const int row0 = tr * TILE_M + lane * 8;
-    const int wsel = lane >> 3, sh = (lane & 7) * 8;
-
-#pragma unroll
-    for (int j = 0; j < NSTAGE - 1; ++j) issue(j);
-    for (int j = 0; j < mine; ++j) {
-        issue(j + NSTAGE - 1);
-        cp_wait<NSTAGE - 1>();
-        __syncwarp();
-        const unsigned char* slot = myring + (j % NSTAGE) * SLOT;
-        const u64* bm = reinterpret_cast<const u64*>(slot + Slot<BITS>::VAL_BYTES);
-        int li = list[warp + j * NW];
-        float xk = xs[li];
-        if (BITS != 16) {
-            int k = (c0 + li / TILE_K) * TILE_K + (li % TILE_K);
-            int grp = k / group;
-            if (grp != cur_grp) {
-                cur_grp = grp;
-                uint4 s4 = *reinterpret_cast<const uint4*>(scales_t + (size_t)grp * Mp + row0);
-                u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    sc[2 * q] = h2f((u16)(sw[q] & 0xFFFF));
-                    sc[2 * q + 1] = h2f((u16)(sw[q] >> 16));
-                }
-            }
-        }
-        u64 b0 = bm[0], b1 = bm[1], b2 = bm[2], b3 = bm[3];
-        u64 word = wsel == 0 ? b0 : wsel == 1 ? b1 : wsel == 2 ? b2 : b3;
-        int rank = (wsel > 0 ? __popcll(b0) : 0) + (wsel > 1 ? __popcll(b1) : 0) +
-                   (wsel > 2 ? __popcll(b2) : 0) + __popcll(word & ((1ull << sh) - 1ull));
-        u32 byte = (u32)(word >> sh) & 0xFFu;
-#pragma unroll
-        for (int r = 0; r < 8; ++r) {
-            if (byte & (1u << r)) {
-                float w = code_at<BITS>(slot, rank);
-                if (BITS != 16) w *= sc[r];
-                acc[r] = fmaf(w, xk, acc[r]);
-                ++rank;
-            }
-        }
-        __syncwarp();
-    }
-    cp_wait<0>();
-    __syncthreads();
-
-    // 4. reduce warps, then split-K (the ring, NW * 256 floats or more, holds the reduction)
-    reduce_store<NW>(acc, reinterpret_cast<float*>(ring), last_s, M, Mp, partial, tickets, out, out_f32, tr, split,
-                     gridDim.x);
-}
-
-
 // ---------------------------------------------------------------------------------------------------
 // v2: a warp per GTile, one cp.async batch (one commit, one wait) per GTile, D GTiles in flight per warp.
 //
-// Block = NW warps = one GTile row x a chunk of GTiles along K (split-K as in v1), or, with `streamk`, an
+// Block = NW warps = one GTile row x a chunk of GTiles along K (split-K), or, with `streamk`, an
 // equal share of all GTiles in row-major order, run as one segment per GTile row it meets (see the
 // kernel); warp w takes the segment's GTiles w, w + NW, ... Each warp owns a ring of D slots, one GTile per
 // slot:
@@ -322,9 +183,7 @@ struct Hdr {
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
 // MODE 0: per set bit one predicated 2-byte LDS or code (8 per lane and column). MODE 2 (fp16): two 16-byte LDS
-// per lane and column + register shifts (fewer shared-memory wavefronts, more ALU). MODE 1 (measurement only):
-// everything but the value loads and FMAs, to separate the decode's cost from the data movement's. MODE 3
-// (fp16): as MODE 0 but two columns per pass, a half-warp per column and 16 rows per lane.
+// per lane and column + register shifts (fewer shared-memory wavefronts, more ALU). MODE 3 (fp16): as MODE 0 but two columns per pass, a half-warp per column and 16 rows per lane.
 template <int BITS, int NW, int D, int MODE = 0>
 __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
     const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
@@ -529,9 +388,7 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 const u32 w32 = *reinterpret_cast<const u32*>(bm + e.y);
                 const int rank = (int)__byte_perm(pc, 0u, bsel) + __popc(w32 & below);
                 const u32 byte = (w32 >> sh) & 0xFFu;
-                if (MODE == 1) {
-                    acc[0] += (float)(rank + (int)byte) * xk;
-                } else if (BITS == 16 && MODE == 2) {
+                if (BITS == 16 && MODE == 2) {
                     // wide decode: two conflict-free LDS.128 hold the lane's <= 8 values (16 halves from the
                     // aligned chunk of its first value), a 3-stage shifter aligns them, and each set bit
                     // consumes the lowest half of a shift register (only the registers still needed shift).
@@ -623,36 +480,18 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
 }
 
 // explicit instantiations (compile checks with nvcc; CuPy uses name_expressions)
-template __global__ void tcbc_spmspv<16, 4, 4>(const u64*, const u32*, const u32*, const unsigned char*,
-                                                const u16*, float, const u16*, int, int, int, int, int, int,
-                                                float*, u32*, void*, int);
-template __global__ void tcbc_spmspv<16, 4, 8>(const u64*, const u32*, const u32*, const unsigned char*,
-                                                const u16*, float, const u16*, int, int, int, int, int, int,
-                                                float*, u32*, void*, int);
-template __global__ void tcbc_spmspv<2, 4, 8>(const u64*, const u32*, const u32*, const unsigned char*,
-                                               const u16*, float, const u16*, int, int, int, int, int, int,
-                                               float*, u32*, void*, int);
-template __global__ void tcbc_spmspv<4, 4, 8>(const u64*, const u32*, const u32*, const unsigned char*,
-                                               const u16*, float, const u16*, int, int, int, int, int, int,
-                                               float*, u32*, void*, int);
-
 #define TCBC2(B, W, S, MODE)                                                                                    \
     template __global__ void tcbc_spmspv2<B, W, S, MODE>(const u64*, const u32*, const u32*, const unsigned char*, \
                                                          const u16*, float, const u16*, int, int, int, int, int,    \
                                                          int, int, int, float*, u32*, void*, int);
 TCBC2(16, 4, 2, 0)
-TCBC2(16, 4, 2, 1)
 TCBC2(16, 4, 2, 2)
 TCBC2(16, 4, 3, 0)
-TCBC2(16, 4, 3, 1)
 TCBC2(16, 4, 3, 2)
 TCBC2(16, 8, 2, 0)
-TCBC2(16, 8, 2, 1)
 TCBC2(16, 8, 2, 2)
 TCBC2(16, 4, 2, 3)
 TCBC2(16, 4, 3, 3)
 TCBC2(16, 8, 2, 3)
 TCBC2(4, 4, 3, 0)
 TCBC2(2, 4, 3, 0)
-TCBC2(4, 4, 3, 1)
-TCBC2(2, 4, 3, 1)

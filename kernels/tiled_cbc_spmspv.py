@@ -2,9 +2,9 @@
 
 ``spmspv(dev, x, tau)`` computes ``y[m] = sum over k with |x_k| > tau of W[m, k] x[k]`` (fp32 sums,
 fp16 or fp32 out) from a :class:`DeviceTiledCBC`. ``tau=None`` (or negative) turns pruning off.
-``version=2`` (default): a warp per GTile, one cp.async batch per GTile, ``stages`` GTiles in flight per
-warp. ``version=1``: the first kernel (a list of active columns, one cp.async + wait per column), kept as
-the same-machine baseline of the benchmark.
+The kernel (v2): a warp per GTile, one copy batch per GTile, ``stages`` GTiles in flight per warp. (The first
+kernel, v1, a list of active columns with one cp.async + wait per column, is gone; docs/kernels.md keeps its
+figures.)
 """
 
 from __future__ import annotations
@@ -12,22 +12,20 @@ from __future__ import annotations
 import numpy as np
 
 from . import sm_count
-from .tiled_cbc_device import TILE, DeviceTiledCBC, _cupy, load_module
+from .errors import KernelError
+from .loader import load_module, require_cupy
+from .tiled_cbc_device import TILE, DeviceTiledCBC
 
-NW = 4  # default warps per block
-WARPS = (4, 8)
-STAGES = (4, 8)
 BITS = (16, 4, 2)
 # v2 instantiations (bits, warps, stages), as in the .cu file; the first of each bits is its default
 V2_CONFIGS = ((16, 4, 2), (16, 4, 3), (16, 8, 2), (4, 4, 3), (2, 4, 3))
-MODES = {16: (0, 1, 2, 3), 4: (0, 1), 2: (0, 1)}  # v2 value decodes built per value type (see DEFAULT_MODES)
+MODES = {16: (0, 2, 3), 4: (0,), 2: (0,)}  # v2 value decodes built per value type (see DEFAULT_MODES)
 _EXPR = (
-    tuple(f"tcbc_spmspv<{b}, {w}, {s}>" for b in BITS for w in WARPS for s in STAGES)
-    + tuple(f"tcbc_spmspv2<{b}, {w}, {s}>" for b, w, s in V2_CONFIGS)
+    tuple(f"tcbc_spmspv2<{b}, {w}, {s}>" for b, w, s in V2_CONFIGS)
     + tuple(f"tcbc_spmspv2<{b}, {w}, {s}, {m}>" for b, w, s in V2_CONFIGS for m in MODES[b] if m)
 )
 # value decode of v2: 0 = a lane's 8 rows of each active column, one predicated 2-byte LDS (fp16) or code per
-# set bit (b-bit codes: their decode); 1 = no value decode (measurement only); fp16 only: 3 = two columns per
+# set bit (b-bit codes: their decode); fp16 only: 3 = two columns per
 # pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200), 2 = two 16-byte LDS +
 # register shifts (slower)
 DEFAULT_MODES = {16: 3, 4: 0, 2: 0}  # the launcher's decode per value type
@@ -52,20 +50,6 @@ def _source() -> str:
 
 def _module():
     return load_module("tiled_cbc_spmspv", _EXPR, _source())
-
-
-def _slot_bytes(bits: int) -> int:
-    return TILE[0] * bits // 8 + 32
-
-
-def default_chunk(dev: DeviceTiledCBC, sms: int | None = None) -> int:
-    """v1: GTiles per block along K: the largest power of two leaving >= 16 blocks per SM."""
-    gr, gc = dev.grid
-    sms = sm_count() if sms is None else sms
-    for chunk in (32, 16, 8, 4):
-        if gr * -(-gc // chunk) >= 16 * sms:
-            return chunk
-    return 2
 
 
 def v2_slot_bytes(dev: DeviceTiledCBC) -> int:
@@ -143,7 +127,6 @@ def spmspv(
     chunk: int | None = None,
     stages: int | None = None,
     warps: int | None = None,
-    version: int = 2,
     mode: int | None = None,
     streamk: bool | None = None,
     scale: float = 1.0,
@@ -151,18 +134,16 @@ def spmspv(
 ):
     """Launch the kernel on the current stream; returns ``out`` (CuPy [M], fp16 or fp32).
 
-    ``mode`` (v2): the value decode, one of ``MODES[bits]`` (see the .cu file; None: the default); ``mode=1``
-    is a measurement aid that moves the same bytes but skips the value loads and FMAs (meaningless
-    output), used by the benchmark to separate the decode's cost from the data movement's.
+    ``mode``: the value decode, one of ``MODES[bits]`` (see the .cu file; None: the default).
 
-    ``streamk`` (v2): True launches one resident wave of blocks, each with an equal share of the layer's GTiles in
+    ``streamk``: True launches one resident wave of blocks, each with an equal share of the layer's GTiles in
     row-major order (``chunk`` is then ignored; ``scale`` < 1 makes 1/scale waves; ``blocks`` sets the block count);
     False launches split-K chunks of one GTile row per block; None (default) picks stream-K by :func:`use_streamk`
     unless ``chunk`` is given."""
-    cp = _cupy()
+    cp = require_cupy()
     M, K = dev.shape
     if x.shape != (K,) or x.dtype != cp.float16:
-        raise ValueError(f"x must be a CuPy float16 array of shape ({K},), got {x.dtype} {x.shape}")
+        raise KernelError(f"x must be a CuPy float16 array of shape ({K},), got {x.dtype} {x.shape}")
     if x.data.ptr % 16 or not x.flags.c_contiguous:  # the kernels copy X in 16-byte pieces
         x = cp.ascontiguousarray(x).copy()
     bits = 16 if dev.bits is None else int(dev.bits)
@@ -170,81 +151,43 @@ def spmspv(
         out = cp.empty(M, dtype=out_dtype)
     out_f32 = out.dtype == cp.float32
     if not out_f32 and out.dtype != cp.float16:
-        raise ValueError("out must be float16 or float32")
+        raise KernelError("out must be float16 or float32")
     gr, gc = dev.grid
     t = np.float32(-1.0 if tau is None else tau)
     scales = dev.scales_t if dev.scales_t is not None else dev.dummy
     group = dev.group_size or 1
-    if version == 2:
-        if warps is None or stages is None:
-            warps, stages = v2_default_config(dev)
-        if (bits, warps, stages) not in V2_CONFIGS:
-            raise ValueError(f"v2 (bits, warps, stages) must be one of {V2_CONFIGS}")
-        slot = v2_slot_bytes(dev)
-        smem = v2_smem(dev, warps, stages)
-        if mode is None:
-            mode = DEFAULT_MODES[bits]
-        if mode not in MODES[bits]:
-            raise ValueError(f"mode must be one of {MODES[bits]} for {bits}-bit values, got {mode}")
-        if streamk is None:
-            streamk = chunk is None and use_streamk(dev, warps, stages)
-        if streamk:
-            blocks = streamk_blocks(dev, warps, stages, scale=scale) if blocks is None else int(blocks)
-            if not 1 <= blocks <= gr * gc:
-                raise ValueError(f"blocks must be in [1, {gr * gc}] (the layer's GTiles), got {blocks}")
-            grid, nparts, chunk = (blocks, 1), streamk_parts(dev.grid, blocks), 0
-        else:
-            chunk = v2_default_chunk(dev, warps, stages, scale=scale) if chunk is None else int(chunk)
-            grid = (-(-gc // chunk), gr)
-            nparts = grid[0]
-        name = f"tcbc_spmspv2<{bits}, {warps}, {stages}" + (">" if mode == 0 else f", {mode}>")
-        f = _module().get_function(name)
-        key = f"{_source()}:{name}"
-        if _SMEM_SET.get(key, -1) < smem:  # once per size: no driver call while a graph is captured
-            f.max_dynamic_shared_size_bytes = smem
-            _SMEM_SET[key] = smem
-        f(grid, (warps * 32,),
-          (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u8, x, t, scales, np.int32(group), np.int32(gc),
-           np.int32(M), np.int32(K), np.int32(dev.Mp), np.int32(chunk), np.int32(slot), np.int32(streamk),
-           dev.partial(nparts), dev.tickets, out, np.int32(out_f32)),
-          shared_mem=smem)
-        return out
-    if version != 1:
-        raise ValueError(f"version must be 1 or 2, got {version}")
-    stages = 4 if stages is None else stages
-    warps = NW if warps is None else warps
-    if stages not in STAGES or warps not in WARPS:
-        raise ValueError(f"stages must be one of {STAGES} and warps one of {WARPS}")
-    chunk = default_chunk(dev) if chunk is None else int(chunk)
-    splits = -(-gc // chunk)
-    ncol = chunk * TILE[1]
-    ring = max(warps * stages * _slot_bytes(bits), warps * TILE[0] * 4)
-    smem = ring + ncol * (4 + 4 + 2) + chunk * 4
-    f = _module().get_function(f"tcbc_spmspv<{bits}, {warps}, {stages}>")
-    f(
-        (splits, gr),
-        (warps * 32,),
-        (
-            dev.bitmap,
-            dev.colinfo,
-            dev.tile_offset,
-            dev.values_u8,
-            x,
-            t,
-            scales,
-            np.int32(group),
-            np.int32(gc),
-            np.int32(M),
-            np.int32(K),
-            np.int32(dev.Mp),
-            np.int32(chunk),
-            dev.partial(splits),
-            dev.tickets,
-            out,
-            np.int32(out_f32),
-        ),
-        shared_mem=smem,
-    )
+    if warps is None or stages is None:
+        warps, stages = v2_default_config(dev)
+    if (bits, warps, stages) not in V2_CONFIGS:
+        raise KernelError(f"v2 (bits, warps, stages) must be one of {V2_CONFIGS}")
+    slot = v2_slot_bytes(dev)
+    smem = v2_smem(dev, warps, stages)
+    if mode is None:
+        mode = DEFAULT_MODES[bits]
+    if mode not in MODES[bits]:
+        raise KernelError(f"mode must be one of {MODES[bits]} for {bits}-bit values, got {mode}")
+    if streamk is None:
+        streamk = chunk is None and use_streamk(dev, warps, stages)
+    if streamk:
+        blocks = streamk_blocks(dev, warps, stages, scale=scale) if blocks is None else int(blocks)
+        if not 1 <= blocks <= gr * gc:
+            raise KernelError(f"blocks must be in [1, {gr * gc}] (the layer's GTiles), got {blocks}")
+        grid, nparts, chunk = (blocks, 1), streamk_parts(dev.grid, blocks), 0
+    else:
+        chunk = v2_default_chunk(dev, warps, stages, scale=scale) if chunk is None else int(chunk)
+        grid = (-(-gc // chunk), gr)
+        nparts = grid[0]
+    name = f"tcbc_spmspv2<{bits}, {warps}, {stages}" + (">" if mode == 0 else f", {mode}>")
+    f = _module().get_function(name)
+    key = f"{_source()}:{name}"
+    if _SMEM_SET.get(key, -1) < smem:  # once per size: no driver call while a graph is captured
+        f.max_dynamic_shared_size_bytes = smem
+        _SMEM_SET[key] = smem
+    f(grid, (warps * 32,),
+      (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u8, x, t, scales, np.int32(group), np.int32(gc),
+       np.int32(M), np.int32(K), np.int32(dev.Mp), np.int32(chunk), np.int32(slot), np.int32(streamk),
+       dev.partial(nparts), dev.tickets, out, np.int32(out_f32)),
+      shared_mem=smem)
     return out
 
 
@@ -256,7 +199,7 @@ def bytes_read(dev: DeviceTiledCBC, x_host: np.ndarray, tau: float | None) -> in
     t = -1.0 if tau is None else float(tau)
     act = np.zeros(gc * TILE[1], dtype=bool)
     act[:K] = np.abs(x_host.astype(np.float32)) > t
-    ci = _cupy().asnumpy(dev.colinfo).astype(np.int64).reshape(gr, gc * TILE[1])
+    ci = require_cupy().asnumpy(dev.colinfo).astype(np.int64).reshape(gr, gc * TILE[1])
     nnz = ci & 0xFFFF
     vbits = 16 if dev.bits is None else int(dev.bits)
     padded = -(-nnz * vbits // 128) * 16

@@ -66,10 +66,10 @@ def canonical_perm(groups, h_l: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     r_a = len(gs[0])
     if any(len(g) != r_a for g in gs) or len(gs) * r_a != h_l:
-        raise ValueError(f"groups {gs} do not partition {h_l} rows into groups of equal size")
+        raise SolverError(f"groups {gs} do not partition {h_l} rows into groups of equal size")
     perm = np.array([g[a] for a in range(r_a) for g in gs], dtype=np.int64)
     if not np.array_equal(np.sort(perm), np.arange(h_l)):
-        raise ValueError(f"groups {gs} are not a partition of 0..{h_l - 1}")
+        raise SolverError(f"groups {gs} are not a partition of 0..{h_l - 1}")
     return perm
 
 

@@ -45,6 +45,19 @@ def test_contract_catches_an_upward_import(tmp_path):
     assert res.returncode != 0 and "unionsparse.formats.upward" in res.stdout
 
 
+def test_contract_catches_the_runtime_importing_a_compress_stage(tmp_path):
+    """The runtime runs an artifact without the compress stages (their shared numerics live in formats/)."""
+    res = lint_imports(tmp_path, {"compressor/runtime/upward.py": "from ..quantize import gptq  # noqa\n"})
+    assert res.returncode != 0 and "unionsparse.compressor.runtime.upward" in res.stdout
+
+
+def test_contract_catches_an_import_circle(tmp_path):
+    """Two modules of one package importing each other (even inside a function) break the acyclic contract."""
+    res = lint_imports(tmp_path, {"compressor/artifact/circle_a.py": "def f():\n    from . import circle_b  # noqa\n",
+                                  "compressor/artifact/circle_b.py": "from . import circle_a  # noqa\n"})
+    assert res.returncode != 0 and "circle_a" in res.stdout
+
+
 def test_no_format_name_literals_outside_formats():
     """Above formats/, code asks the registry (capabilities, NAME constants) instead of comparing names."""
     offenders = []
@@ -55,6 +68,29 @@ def test_no_format_name_literals_outside_formats():
                 if re.search(r"[\"'](ie-bme|tiled-cbc)[\"']", code) and "COLORS" not in code:
                     offenders.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_no_format_module_or_matrix_type_above_formats():
+    """Above formats/, the compressor asks the registry (``registry.get`` / ``registry.of``, a Format's capabilities
+    and ``kernel_ops``) instead of importing a format's module or type-checking its matrix type. The kernel
+    benchmarks (``compressor/bench/``) time particular formats' kernels and are exempt; kernels/ and solvers/
+    implement particular formats."""
+    pattern = re.compile(r"formats(\.|\s+import\s+.*\b)(iebme|tiled_cbc)\b|\b(IEBMEMatrix|TiledCBCMatrix)\b"
+                         r"|registry\.Matrix\s*=|\bisinstance\([^)]*Matrix\)")
+    offenders = []
+    for p in (ROOT / "compressor").rglob("*.py"):
+        if p.parent.name == "bench":
+            continue
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if pattern.search(line.split("#", 1)[0]):
+                offenders.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_registry_imports_no_format():
+    """Formats register themselves; the registry module knows none of them."""
+    text = (ROOT / "formats" / "registry.py").read_text()
+    assert not re.search(r"^\s*(from|import)\s+.*\b(iebme|tiled_cbc)\b", text, re.M)
 
 
 def test_every_library_error_is_a_value_error():

@@ -147,7 +147,7 @@ def _tiled_cbc_case(bits: int | None, seed: int = 0):
 def test_eval_layer_matches_the_spmspv_reference_token_by_token(bits):
     """The eval layer's active set is the kernel's (fp16 rounding, then |x| > tau in fp32), and its output
     is the reference's to float32 rounding, then fp16."""
-    from unionsparse.compressor.activation_sparsity.linear import TiledCBCLinear
+    from unionsparse.formats.arithmetic.sparse_inputs import TiledCBCLinear
     from unionsparse.kernels.tiled_cbc_check import tolerance
     from unionsparse.kernels.tiled_cbc_reference import spmspv_reference
 
@@ -180,8 +180,8 @@ def test_eval_layer_matches_the_spmspv_reference_token_by_token(bits):
 def _reference_model(artifact):
     """The artifact's model with every linear replaced by per-token calls of the CPU spMspV reference."""
     from unionsparse.compressor.artifact.store import Artifact
+    from unionsparse.compressor.model.modules import replace_linear
     from unionsparse.compressor.model.rebuild import rebuild_model
-    from unionsparse.compressor.quantize.fake_quant import replace_linear
     from unionsparse.kernels.tiled_cbc_reference import spmspv_reference
 
     class RefLinear(torch.nn.Module):

@@ -171,7 +171,7 @@ def test_quantizing_producer_kernels_equal_their_references(k, n_side):
 @pytest.mark.parametrize("n, gs", [(8, 8), (128, 128), (200, 64)])
 def test_outlier_side_kernel_equals_grouped_int_matmul(n, gs):
     """The side product in one launch against the runtime's torch path, bit for bit."""
-    from unionsparse.compressor.quantize.fake_quant import grouped_int_matmul
+    from unionsparse.formats.arithmetic.grouped import grouped_int_matmul
     from unionsparse.kernels.outlier_side import side_product
 
     dev = torch.device("cuda")

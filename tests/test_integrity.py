@@ -13,7 +13,8 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from unionsparse.compressor.artifact.store import MANIFEST, Artifact, write_manifest
+from unionsparse.compressor.artifact.layout import MANIFEST
+from unionsparse.compressor.artifact.store import Artifact, write_manifest
 from unionsparse.compressor.errors import UserError
 from unionsparse.compressor.verify.checks import verify
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from unionsparse.formats import tiled_cbc
 from unionsparse.formats.errors import FormatError
+from unionsparse.kernels.loader import cupy_or_none
 from unionsparse.kernels.tiled_cbc_check import check_tiled_cbc_layer, tolerance
-from unionsparse.kernels.tiled_cbc_device import cupy_or_none
 from unionsparse.kernels.tiled_cbc_reference import dense_weights_f64, spmm_reference, spmspv_reference
 
 
@@ -166,9 +166,8 @@ def test_gpu_all_chunks_stages_and_spmm_tiles_agree():
     ref = spmspv_reference(m, x, 0.4)
     xe = np.where(np.abs(x.astype(np.float32)) > 0.4, x.astype(np.float64), 0)
     tol = tolerance(W.astype(np.float64), xe[None])[0]
-    runs = [dict(version=1, stages=st) for st in (4, 8)]
-    runs += [dict(version=2, warps=w, stages=st, mode=md) for b, w, st in V2_CONFIGS if b == 16 for md in (0, 2, 3)]
-    runs += [dict(version=2, warps=w, stages=st, mode=md, streamk=True, blocks=nb)
+    runs = [dict(warps=w, stages=st, mode=md) for b, w, st in V2_CONFIGS if b == 16 for md in (0, 2, 3)]
+    runs += [dict(warps=w, stages=st, mode=md, streamk=True, blocks=nb)
              for w, st, md in ((4, 2, 0), (8, 2, 0), (4, 3, 2), (4, 2, 3), (8, 2, 3))
              for nb in (1, 2, 7, 48, 195, None)]
     for kw in runs:
@@ -182,9 +181,6 @@ def test_gpu_all_chunks_stages_and_spmm_tiles_agree():
         X = rng.standard_normal((n, 1040)).astype(np.float16)
         truth = X.astype(np.float64) @ W.astype(np.float64).T
         bound = tolerance(W.astype(np.float64), X.astype(np.float64), 2.0, True)
-        for bn in (64, 128):
-            Y = cp.asnumpy(spmm(dev, cp.asarray(X), bn=bn, version=1)).astype(np.float64)
-            assert (np.abs(Y - truth) <= bound).all(), ("v1", bn)
         for cfg in SPMM_CONFIGS:
             for splits in (1, 2, 3, 40, None):
                 for _ in range(2):
@@ -262,11 +258,10 @@ def test_gpu_warp_spmm_every_config_split_and_width(shape, sparsity):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["wgmma", "wgmma5"])
 @pytest.mark.parametrize("shape,sparsity", [((768, 1040), 0.5), ((300, 70), 0.3), ((257, 200), 0.9), ((256, 16), 0.0),
                                             ((130, 300), 0.5)])
-def test_gpu_wgmma_spmm_every_config_split_and_width(shape, sparsity, method):
-    """v4 / v5 (wgmma, sm_90a) SpMM: ragged M (a last 128-row half with 2 rows) and K (K % 8 != 0 too), empty
+def test_gpu_wgmma_spmm_every_config_split_and_width(shape, sparsity):
+    """v4 (wgmma, sm_90a) SpMM: ragged M (a last 128-row half with 2 rows) and K (K % 8 != 0 too), empty
     and full columns, every config, split-K counts (including more splits than steps), widths that fill n-tiles
     partially and span several, tickets reused. Skips on GPUs other than compute capability 9.0."""
     from unionsparse.kernels import tiled_cbc_spmm as k
@@ -274,7 +269,7 @@ def test_gpu_wgmma_spmm_every_config_split_and_width(shape, sparsity, method):
 
     if not k.wgmma_available():
         pytest.skip("wgmma needs a compute-capability 9.0 GPU")
-    configs, smem = (k.V4_CONFIGS, k.v4_smem) if method == "wgmma" else (k.V5_CONFIGS, k.v5_smem)
+    configs, smem, method = k.V4_CONFIGS, k.v4_smem, "wgmma"
     rng = np.random.default_rng(hash((shape, sparsity, method)) % 2**32)
     W = _fp16_layer(rng, *shape, sparsity)
     M, K = shape
@@ -282,10 +277,7 @@ def test_gpu_wgmma_spmm_every_config_split_and_width(shape, sparsity, method):
     dev = DeviceTiledCBC(m)
     limit = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     fit = [c for c in configs if smem(dev, c, m.geometry.grid[1]) <= limit]
-    if method == "wgmma":
-        assert all(c in fit for c in configs if c[2] == 3 and c[0] <= 128)  # 3 stages fit even a dense layer
-    else:
-        assert {c[0] for c in fit} == {c[0] for c in configs}  # every BN has a config that fits a dense layer
+    assert all(c in fit for c in configs if c[2] == 3 and c[0] <= 128)  # 3 stages fit even a dense layer
     for c in set(configs) - set(fit):
         with pytest.raises(ValueError, match="shared memory"):
             k.spmm(dev, cp.zeros((1, K), cp.float16), config=c, splits=1, method=method)
@@ -304,7 +296,7 @@ def test_gpu_wgmma_spmm_every_config_split_and_width(shape, sparsity, method):
 
 
 def test_wgmma_launch_names_match_the_instantiations_and_the_rules_fit():
-    """Every v4 and v5 config the launcher can name is instantiated in the .cu file (and only those); the config rule
+    """Every v4 config the launcher can name is instantiated in the .cu file (and only those); the config rule
     covers the tokens with the smallest tile up to 128 and keeps shared memory within the limit given; the
     split rule fills a 132-SM GPU's block slots and stays at one split when the GPU is already full."""
     import re
@@ -336,14 +328,6 @@ def test_wgmma_launch_names_match_the_instantiations_and_the_rules_fit():
     sp = k.v4_splits(lay, 16, cfg, k.v4_smem(lay, cfg, 1))
     assert 112 <= 16 * sp <= 132  # one wave, nearly full
     assert k.v4_splits(lay, 4096, (128, 1, 3), 200000) == 1  # 32 x 16 blocks: the GPU is full without splits
-    built5 = {tuple(int(v) for v in m) for m in re.findall(r"^TCBC_SPMM5\((\d+), (\d+)\)", src, re.M)}
-    assert built5 == set(k.V5_CONFIGS)
-    lay.grid, lay.Mp, lay.shape = (112, 512), 112 * 256, (28672, 8192)
-    for n, bn in ((1, 16), (16, 16), (17, 32), (200, 256), (4096, 256)):
-        cfg = k.v5_config(lay, n, 232448)
-        assert cfg[0] == bn and k.v5_smem(lay, cfg, 128) <= 232448
-    assert k.v5_config(lay, 4096, 120000)[0] == 128  # a smaller tile where 256 tokens do not fit
-    assert k.v5_splits(lay, 4096, (256, 4)) == 1
     # method="auto": v3 up to 8 tokens, v4 on sm_90 up to 32, the fused v2 below 32 elsewhere, dense beyond
     assert [k.auto_method(n, True) for n in (1, 8, 9, 32, 33, 4096)] == ["warp"] * 2 + ["wgmma"] * 2 + ["dense"] * 2
     assert [k.auto_method(n, False) for n in (8, 9, 31, 32)] == ["warp", "fused", "fused", "dense"]
@@ -365,10 +349,9 @@ def test_gpu_decode_dense_is_exact(shape, sparsity):
     kp = -(-shape[1] // 16) * 16
     want = np.zeros((shape[0], kp), np.float16)
     want[:, : shape[1]] = W
-    for version in (1, 2):
-        out = cp.full((shape[0], kp), cp.nan, cp.float16)
-        got = cp.asnumpy(decode_dense(dev, out, version=version))
-        assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist(), version
+    out = cp.full((shape[0], kp), cp.nan, cp.float16)
+    got = cp.asnumpy(decode_dense(dev, out))
+    assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist()
 
 
 @gpu
@@ -386,7 +369,7 @@ def test_gpu_quantized_spmspv_every_chunk(bits, g):
     x = rng.standard_normal(1200).astype(np.float16)
     xe = np.where(np.abs(x.astype(np.float32)) > 0.3, x.astype(np.float64), 0)
     tol = tolerance(w64, xe[None])[0]
-    runs = [dict(version=1), dict(version=2)] + [dict(version=2, streamk=True, blocks=nb) for nb in (5, None)]
+    runs = [dict()] + [dict(streamk=True, blocks=nb) for nb in (5, None)]
     for kw in runs:
         for chunk in (1, 3, 8, 75, None) if not kw.get("streamk") else (None,):
             out = cp.full(1000, cp.nan, cp.float32)
@@ -523,32 +506,33 @@ def test_spmspv_launch_names_match_the_kernels_instantiations():
 
 
 def test_benchmark_checks_arguments_and_reports_int_codes_without_a_gpu(tmp_path):
+    import importlib.util
     import subprocess
     import sys
     from pathlib import Path
 
-    from unionsparse.compressor.bench.tiled_cbc import write_md
-
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_tiled_cbc.py"
+    spec = importlib.util.spec_from_file_location("bench_tiled_cbc", script)
+    bench_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_script)
+    write_md = bench_script.write_md
     for bad, msg in (("--spmspv-bits=16,8", "expected 16, 4 or 2"), ("--spmm-ns=0", "positive integers")):
         r = subprocess.run([sys.executable, str(script), bad], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
     row = dict(M=4096, K=4096, static=0.5, t_cublas_us=20.0, t_spmspv_us=10.0, speedup=2.0, t_default_us=11.0,
-               t_v1_us=30.0, t_spmspv_dp_off_us=14.0, gbps_spmspv=900.0, gbps_cublas=3300.0, best_warps=4,
+               t_spmspv_dp_off_us=14.0, gbps_spmspv=900.0, gbps_cublas=3300.0, best_warps=4,
                best_stages=3, best_chunk=8, best_streamk=False, best_mode=0)
     res = dict(machine=dict(gpu="G", nvidia_smi="s", cupy="c", torch="t", cuda_runtime=1), command="cmd",
-               copy_gbps=4000.0, spmspv=[dict(row, bits=16, t_nodecode_us=7.5),
-                                         dict(row, bits=4, group=128, t_nodecode_us=None)])
-    g = dict(best=1.3, default=1.2, v1=0.7, dp_off=1.1, median_gbps=2000.0, n_shapes=31)
-    res["geomean_spmspv"] = {"static 50% + dynamic 30%": dict(g, nodecode=1.6),
-                             "static 50% + dynamic 30%, int4 values": dict(g, nodecode=None)}
+               copy_gbps=4000.0, spmspv=[dict(row, bits=16), dict(row, bits=4, group=128)])
+    g = dict(best=1.3, default=1.2, dp_off=1.1, median_gbps=2000.0, n_shapes=31)
+    res["geomean_spmspv"] = {"static 50% + dynamic 30%": g, "static 50% + dynamic 30%, int4 values": g}
     write_md(res, tmp_path / "r.md")
     lines = (tmp_path / "r.md").read_text().splitlines()
     b16, b4 = [ln for ln in lines if ln.startswith("- static 50%")]
-    assert "**1.30x**" in b16 and "1.60x without the value decode" in b16 and "without the value" not in b4
+    assert "**1.30x**" in b16 and "**1.30x**" in b4
     fp16, int4 = [ln for ln in lines if ln.startswith("| 4096 |")]
-    assert "| fp16 |" in fp16 and fp16.split(" | ")[-2] == "7.5"
-    assert "| int4 (g128) |" in int4 and int4.split(" | ")[-2] == "–"
+    assert "| fp16 |" in fp16 and fp16.split(" | ")[-1] == "4/3/8/m0 |"
+    assert "| int4 (g128) |" in int4
 
 
 def test_bench_summary_mixes_ie_bme_and_tiled_cbc_layers():
@@ -646,37 +630,24 @@ def test_default_spmspv_launch_takes_stream_k_only_for_large_badly_filled_layers
 
 def test_launch_rules_size_grids_by_the_device_sm_count():
     from unionsparse.kernels import H200_SMS, sm_count
-    from unionsparse.kernels.tiled_cbc_device import cupy_or_none
+    from unionsparse.kernels.loader import cupy_or_none
 
     cp = cupy_or_none()
     expected = H200_SMS if cp is None else cp.cuda.Device().attributes["MultiProcessorCount"]
     assert sm_count() == expected
 
 
-def test_tensor_map_and_driver_launch_arguments_are_checked_without_a_gpu():
-    """The TMA tensor-map encoder refuses what the copy engine cannot take (before any driver call), and the driver
-    launch passes a tensor map by value (a pointer to its 128 aligned bytes) beside scalars."""
+def test_driver_launch_arguments_are_checked_without_a_gpu():
+    """The driver launch passes a ctypes struct by value (a pointer to its bytes) beside scalars, and refuses
+    what it cannot pass."""
     import ctypes
 
     from unionsparse.kernels.cluster_launch import kernel_params
-    from unionsparse.kernels.tma import aligned_map, fp16_2d
 
-    class Fake:  # what fp16_2d reads of a CuPy array
-        def __init__(self, shape, itemsize=2, contiguous=True, ptr=4096):
-            self.shape, self.dtype = shape, np.dtype(f"f{itemsize}")
-            self.flags = type("F", (), {"c_contiguous": contiguous})()
-            self.data = type("D", (), {"ptr": ptr})()
+    class Pair(ctypes.Structure):
+        _fields_ = [("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
 
-    for bad, match in ((Fake((8, 100)), "multiple of 16"), (Fake((8, 64), itemsize=4), "2-byte"),
-                       (Fake((8, 64), contiguous=False), "C-contiguous"), (Fake((8, 64), ptr=4098), "aligned")):
-        with pytest.raises(ValueError, match=match):
-            fp16_2d(bad, (64, 16))
-    with pytest.raises(ValueError, match="box"):
-        fp16_2d(Fake((8, 64)), (32, 16))
-    with pytest.raises(ValueError, match="box"):
-        fp16_2d(Fake((8, 64)), (64, 300))
-    m = aligned_map()
-    assert ctypes.sizeof(m) == 128 and ctypes.addressof(m) % 64 == 0
+    m = Pair(1, 2)
     ptrs, vals = kernel_params([m, np.int32(7)])
     assert ptrs[0] == ctypes.addressof(m) and vals[1].value == 7
     with pytest.raises(TypeError, match="unsupported"):

@@ -141,7 +141,7 @@ def test_inspect_counts_side_bytes(outlier_artifact, run_cli):
 def test_eval_path_equals_independent_integer_computation(outlier_artifact):
     from unionsparse.compressor.artifact.store import Artifact
     from unionsparse.compressor.model.rebuild import rebuild_model
-    from unionsparse.compressor.quantize.fake_quant import FakeQuantLinear
+    from unionsparse.formats.arithmetic.linears import FakeQuantLinear
 
     art = Artifact(outlier_artifact)
     model = rebuild_model(outlier_artifact)

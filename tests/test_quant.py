@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from unionsparse.compressor.model.modules import replace_linear
 from unionsparse.compressor.quantize.act_clip import calibrate_act_clip
 from unionsparse.compressor.quantize.clip_search import diagonal_blocks, gram, search_clip
-from unionsparse.compressor.quantize.fake_quant import FakeQuantLinear, grouped_int_matmul, replace_linear
 from unionsparse.compressor.quantize.gptq import gptq, layer_error
 from unionsparse.compressor.quantize.outliers import select_outlier_channels
 from unionsparse.compressor.quantize.weights import quantize_weight
 from unionsparse.formats.arithmetic.activations import activation_scheme, dequantize_activations, quantize_activations
+from unionsparse.formats.arithmetic.grouped import grouped_int_matmul
+from unionsparse.formats.arithmetic.linears import FakeQuantLinear
 from unionsparse.formats.arithmetic.outlier_side import column_permutation, side_bytes, split_outliers
 from unionsparse.formats.arithmetic.weights import rtn
 

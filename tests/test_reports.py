@@ -123,7 +123,7 @@ def test_env_var_names_follow_the_long_option():
 
     names = {(c, p.name): p.envvar for c, cmd in cli.commands.items() for p in cmd.params
              if getattr(p, "envvar", None)}
-    assert names[("compress", "fmt")] == "UNIONSPARSE_COMPRESS_FORMAT"
+    assert names[("compress", "format")] == "UNIONSPARSE_COMPRESS_FORMAT"
     assert names[("compress", "group_size")] == "UNIONSPARSE_COMPRESS_GROUP_SIZE"
     assert names[("compress", "config_file")] == "UNIONSPARSE_COMPRESS_CONFIG"
     assert names[("verify", "ns")] == "UNIONSPARSE_VERIFY_N"

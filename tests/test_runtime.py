@@ -104,8 +104,8 @@ def _manifest_problems(path: Path) -> list[str]:
 def _eval_path_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens of transformers' own ``generate`` on the model ``eval`` rebuilds (its Tiled-CBC layers apply
     their threshold to every row: switched off for the prefill call, as the SpMM kernel runs there)."""
-    from unionsparse.compressor.activation_sparsity.linear import TiledCBCLinear
     from unionsparse.compressor.model.rebuild import rebuild_model
+    from unionsparse.formats.arithmetic.sparse_inputs import TiledCBCLinear
 
     model = rebuild_model(path)
     cbc = [(m, m.tau) for m in model.modules() if isinstance(m, TiledCBCLinear)]

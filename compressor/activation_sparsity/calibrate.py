@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ...formats.arithmetic.sparse_inputs import sparsify_input
 from ..calibrate.blocks import LoadWeights, forward_block
 from ..calibrate.layerwise import load_tokenizer
 from ..calibrate.statistics import InputTaps
@@ -36,16 +37,6 @@ from .thresholds import _N_FINITE_F16, ActivationHistogram, greedy_profile
 
 GREEDY_SEQUENCES = 16  # stream sequences on which the greedy search scores the block output error
 _N_BINS = 0x8000  # every fp16 magnitude bit pattern: finite 0..0x7BFF, inf 0x7C00, NaN above
-
-
-def sparsify_input(x: torch.Tensor, tau: float | torch.Tensor | None) -> torch.Tensor:
-    """The decode kernel's view of an input: rounded to float16, and (tau given) zero where
-    ``|x| > tau`` fails, the test done in float32 (docs/format.md, "Tiled-CBC"). Returned as float32."""
-    xh = x.to(torch.float16).float()
-    if tau is None:
-        return xh
-    t = tau if isinstance(tau, torch.Tensor) else torch.tensor(float(tau), dtype=torch.float32, device=x.device)
-    return torch.where(xh.abs() > t, xh, torch.zeros((), dtype=xh.dtype, device=xh.device))
 
 
 def _bin_counts(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from ..errors import UserError
+
 # float16 bit patterns 0x0000..0x7BFF are the finite non-negative values, in increasing order
 _N_FINITE_F16 = 0x7C00
 _F16_MAGNITUDES = np.arange(_N_FINITE_F16, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -29,7 +31,7 @@ _F16_MAGNITUDES = np.arange(_N_FINITE_F16, dtype=np.uint16).view(np.float16).ast
 def _check_sparsity(p: float, name: str = "dp_sparsity") -> float:
     p = float(p)
     if not 0.0 <= p < 1.0 or math.isnan(p):
-        raise ValueError(f"{name} must be in [0, 1), got {p}")
+        raise UserError(f"{name} must be in [0, 1), got {p}")
     return p
 
 
@@ -43,9 +45,9 @@ def tau_from_samples(abs_x_samples: np.ndarray, dp_sparsity: float) -> float:
     p = _check_sparsity(dp_sparsity)
     a = np.abs(np.asarray(abs_x_samples, dtype=np.float32).ravel())
     if a.size == 0:
-        raise ValueError("tau_from_samples needs at least one sample")
+        raise UserError("tau_from_samples needs at least one sample")
     if np.isnan(a).any():
-        raise ValueError("activation samples contain NaN")
+        raise UserError("activation samples contain NaN")
     k = math.ceil(p * a.size)
     if k == 0:
         return 0.0
@@ -78,15 +80,15 @@ class ActivationHistogram:
             x = x.detach().to("cpu").float().numpy()
         a = np.asarray(x)
         if a.ndim == 0:
-            raise ValueError("ActivationHistogram.update needs an array of activations")
+            raise UserError("ActivationHistogram.update needs an array of activations")
         k = a.shape[-1]
         if self.in_features is None:
             self.in_features = k
         elif k != self.in_features:
-            raise ValueError(f"activation width {k} does not match the layer's {self.in_features}")
+            raise UserError(f"activation width {k} does not match the layer's {self.in_features}")
         rows = a.reshape(-1, k).astype(np.float16)
         if np.isnan(rows).any():
-            raise ValueError("activations contain NaN")
+            raise UserError("activations contain NaN")
         bits = (rows.view(np.uint16) & np.uint16(0x7FFF)).ravel()
         self.counts += np.bincount(np.minimum(bits, _N_FINITE_F16), minlength=_N_FINITE_F16 + 1)
         self._reservoir_add(rows)
@@ -112,7 +114,7 @@ class ActivationHistogram:
         pattern 0x0000..0x7BFF, then the overflow bin (as :attr:`counts`)."""
         c = np.asarray(counts, dtype=np.int64)
         if c.shape != self.counts.shape or (c < 0).any():
-            raise ValueError(f"counts must be {self.counts.shape[0]} non-negative integers, got shape {c.shape}")
+            raise UserError(f"counts must be {self.counts.shape[0]} non-negative integers, got shape {c.shape}")
         self.counts += c
 
     def merge(self, other: ActivationHistogram) -> None:
@@ -129,7 +131,7 @@ class ActivationHistogram:
         p = _check_sparsity(dp_sparsity)
         n = self.total
         if n == 0:
-            raise ValueError("ActivationHistogram.tau called before any update")
+            raise UserError("ActivationHistogram.tau called before any update")
         k = math.ceil(p * n)
         if k == 0:
             return 0.0
@@ -140,7 +142,7 @@ class ActivationHistogram:
         """Fraction of the values seen with ``|x| <= tau`` (what the kernel would skip)."""
         n = self.total
         if n == 0:
-            raise ValueError("ActivationHistogram.sparsity_at called before any update")
+            raise UserError("ActivationHistogram.sparsity_at called before any update")
         below = int(self.counts[:_N_FINITE_F16][_F16_MAGNITUDES <= np.float32(tau)].sum())
         if tau == float("inf"):
             below += int(self.counts[-1])
@@ -170,17 +172,17 @@ def greedy_profile(
     """
     t = _check_sparsity(target, "target")
     if not 0.0 < step <= 1.0:
-        raise ValueError(f"step must be in (0, 1], got {step}")
+        raise UserError(f"step must be in (0, 1], got {step}")
     if not 0.0 < max_sparsity < 1.0:
-        raise ValueError(f"max_sparsity must be in (0, 1), got {max_sparsity}")
+        raise UserError(f"max_sparsity must be in (0, 1), got {max_sparsity}")
     names = list(weights)
     if not names:
-        raise ValueError("greedy_profile needs at least one layer")
+        raise UserError("greedy_profile needs at least one layer")
     w = np.array([float(weights[n]) for n in names])
     if (w <= 0).any():
-        raise ValueError("layer weights (parameter counts) must be positive")
+        raise UserError("layer weights (parameter counts) must be positive")
     if t > max_sparsity:
-        raise ValueError(f"target {t} exceeds max_sparsity {max_sparsity}")
+        raise UserError(f"target {t} exceeds max_sparsity {max_sparsity}")
     wsum = w.sum()
     s = dict.fromkeys(names, 0.0)
 

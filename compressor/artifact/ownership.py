@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import UserError
+from .layout import MANIFEST, MARKER, TOKENIZER_DIR
 
 ZARR_TEMP = re.compile(r"(zarr|\d+)\.[0-9a-f]{32}\.partial")  # zarr's atomic-write temporary file (metadata, chunk)
 
@@ -25,8 +26,6 @@ MAX_ROOT_META = 64 << 20  # a root zarr.json larger than this is not ours
 
 def store_attrs(path: Path) -> dict | None:
     """Root attributes of a unionsparse store (finished or partial) at ``path``, else None."""
-    from .store import MARKER
-
     meta = Path(path) / "zarr.json"
     try:
         if Path(path).is_symlink() or meta.is_symlink() or not meta.is_file():
@@ -54,9 +53,6 @@ def foreign_entries(path: Path) -> list[str]:
     temporary files. When the manifest lists the files, any other file is foreign too. A new kind of file in the
     artifact must be added here, or ``--overwrite`` refuses it.
     """
-    from .store import MANIFEST
-    from .tokenizer import TOKENIZER_DIR
-
     root = Path(path)
     out: list[str] = []
     try:
@@ -115,8 +111,6 @@ def _all_files(root: Path) -> list[str]:
 
 def _manifest_files(root: Path) -> set[str] | None:
     """The file list of the store's manifest (its JSON first line), or None when there is none to read."""
-    from .store import MANIFEST
-
     m = root / MANIFEST
     try:
         if not _plain_file(m) or m.stat().st_size > MAX_ROOT_META:

@@ -1,6 +1,6 @@
 """Reading an artifact's zarr v3 directory store without trusting it.
 
-Only what :class:`~.artifact.ArtifactWriter` writes is read: zarr v3 groups and arrays, a regular chunk
+Only what :class:`~.store.ArtifactWriter` writes is read: zarr v3 groups and arrays, a regular chunk
 grid, chunk keys ``c/i/j``, codecs ``bytes`` (little endian) + ``crc32c``, numeric dtypes. Rules:
 
 - The store is scanned once; a symbolic link or anything that is neither a regular file nor a folder

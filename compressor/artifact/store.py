@@ -33,13 +33,12 @@ from ...formats.errors import FormatError
 from ..errors import UserError
 from ..files import atomic_write
 from . import ownership
+from .layout import MANIFEST, MARKER
 from .scan import MAX_JSON_BYTES, ArrayMeta, Store, StoreError, check_name
 
 FORMAT_VERSION = 1
 READS_FORMAT_VERSIONS = (1,)
 MANIFEST_VERSION = 2  # 1: crc32c of each file (constant for chunk files); 2: SHA-256 of each file
-MARKER = "unionsparse"
-MANIFEST = "unionsparse_manifest.json"
 CHUNK_BYTES = 16 << 20
 
 

@@ -24,9 +24,9 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UserError
+from .layout import TOKENIZER_DIR
 from .store import Artifact
 
-TOKENIZER_DIR = "tokenizer"
 MAX_FILE_BYTES = 256 << 20  # a stored tokenizer file larger than this is refused
 # Files of a Hugging Face model folder that describe the tokenizer and its chat template.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..quantize.fake_quant import replace_linear
+from ..model.modules import replace_linear
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from ...formats.arithmetic.activations import activation_scheme
 from ...formats.arithmetic.outlier_side import OutlierSide, column_permutation
 from ...formats.arithmetic.weights import rtn
 from ..artifact.store import LayerRecord
+from ..errors import UserError
 
 GROUP_SIZE = 128
 INNER_K_TILES = 8
@@ -194,7 +195,7 @@ class W4A16Linear(nn.Module):
 
 def check_w4a16_shape(m: int, k: int, group_size: int = GROUP_SIZE, inner_k_tiles: int = INNER_K_TILES) -> None:
     if m % 8 or k % (inner_k_tiles * 16) or k % group_size or group_size not in (32, 64, 128, 256):
-        raise ValueError(f"W4A16 (tinygemm) needs M % 8 == 0, K % {inner_k_tiles * 16} == 0 and K % group == 0, "
+        raise UserError(f"W4A16 (tinygemm) needs M % 8 == 0, K % {inner_k_tiles * 16} == 0 and K % group == 0, "
                          f"group in 32/64/128/256; got M={m}, K={k}, group {group_size}")
 
 

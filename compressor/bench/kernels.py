@@ -15,7 +15,7 @@ import statistics
 
 import numpy as np
 
-from ...formats import iebme, tiled_cbc
+from ...formats import registry
 
 PEAK_BW = 4.16e12  # B/s, H200 (the figure the targets are stated against)
 ROTATE_BYTES = 256e6  # weights rotated among copies totalling at least this (L2 is 50-60 MB)
@@ -322,9 +322,9 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def bench_command(artifact: str | None, shapes: str, ns: list[int], sparsity: float, as_json: bool,
-                  fmt: str = iebme.NAME, verify: bool = True) -> dict:
-    """What `unionsparse bench` runs; returns {'rows', 'summary'} (``verify``: the artifact's files checked against
-    its manifest as they are read)."""
+                  fmt: str | None = None, verify: bool = True) -> dict:
+    """What `unionsparse bench` runs; returns {'rows', 'summary'} (``fmt``: the kernels of that format, by default the
+    default format's; ``verify``: the artifact's files checked against its manifest as they are read)."""
     from ...kernels import available
 
     if not available():
@@ -343,7 +343,13 @@ def bench_command(artifact: str | None, shapes: str, ns: list[int], sparsity: fl
             from ..errors import UserError
 
             raise UserError(f"--shapes must be spinfer or unionsparse, got {shapes!r}")
-        return _SHAPE_BENCHES[fmt](sel(), ns, sparsity, None if as_json else print)
+        ops = registry.get(fmt or registry.names()[0]).kernel_ops
+        bench = next((_SHAPE_BENCHES[op] for op in ops if op in _SHAPE_BENCHES), None)
+        if bench is None:
+            from ..errors import UserError
+
+            raise UserError(f"--format {fmt}: no kernels of its own to time")
+        return bench(sel(), ns, sparsity, None if as_json else print)
     return {"rows": rows, "summary": summarize(rows)}
 
 
@@ -364,31 +370,30 @@ def _tiled_cbc_shapes(shapes, ns: list[int], sparsity: float, log) -> dict:
     return {"rows": rows, "summary": summary}
 
 
-_SHAPE_BENCHES = {iebme.NAME: _iebme_shapes, tiled_cbc.NAME: _tiled_cbc_shapes}  # each format's kernels
+_SHAPE_BENCHES = {"iebme_spmm": _iebme_shapes, "spmspv": _tiled_cbc_shapes}  # by runtime op (Format.kernel_ops)
 
 
-def bench_artifact(path: str, ns: list[int], verify: bool = True) -> list[dict]:
+def bench_artifact(path, ns: list[int], verify: bool = True) -> list[dict]:
     """Time every IE-BME W4/W2 and Tiled-CBC layer of an artifact (its real arrays) beside cuBLAS fp16 on its
     shape, and IE-BME beside dense int8 too (Tiled-CBC: ``tiled_cbc_bench.bench_layer``)."""
     import cupy as cp
     import torch
 
-    from ...formats.iebme import IEBMEMatrix
-    from ...formats.tiled_cbc import TiledCBCMatrix
     from ...kernels.iebme_spmm import prepare_layer
     from ...kernels.tiled_cbc_device import TILE
     from ..artifact.store import Artifact
     from .tiled_cbc import bench_layer
 
-    art = Artifact(path, verify=verify)
+    art = path if isinstance(path, Artifact) else Artifact(path, verify=verify)  # opened once by the command
     rows = []
     for name in art.layer_names:
         rec = art.read_layer(name)
-        if isinstance(rec.encoding, TiledCBCMatrix) and tuple(rec.encoding.geometry.tile) == TILE:
+        ops = registry.get(rec.format).kernel_ops
+        if "spmspv" in ops and tuple(rec.encoding.tile) == TILE:
             dp = rec.attrs.get("dp_sparsity") if rec.attrs.get("dp_threshold") is not None else None
             rows += bench_layer(name, rec.encoding, rec.scales, rec.attrs.get("group_size"), dp, ns)
             continue
-        if not isinstance(rec.encoding, IEBMEMatrix) or rec.encoding.bits not in (2, 4):
+        if "iebme_spmm" not in ops or rec.encoding.bits not in (2, 4):
             continue
         m, k = rec.encoding.shape
         gs = int(rec.attrs["group_size"])
@@ -398,7 +403,7 @@ def bench_artifact(path: str, ns: list[int], verify: bool = True) -> list[dict]:
         wi = int8_weights(m, k)
         for n in ns:
             t, b = time_iebme(layers, n)
-            rows.append({"shape": name, "M": m, "K": k, "N": n, "format": iebme.NAME, "bits": rec.encoding.bits,
+            rows.append({"shape": name, "M": m, "K": k, "N": n, "format": rec.format, "bits": rec.encoding.bits,
                          "iebme_us": t * 1e6, "iebme_bytes": b, "iebme_GBps": b / t / 1e9,
                          "iebme_bw_frac": b / t / PEAK_BW, "fp16_weight_MB": 2 * m * k / 1e6,
                          **baseline_fields(m, k, n, t, wf, wi)})

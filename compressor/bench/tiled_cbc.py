@@ -3,7 +3,7 @@
 spMspV (N = 1) at static 50% + dynamic 30% and static 30% + dynamic 30% on SpInfer's 31 (M, K) pairs
 (docs/cli.md) against ``torch.matmul(W, x)`` (cuBLAS fp16 GEMV); SpMM at N = 16..4096 on a subset
 against ``torch.nn.functional.linear(X, W)`` (cuBLAS fp16 GEMM).
-Timing (METHOD.md): each measurement is a CUDA graph of back-to-back launches cycling through copies
+Timing (BENCHMARKS.md): each measurement is a CUDA graph of back-to-back launches cycling through copies
 of the weights whose total exceeds 200 MB (> 3x the 60 MB L2), replayed between CUDA events after a
 warm-up replay; the median over replays, divided by the launches per graph, is reported.
 Weights: random fp16 with a uniformly random mask at the static sparsity, encoded on the GPU
@@ -12,22 +12,17 @@ tau = its own 30% quantile of |x| (``tau_from_samples``), so exactly 30% of the 
 spMspV also runs on int4 values (``--spmspv-bits``, default 16,4): random nonzero codes with fp16 scales per
 128 inputs (W4A16), beside the same cuBLAS fp16 GEMV.
 
-    python benchmarks/bench_tiled_cbc.py [--quick] [--no-spmm] [--no-spmspv] [--spmspv-bits 16,4]
-        [--out benchmarks/results]
-
-``bench_rows`` is the entry point for ``unionsparse bench --format tiled-cbc`` (kernels/bench.py).
+The command line that runs it all and writes the figures is ``benchmarks/bench_tiled_cbc.py`` (this module is
+library code only). ``bench_rows`` is the entry point for ``unionsparse bench --format tiled-cbc``
+(``compressor/bench/kernels.py``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import platform
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -321,20 +316,10 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
             def run_default(i, devs=devs, x=x, tau=tau, out=out):
                 return spmspv(devs[i % len(devs)], x, tau, out=out)
 
-            def run_v1(i, devs=devs, x=x, tau=tau, out=out):
-                return spmspv(devs[i % len(devs)], x, tau, out=out, version=1)
-
             def run_dp_off(i, kw=best[5], devs=devs, x=x, out=out):
                 return spmspv(devs[i % len(devs)], x, None, out=out, **kw)
 
-            nodecode_kw = dict(best[5], mode=1)
-
-            def run_nodecode(i, kw=nodecode_kw, devs=devs, x=x, tau=tau, out=out):
-                return spmspv(devs[i % len(devs)], x, tau, out=out, **kw)
-
-            t_nodec = time_graph_cupy(cp, run_nodecode, L, reps)
             t_def = time_graph_cupy(cp, run_default, L, reps)
-            t_v1 = time_graph_cupy(cp, run_v1, L, reps)
             t_static = time_graph_cupy(cp, run_dp_off, L, reps)
             br = bytes_read(dev0, x_host, tau)
             dw, ds = v2_default_config(dev0)
@@ -356,13 +341,9 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
                 best_streamk=best[5]["streamk"],
                 t_default_us=t_def * 1e6,
                 default_chunk=v2_default_chunk(dev0, dw, ds),
-                t_v1_us=t_v1 * 1e6,
-                t_nodecode_us=None if t_nodec is None else t_nodec * 1e6,
-                gbps_nodecode=None if t_nodec is None else br / t_nodec / 1e9,
                 t_spmspv_dp_off_us=t_static * 1e6,
                 speedup=t_cublas / best[0],
                 speedup_default=t_cublas / t_def,
-                speedup_v1=t_cublas / t_v1,
                 speedup_dp_off=t_cublas / t_static,
                 bytes_read=br,
                 stored_bytes=nbytes,
@@ -380,10 +361,9 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
                 f"spmspv {M}x{K} {'fp16' if bits == 16 else f'int{bits}'} s={s} dp={dp}: "
                 f"cublas {t_cublas * 1e6:.1f}us  ours {best[0] * 1e6:.1f}us "
                 f"(w{best[3]}/d{best[2]}/c{best[1]}/m{best[4]}/sk={best[5]['streamk']}; "
-                f"default {t_def * 1e6:.1f}, v1 {t_v1 * 1e6:.1f}) "
+                f"default {t_def * 1e6:.1f}) "
                 f"x{t_cublas / best[0]:.2f} (default x{t_cublas / t_def:.2f}) dp-off {t_static * 1e6:.1f}us "
                 f"{row['gbps_spmspv']:.0f} GB/s"
-                + ("" if t_nodec is None else f" (no-decode {t_nodec * 1e6:.1f}us {row['gbps_nodecode']:.0f} GB/s)")
                 + f" rel {rel:.1e}"
             )
             del devs, dev0, arrays
@@ -406,7 +386,6 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
         V3_MAX_N,
         auto_method,
         decode_dense,
-        default_bn,
         default_config,
         default_splits,
         spmm,
@@ -424,10 +403,8 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
         Wt, dev0, nd, nc = Wd[0], devs[0], len(Wd), len(devs)
         ws = cp.empty((M, dev0.grid[1] * 16), dtype=cp.float16)
         t_decode = time_graph_cupy(cp, lambda i, devs=devs, ws=ws: decode_dense(devs[i % len(devs)], ws), nc, reps)
-        t_decode_v1 = time_graph_cupy(
-            cp, lambda i, devs=devs, ws=ws: decode_dense(devs[i % len(devs)], ws, version=1), nc, reps)
         gbs = (dev0.nbytes() + ws.nbytes) / t_decode / 1e9
-        log(f"decode to dense {M}x{K}: {t_decode * 1e6:.1f}us ({gbs:.0f} GB/s; v1 {t_decode_v1 * 1e6:.1f}us)")
+        log(f"decode to dense {M}x{K}: {t_decode * 1e6:.1f}us ({gbs:.0f} GB/s)")
         del ws
         for n in ns:
             if time.time() > deadline:
@@ -471,10 +448,6 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                 rel_warp = float((torch.from_dlpack(out).float() - ref).norm() / ref.norm())
                 del ref
 
-            def sparse_v1(i, devs=devs, X=X, out=out):
-                return spmm(devs[i % len(devs)], X, out=out, version=1)
-
-            t_v1 = time_graph_cupy(cp, sparse_v1, L, reps)
             # dense path (decode kernel + cublasGemmEx) captured whole in one graph
 
             def dense_path(i, devs=devs, X=X, out=out):
@@ -515,11 +488,8 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                     default_config=list(default_config(n)),
                     splits=default_splits(dev0, n, best[1][0]),
                     per_config_us=per,
-                    t_v1_us=t_v1 * 1e6,
-                    v1_bn=default_bn(n),
                     t_dense_path_us=t_dense * 1e6,
                     t_decode_us=t_decode * 1e6,
-                    t_decode_v1_us=t_decode_v1 * 1e6,
                     dense_path_timing=dense_timing,
                     rel_err_dense_path=rel_dense,
                     speedup_fused=t_cublas / best[0],
@@ -535,7 +505,6 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                     auto_method=auto_method(n, wgmma_available()),
                     t_auto_us=t_auto * 1e6,
                     speedup=t_cublas / t_auto,
-                    speedup_v1=t_cublas / t_v1,
                     tflops_cublas=flops / t_cublas / 1e12,
                     tflops_fused_dense_equiv=flops / best[0] / 1e12,
                     rel_err_vs_fp32=rel,
@@ -545,7 +514,7 @@ def bench_spmm(cp, torch, shapes, ns, static, log, deadline=float("inf"), reps=5
                 f"spmm {M}x{K} N={n}: cublas {t_cublas * 1e6:.1f}us warp {t_warp * 1e6:.1f}us "
                 f"x{t_cublas / t_warp:.2f} rel {rel_warp:.1e} wgmma {t_wgmma * 1e6:.1f}us x{t_cublas / t_wgmma:.2f} "
                 f"rel {rel_wgmma:.1e} fused {best[0] * 1e6:.1f}us "
-                f"({best[1]}) x{t_cublas / best[0]:.2f} (v1 x{t_cublas / t_v1:.2f}) dense-path {t_dense * 1e6:.1f}us "
+                f"({best[1]}) x{t_cublas / best[0]:.2f} dense-path {t_dense * 1e6:.1f}us "
                 f"x{t_cublas / t_dense:.2f} rel {rel:.1e}/{rel_dense:.1e}"
             )
         del devs, dev0, Wd, Wt
@@ -694,212 +663,3 @@ def bench_rows(shapes, ns, sparsity: float = 0.5, dp: float = 0.3, log=print) ->
                     )
                 )
     return rows
-
-
-def write_md(res, path):
-    L = [
-        f"# Tiled-CBC kernels on {res['machine']['gpu']}",
-        "",
-        f"Command: `{res['command']}`  ",
-        f"Machine: {res['machine']['nvidia_smi']}; CuPy {res['machine']['cupy']}, "
-        f"torch {res['machine']['torch']}, CUDA runtime {res['machine']['cuda_runtime']}  ",
-        f"Measured device-to-device copy: {res['copy_gbps']:.0f} GB/s (read + write).",
-    ]
-    if res.get("spmspv"):
-        L += ["", "## spMspV (N = 1) vs cuBLAS fp16 GEMV (torch.matmul)", ""]
-        for key, g in res["geomean_spmspv"].items():
-            L.append(
-                f"- {key}: geomean speedup **{g['best']:.2f}x** (v2, best of the tried launch settings), "
-                f"{g['default']:.2f}x v2 default settings, {g['v1']:.2f}x the first kernel (v1, same run), "
-                f"{g['dp_off']:.2f}x v2 with dynamic pruning off"
-                + ("" if g.get("nodecode") is None else f", {g['nodecode']:.2f}x without the value decode")
-                + f"; median v2 bandwidth {g['median_gbps']:.0f} GB/s on the bytes it must read (n = {g['n_shapes']})"
-            )
-        L += [
-            "",
-            "| M | K | values | static | cuBLAS us | v2 best us | speedup | v2 default us | v1 us | DP off us | "
-            "v2 GB/s | cuBLAS GB/s | no-decode us | best w/d/chunk (sk: stream-K)/mode |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in res["spmspv"]:
-            b = r.get("bits", 16)
-            nd = r.get("t_nodecode_us")
-            vals = "fp16" if b == 16 else f"int{b} (g{r.get('group')})"
-            L.append(
-                f"| {r['M']} | {r['K']} | {vals} | "
-                f"{r['static']:.0%} | {r['t_cublas_us']:.1f} | {r['t_spmspv_us']:.1f} | "
-                f"{r['speedup']:.2f} | {r['t_default_us']:.1f} | {r['t_v1_us']:.1f} | "
-                f"{r['t_spmspv_dp_off_us']:.1f} | {r['gbps_spmspv']:.0f} | {r['gbps_cublas']:.0f} | "
-                f"{'–' if nd is None else f'{nd:.1f}'} | {r['best_warps']}/{r['best_stages']}/"
-                f"{'sk' if r.get('best_streamk') else r['best_chunk']}/m{r['best_mode']} |"
-            )
-    if res.get("spmm"):
-        L += [
-            "",
-            f"## SpMM (prefill, static {res['spmm'][0]['static']:.0%}) vs cuBLAS fp16 GEMM (F.linear)",
-            "",
-            f"`speedup` is the default method (`auto`: the warp-streamed kernel v3 up to N = "
-            f"{res.get('warp_up_to_n', 0)}, on compute capability 9.0 the wgmma kernel v4 up to N = "
-            f"{res.get('wgmma_up_to_n', 0)}, the fused v2 kernel below N = {res.get('dense_from_n', 128)} elsewhere, "
-            "decode-once + cuBLAS from there on; the `auto` column names the method). v3 and v4 are timed with "
-            "their default config for N (other v3 configs in the JSON).",
-            "",
-            "| M | K | N | cuBLAS us | warp v3 us | warp speedup | wgmma v4 us | wgmma speedup | fused v2 us | "
-            "fused speedup | dense-path us | dense-path speedup | auto | speedup (auto) | v1 us | v1 speedup | "
-            "cuBLAS TFLOP/s | fused TFLOP/s (dense-equiv.) | fused config |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in res["spmm"]:
-            L.append(
-                f"| {r['M']} | {r['K']} | {r['N']} | {r['t_cublas_us']:.1f} | {r.get('t_warp_us', float('nan')):.1f} | "
-                f"{r.get('speedup_warp', float('nan')):.2f} | {r.get('t_wgmma_us', float('nan')):.1f} | "
-                f"{r.get('speedup_wgmma', float('nan')):.2f} | {r['t_spmm_us']:.1f} | "
-                f"{r['speedup_fused']:.2f} | {r['t_dense_path_us']:.1f} | {r['speedup_dense_path']:.2f} | "
-                f"{r.get('auto_method', '')} | {r['speedup']:.2f} | {r['t_v1_us']:.1f} | {r['speedup_v1']:.2f} | "
-                f"{r['tflops_cublas']:.0f} | {r['tflops_fused_dense_equiv']:.0f} | {tuple(r['best_config'])} |"
-            )
-        L += [
-            "",
-            "Geomean SpMM speedup by N (auto): "
-            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res["geomean_spmm"].items()),
-            "",
-            "Warp-streamed kernel (v3) alone: "
-            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_warp", {}).items()),
-            "",
-            "wgmma kernel (v4) alone: "
-            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_wgmma", {}).items()),
-            "",
-            "Fused kernel alone: "
-            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_fused", {}).items()),
-            "",
-            "Decode once + cuBLAS alone: "
-            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_dense_path", {}).items()),
-            "",
-            "Same run, the first kernel (v1): "
-            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_v1", {}).items()),
-        ]
-    path.write_text("\n".join(L) + "\n")
-
-
-def _log_spmspv_geomeans(res, log) -> None:
-    for k, g in res["geomean_spmspv"].items():
-        nd = "" if g["nodecode"] is None else f", no-decode {g['nodecode']:.2f}x"
-        log(f"GEOMEAN spMspV {k}: {g['best']:.2f}x (default {g['default']:.2f}x, v1 {g['v1']:.2f}x, "
-            f"dp-off {g['dp_off']:.2f}x{nd}, median {g['median_gbps']:.0f} GB/s, n={g['n_shapes']})")
-
-
-def _value_bits(text: str) -> list[int]:
-    """argparse type for --spmspv-bits: 16, 4 or 2, separated by commas."""
-    try:
-        bits = [int(v) for v in text.split(",")]
-    except ValueError:
-        bits = []
-    if not bits or any(b not in (16, 4, 2) for b in bits):
-        raise argparse.ArgumentTypeError(f"expected 16, 4 or 2 separated by commas, got {text!r}")
-    return bits
-
-
-def _token_counts(text: str) -> list[int]:
-    """argparse type for --spmm-ns: positive integers separated by commas."""
-    try:
-        ns = [int(v) for v in text.split(",")]
-    except ValueError:
-        ns = []
-    if not ns or min(ns) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return ns
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="4 spMspV shapes, 2 SpMM shapes")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--no-spmm", action="store_true", help="skip the SpMM part (spMspV only)")
-    ap.add_argument("--no-spmspv", action="store_true", help="skip the spMspV part (SpMM only)")
-    ap.add_argument(
-        "--spmspv-seconds", type=float, default=float("inf"), help="stop adding spMspV shapes after"
-    )
-    ap.add_argument("--spmm-seconds", type=float, default=float("inf"), help="stop adding SpMM shapes after")
-    ap.add_argument("--spmm-ns", default=None, type=_token_counts,
-                    help="comma-separated token counts (default: all of SPMM_NS)")
-    ap.add_argument("--spmspv-bits", default=[16, 4], type=_value_bits,
-                    help="spMspV value types, comma-separated: 16 (fp16), 4, 2 (codes, group 128); default 16,4")
-    args = ap.parse_args(argv)
-    import cupy as cp
-    import torch
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-
-    def log(msg):
-        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
-
-    res = dict(
-        command="python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])), machine=machine_info(cp, torch)
-    )
-    res["copy_gbps"] = copy_bandwidth(cp)
-    log(f"copy {res['copy_gbps']:.0f} GB/s")
-    shapes = SPINFER[:4] if args.quick else SPINFER
-    res["spmspv"] = []
-    for b in [] if args.no_spmspv else args.spmspv_bits:
-        res["spmspv"] += bench_spmspv(cp, torch, shapes, (0.5, 0.3), 0.3, log, deadline=t0 + args.spmspv_seconds,
-                                      bits=b)
-    res["geomean_spmspv"] = {}
-    for b, s in [(b, s) for b in args.spmspv_bits for s in (0.5, 0.3)]:
-        rr = [r for r in res["spmspv"] if r["static"] == s and r["bits"] == b]
-        if rr:
-            values = "" if b == 16 else f", int{b} values (group 128)"
-            res["geomean_spmspv"][f"static {s:.0%} + dynamic 30%{values}"] = dict(
-                best=geomean([r["speedup"] for r in rr]),
-                default=geomean([r["speedup_default"] for r in rr]),
-                v1=geomean([r["speedup_v1"] for r in rr]),
-                dp_off=geomean([r["speedup_dp_off"] for r in rr]),
-                median_gbps=float(np.median([r["gbps_spmspv"] for r in rr])),
-                nodecode=(geomean([r["t_cublas_us"] / r["t_nodecode_us"] for r in rr])
-                          if all(r.get("t_nodecode_us") for r in rr) else None),
-                n_shapes=len(rr),
-            )
-    (out / "tiled_cbc_h200.json").write_text(json.dumps(res, indent=1))
-    write_md(res, out / "tiled_cbc_h200.md")  # again below with the SpMM figures
-    _log_spmspv_geomeans(res, log)
-    if not args.no_spmm:
-        sh = SPMM_SHAPES[:2] if args.quick else SPMM_SHAPES
-        from ...kernels.tiled_cbc_spmm import DENSE_FROM_N, V3_MAX_N, WARP_UP_TO_N, WGMMA_UP_TO_N
-
-        res["dense_from_n"] = DENSE_FROM_N
-        res["warp_up_to_n"] = WARP_UP_TO_N
-        res["wgmma_up_to_n"] = WGMMA_UP_TO_N
-        ns = args.spmm_ns or SPMM_NS
-        res["spmm"] = bench_spmm(cp, torch, sh, ns, 0.5, log, deadline=t0 + args.spmm_seconds)
-        res["geomean_spmm"] = {
-            str(n): geomean([r["speedup"] for r in res["spmm"] if r["N"] == n]) for n in ns
-        }
-        res["geomean_spmm_warp"] = {
-            str(n): geomean([r["speedup_warp"] for r in res["spmm"] if r["N"] == n]) for n in ns if n <= V3_MAX_N
-        }
-        res["geomean_spmm_wgmma"] = {
-            str(n): geomean([r["speedup_wgmma"] for r in res["spmm"] if r["N"] == n]) for n in ns
-        }
-        res["geomean_spmm_fused"] = {
-            str(n): geomean([r["speedup_fused"] for r in res["spmm"] if r["N"] == n]) for n in ns
-        }
-        res["geomean_spmm_dense_path"] = {
-            str(n): geomean([r["speedup_dense_path"] for r in res["spmm"] if r["N"] == n]) for n in ns
-        }
-        res["geomean_spmm_v1"] = {
-            str(n): geomean([r["speedup_v1"] for r in res["spmm"] if r["N"] == n]) for n in ns
-        }
-    res["wall_s"] = time.time() - t0
-    (out / "tiled_cbc_h200.json").write_text(json.dumps(res, indent=1))
-    write_md(res, out / "tiled_cbc_h200.md")
-    _log_spmspv_geomeans(res, log)
-    for n, g in res.get("geomean_spmm", {}).items():
-        log(f"GEOMEAN SpMM N={n}: auto {g:.2f}x (warp {res['geomean_spmm_warp'].get(n, float('nan')):.2f}x, "
-            f"wgmma {res['geomean_spmm_wgmma'][n]:.2f}x, "
-            f"fused {res['geomean_spmm_fused'][n]:.2f}x, dense-path "
-            f"{res['geomean_spmm_dense_path'][n]:.2f}x, v1 {res['geomean_spmm_v1'][n]:.2f}x)")
-
-
-if __name__ == "__main__":
-    main()

@@ -260,7 +260,7 @@ def sample_windows(
     if seqlen < 2:
         raise UserError(f"--seqlen must be >= 2, got {seqlen}")
     if mode not in ("auto", "documents", "concat"):
-        raise ValueError(f"mode must be auto, documents or concat, got {mode!r}")
+        raise UserError(f"mode must be auto, documents or concat, got {mode!r}")
     n_docs = len(docs)
     lengths: dict[int, list[int]] = {}  # tokenized documents (with special tokens), by index
 

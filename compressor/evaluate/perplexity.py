@@ -98,10 +98,28 @@ def perplexity(
     return ppl
 
 
-def is_artifact(source: str | Path) -> bool:
-    """True when ``source`` is a zarr directory store (an artifact rather than a model)."""
+def is_artifact(source) -> bool:
+    """True when ``source`` is an open Artifact or a zarr directory store (an artifact rather than a model)."""
+    from ..artifact.store import Artifact
+
+    if isinstance(source, Artifact):
+        return True
     p = Path(source)
     return p.is_dir() and (p / "zarr.json").is_file()
+
+
+def source_name(source) -> str:
+    """The path of MODEL or of an artifact (open or not), as the results name it."""
+    from ..artifact.store import Artifact
+
+    return str(source.path) if isinstance(source, Artifact) else str(source)
+
+
+def open_artifact(source, verify: bool = True):
+    """``source`` itself when it is an open Artifact (a command opens its artifact once), else opened here."""
+    from ..artifact.store import Artifact
+
+    return source if isinstance(source, Artifact) else Artifact(source, verify=verify)
 
 
 def load_artifact_tokenizer(art, tokenizer: str | Path | None = None):
@@ -130,19 +148,15 @@ def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynami
     An artifact's tokenizer is ``tokenizer`` or the one stored in it (:func:`load_artifact_tokenizer`);
     MODEL's is its own unless ``tokenizer`` is given. Tiled-CBC layers compute the decode kernel's
     arithmetic, every token with the layer's stored dynamic-pruning threshold unless ``dynamic_pruning``
-    is False (:mod:`.dp_linear`). ``verify``: an artifact's files are checked against its manifest as they are
-    read (``--no-verify``: not).
+    is False (:mod:`unionsparse.formats.arithmetic.sparse_inputs`). ``verify``: an artifact's files are checked
+    against its manifest as they are read (``--no-verify``: not).
     """
     from ..calibrate.layerwise import load_tokenizer
 
     if is_artifact(source):
-        from ..artifact.store import Artifact
+        from ..model.rebuild import rebuild_model
 
-        try:
-            from ..artifact.store import rebuild_model  # the lead's reader, when it provides one
-        except ImportError:
-            from ..model.rebuild import rebuild_model
-        art = Artifact(source, verify=verify)
+        art = open_artifact(source, verify)
         tok = load_artifact_tokenizer(art, tokenizer)  # before the slow rebuild
         model = rebuild_model(art, dynamic_pruning=dynamic_pruning)
         return model.eval(), tok, "artifact"
@@ -159,12 +173,11 @@ def load_artifact_on_gpu(source: str | Path, dynamic_pruning: bool = True, token
     """``(model, tokenizer, "artifact")``: the artifact as ``generate --device cuda`` runs it (its CuPy kernels,
     fused Q/K/V and gate/up, float16 dense parts), with the stored thresholds applied to every token as the CPU
     path's eval does (docs/runtime.md, "eval on a GPU")."""
-    from ..artifact.store import Artifact
     from ..runtime.cuda import require_cuda
     from ..runtime.model import build_model, thresholds_on_every_row
 
     require_cuda()
-    art = Artifact(source, verify=verify)
+    art = open_artifact(source, verify)
     tok = load_artifact_tokenizer(art, tokenizer)  # before the slow build
     model = build_model(art, "cuda", "cuda", dynamic_pruning=dynamic_pruning, fuse=True)
     return thresholds_on_every_row(model), tok, "artifact"
@@ -184,7 +197,8 @@ def evaluate_source(
     """Perplexity of MODEL or an artifact on ``text_path``; returns a dict for the CLI (and ``--json``).
 
     ``dynamic_pruning``: a Tiled-CBC artifact's thresholds are applied to every token (see
-    :mod:`.dp_linear`); the result's ``dynamic_pruning`` then gives the fraction of weight reads skipped.
+    :mod:`unionsparse.formats.arithmetic.sparse_inputs`); the result's ``dynamic_pruning`` then gives the
+    fraction of weight reads skipped.
     ``tokenizer``: a model folder, .gguf file, tokenizer folder or hub id to tokenize with (an artifact
     without a stored tokenizer needs it). ``verify`` False: an artifact's manifest is not checked (``--no-verify``).
     Progress bars on stderr (a terminal) unless ``quiet``; at ``--log-level info`` a line per stage.
@@ -198,12 +212,13 @@ def evaluate_source(
     text = load_eval_text(text_path)  # check the text before the slow model load
     from ..preflight import check_eval_args
 
-    check_eval_args(str(source), seqlen, max_windows, verify)  # and the window length against the context
+    # and the window length against the context
+    check_eval_args(source if is_artifact(source) else str(source), seqlen, max_windows, verify)
     from ..progress import Reporter
 
     t0 = time.perf_counter()
     with Reporter(quiet=quiet) as rep:
-        what = "rebuilding the artifact" if is_artifact(source) else f"loading {Path(str(source)).name}"
+        what = "rebuilding the artifact" if is_artifact(source) else f"loading {Path(source_name(source)).name}"
         with rep.stage(what, total=None):
             if device == "cuda" and is_artifact(source):  # the runtime users run: the artifact's kernels, float16
                 model, tok, kind = load_artifact_on_gpu(source, dynamic_pruning, tokenizer, verify)
@@ -216,11 +231,11 @@ def evaluate_source(
         with rep.stage(f"perplexity windows of {seqlen} tokens", total=None) as bar:
             nlls = window_nlls(model, ids, seqlen, max_windows, device,
                                progress=lambda n: bar.update(0, n) if n else bar.advance())
-    from ..activation_sparsity.linear import activation_sparsity_summary
+    from ...formats.arithmetic.sparse_inputs import activation_sparsity_summary
 
     return {
         "dynamic_pruning": activation_sparsity_summary(model),
-        "source": str(source),
+        "source": source_name(source),
         "kind": kind,
         "device": device,
         "runtime": "cuda kernels, float16" if device == "cuda" and kind == "artifact" else "torch, float32",

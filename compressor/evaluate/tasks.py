@@ -363,11 +363,11 @@ def summarize(raw: dict, names: list[str]) -> dict:
     return out
 
 
-def evaluate_tasks(source: str, tasks: str, data_dir: str | None, limit: int | None = None,
+def evaluate_tasks(source, tasks: str, data_dir: str | None, limit: int | None = None,
                    batch_size: int | None = None, device: str = "cpu", dynamic_pruning: bool = True,
                    tokenizer: str | None = None, verify: bool = True) -> dict:
-    """lm-eval task metrics of MODEL or an artifact (rebuilt; ``verify``: its manifest checked), offline; returns a
-    dict for the CLI and --json."""
+    """lm-eval task metrics of MODEL or an artifact (a path or an open Artifact; rebuilt; ``verify``: its manifest
+    checked), offline; returns a dict for the CLI and --json."""
     names, folder = check_task_args(tasks, data_dir, limit, batch_size, device)
     lm_eval = require_lm_eval()
     plans = task_plan(names, folder)  # every file checked before the model is loaded
@@ -380,10 +380,10 @@ def evaluate_tasks(source: str, tasks: str, data_dir: str | None, limit: int | N
                                                     verify=verify)
         model.to(device)
         raw = run_tasks(model, tok, manager, task_objs, limit, batch_size or 1)
-    from ..activation_sparsity.linear import activation_sparsity_summary
+    from ...formats.arithmetic.sparse_inputs import activation_sparsity_summary
 
     return {
-        "source": str(source),
+        "source": perplexity.source_name(source),
         "kind": kind,
         "tasks": summarize(raw, names),
         "tasks_data": str(folder),

@@ -22,11 +22,14 @@ import torch
 from torch import nn
 
 from ...formats import registry
+from ...formats.arithmetic.linears import FakeQuantLinear
 from ...formats.arithmetic.outlier_side import dequantize_layer
+from ...formats.arithmetic.sparse_inputs import TiledCBCLinear
 from ...formats.arithmetic.weights import dequantize
 from ...formats.errors import FormatError
 from ..artifact.store import Artifact, LayerRecord
 from ..errors import UserError
+from .modules import replace_linear
 
 
 def model_config(art: Artifact):
@@ -137,8 +140,9 @@ def rebuild_model(path: str | Path | Artifact, act_quant: bool = True, dtype: to
     """The model stored in artifact ``path`` (a path: opened with its manifest checked; or an open Artifact),
     on CPU, in eval mode.
 
-    With ``act_quant``, Tiled-CBC layers with fp16 activations become :class:`~.dp_linear.TiledCBCLinear`
-    (the decode kernel's arithmetic), with their stored ``dp_threshold`` when ``dynamic_pruning``.
+    With ``act_quant``, Tiled-CBC layers with fp16 activations become
+    :class:`~unionsparse.formats.arithmetic.sparse_inputs.TiledCBCLinear` (the decode kernel's arithmetic),
+    with their stored ``dp_threshold`` when ``dynamic_pruning``.
     """
     art = path if isinstance(path, Artifact) else Artifact(path)
     try:
@@ -148,9 +152,6 @@ def rebuild_model(path: str | Path | Artifact, act_quant: bool = True, dtype: to
 
 
 def _rebuild(art: Artifact, act_quant: bool, dtype: torch.dtype, dynamic_pruning: bool) -> nn.Module:
-    from ..activation_sparsity.linear import TiledCBCLinear
-    from ..quantize.fake_quant import FakeQuantLinear, replace_linear
-
     path = art.path
     model = empty_model(art, dtype)
     state = dense_state(art)

@@ -44,7 +44,7 @@ def encode_layer(name: str, w: torch.Tensor | QuantizedLayer, cfg: CompressConfi
         scales, group = None, None
     else:
         if not isinstance(w, QuantizedLayer):
-            raise TypeError(f"layer {name}: --quant {cfg.quant} layers arrive quantized (pipeline.prepare_layer)")
+            raise TypeError(f"layer {name}: --quant {cfg.quant} layers arrive quantized (quantize_layer)")
         ql = w
         q = ql.qweight
         group = q.group_size

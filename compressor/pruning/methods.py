@@ -101,7 +101,7 @@ def magnitude(W: torch.Tensor, sparsity: float, nm: Sequence[int] | str | None =
 def wanda_metric(W: torch.Tensor, x_sq_norm: torch.Tensor) -> torch.Tensor:
     """``|W| * sqrt(x_sq_norm)`` broadcast over rows (float32), as the reference's ``W_metric``."""
     if x_sq_norm.shape != (W.shape[1],):
-        raise ValueError(f"x_sq_norm must have shape [{W.shape[1]}], got {tuple(x_sq_norm.shape)}")
+        raise UserError(f"x_sq_norm must have shape [{W.shape[1]}], got {tuple(x_sq_norm.shape)}")
     return W.detach().abs().float() * torch.sqrt(x_sq_norm.detach().float().to(W.device)).reshape(1, -1)
 
 
@@ -165,10 +165,10 @@ def sparsegpt(
     """
     rows, cols = W.shape
     if H.shape != (cols, cols):
-        raise ValueError(f"H must be [{cols}, {cols}], got {tuple(H.shape)}")
+        raise UserError(f"H must be [{cols}, {cols}], got {tuple(H.shape)}")
     nm_t = _check_nm(nm, cols)
     if nm_t is not None and blocksize % nm_t[1] != 0:
-        raise ValueError(f"blocksize {blocksize} must be a multiple of M={nm_t[1]}")
+        raise UserError(f"blocksize {blocksize} must be a multiple of M={nm_t[1]}")
     s = _check_sparsity(sparsity) if nm_t is None else 0.0
 
     Wf = W.detach().to(dtype).clone()
@@ -185,7 +185,7 @@ def sparsegpt(
             L = torch.linalg.cholesky(Hf)
             Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
         except torch.linalg.LinAlgError as exc:
-            raise RuntimeError(
+            raise UserError(
                 f"SparseGPT: the damped Hessian is not positive definite (percdamp={percdamp}); "
                 "raise percdamp or use more calibration samples"
             ) from exc
@@ -251,7 +251,7 @@ def outlier_ratio(metrics: Sequence[torch.Tensor], m: float = 5.0) -> float:
     total = sum(float(t.double().sum()) for t in metrics)
     numel = sum(t.numel() for t in metrics)
     if numel == 0:
-        raise ValueError("outlier_ratio: no metric entries")
+        raise UserError("outlier_ratio: no metric entries")
     thresh = m * total / numel
     count = sum(int((t > thresh).sum()) for t in metrics)
     return count / numel

@@ -17,6 +17,7 @@ import torch
 
 from ...formats.arithmetic.weights import group_absmax, n_groups, scales_from_absmax
 from ...formats.bitpack import code_range
+from ..errors import UserError
 
 DEFAULT_GRID = np.linspace(1.0, 0.5, 11)
 
@@ -73,17 +74,17 @@ def search_clip(
     """
     w = torch.as_tensor(weight).float()
     if w.ndim != 2:
-        raise ValueError(f"weight must be 2-D, got {tuple(w.shape)}")
+        raise UserError(f"weight must be 2-D, got {tuple(w.shape)}")
     k = w.shape[1]
     group_size = min(group_size, k)
     grid = sorted({float(c) for c in grid}, reverse=True)
     if not grid or grid[0] > 1.0 or grid[-1] <= 0.0:
-        raise ValueError(f"clip grid must lie in (0, 1], got {grid}")
+        raise UserError(f"clip grid must lie in (0, 1], got {grid}")
     blocks = None
     if h is not None:
         h = torch.as_tensor(h).float().to(w.device)
         if h.shape != (k, k):
-            raise ValueError(f"H must be [{k}, {k}] for a weight with K={k}, got {tuple(h.shape)}")
+            raise UserError(f"H must be [{k}, {k}] for a weight with K={k}, got {tuple(h.shape)}")
         blocks = diagonal_blocks(h, group_size)
     absmax = group_absmax(w, group_size)
     best = torch.full_like(absmax, float("inf"))

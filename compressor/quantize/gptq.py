@@ -24,6 +24,7 @@ import torch
 
 from ...formats.arithmetic.weights import QuantizedWeight, group_absmax, n_groups, scales_from_absmax
 from ...formats.bitpack import code_range
+from ..errors import UserError
 from .clip_search import DEFAULT_GRID, clipped_scales, search_clip
 
 
@@ -76,20 +77,20 @@ def gptq(
     """
     w = torch.as_tensor(weight).float().clone()
     if w.ndim != 2:
-        raise ValueError(f"weight must be 2-D, got {tuple(w.shape)}")
+        raise UserError(f"weight must be 2-D, got {tuple(w.shape)}")
     m, k = w.shape
     dev = w.device
     hh = torch.as_tensor(h).float().to(dev).clone()
     if hh.shape != (k, k):
-        raise ValueError(f"H must be [{k}, {k}] for a weight with K={k}, got {tuple(hh.shape)}")
+        raise UserError(f"H must be [{k}, {k}] for a weight with K={k}, got {tuple(hh.shape)}")
     group_size = min(group_size, k)
     if pruned not in ("propagate", "reapply"):
-        raise ValueError(f"pruned must be 'propagate' or 'reapply', got {pruned!r}")
+        raise UserError(f"pruned must be 'propagate' or 'reapply', got {pruned!r}")
     reapply = pruned == "reapply"
     keep = None if mask is None else torch.as_tensor(mask).bool().to(dev)
     if keep is not None:
         if keep.shape != w.shape:
-            raise ValueError(f"mask shape {tuple(keep.shape)} differs from weight shape {tuple(w.shape)}")
+            raise UserError(f"mask shape {tuple(keep.shape)} differs from weight shape {tuple(w.shape)}")
         w *= keep
     dead = torch.diag(hh) == 0
     hh[dead, dead] = 1.0

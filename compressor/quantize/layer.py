@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from ...formats.arithmetic.activations import activation_scheme
+from ...formats.arithmetic.linears import FakeQuantLinear
 from ...formats.arithmetic.outlier_side import OutlierSide, dequantize_layer, split_outliers
 from ...formats.arithmetic.weights import QuantizedWeight
 from ..calibrate.statistics import TOKENS_PER_BATCH, InputTaps, TokenSampler
 from ..errors import UserError
 from .act_clip import ACT_CLIP_GRID, act_clip_errors, best_clip
-from .fake_quant import FakeQuantLinear
 from .modes import FP16_ACTIVATIONS, quant_mode
 from .outliers import permute_hessian, select_outlier_channels
 from .weights import quantize_weight
@@ -94,14 +94,14 @@ def quantize_layer(
     if mask is None:
         mask = w != 0
     if spec.needs_hessian and h is None:
-        raise ValueError("GPTQ and clip search need the layer's calibration Hessian")
+        raise UserError("GPTQ and clip search need the layer's calibration Hessian")
     side = None
     channels = None
     if spec.keep_outliers:
         if x_sq_norm is None and h is not None:  # diag H = 2/n sum x_k^2: the same ranking (SparseGPT stats)
             x_sq_norm = torch.diagonal(torch.as_tensor(h))
         if x_sq_norm is None:
-            raise ValueError("outlier channels are chosen from x_sq_norm (or diag H); none given")
+            raise UserError("outlier channels are chosen from x_sq_norm (or diag H); none given")
         channels = select_outlier_channels(x_sq_norm, spec.keep_outliers)
         w, side = split_outliers(w * mask, channels)
         p = torch.from_numpy(side.perm.astype(np.int64)).to(w.device)

@@ -18,7 +18,7 @@ def select_outlier_channels(x_sq_norm: np.ndarray | torch.Tensor, n: int) -> np.
     stats = np.asarray(torch.as_tensor(x_sq_norm).float().cpu().numpy(), dtype=np.float64).ravel()
     k = stats.size
     if not 0 <= n < k:
-        raise ValueError(f"number of outlier channels must be in 0..{k - 1} for K={k}, got {n}")
+        raise UserError(f"number of outlier channels must be in 0..{k - 1} for K={k}, got {n}")
     order = np.argsort(-stats, kind="stable")[:n]
     return np.sort(order).astype(np.int64)
 

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ...formats.arithmetic.weights import QuantizedWeight, quantize_with_scales, rtn
+from ..errors import UserError
 from .clip_search import DEFAULT_GRID, clipped_scales, search_clip
 from .gptq import gptq as run_gptq
 
@@ -36,7 +37,7 @@ def quantize_weight(
         w = w * mask
     if gptq:
         if h is None:
-            raise ValueError("GPTQ needs the calibration Hessian h")
+            raise UserError("GPTQ needs the calibration Hessian h")
         return run_gptq(w, h, bits, group_size, mask=mask, percdamp=percdamp, act_order=act_order,
                         clip_search=clip_search, clip_grid=grid)
     if not clip_search:

@@ -124,6 +124,13 @@ def inspect_data(path: str, layer: str | None = None, compare: bool = False) -> 
     return data
 
 
+def without_baselines(data: dict) -> dict:
+    """``inspect_data(..., compare=True)`` as ``compare=False`` gives it, without reading the artifact again."""
+    out = {k: v for k, v in data.items() if k != "model_baselines"}
+    out["layers"] = [{k: v for k, v in r.items() if k != "baselines"} for r in data["layers"]]
+    return out
+
+
 def model_summary(art: Artifact, rows: list[dict]) -> dict:
     """What a user decides from: source, formats and quantization, how many linears are compressed or kept
     dense, the size against fp16, bits per weight, CR and sparsity (the root summary, kept-dense linears

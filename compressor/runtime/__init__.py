@@ -9,6 +9,7 @@ kernels compute on the stored arrays, and generate text (docs/runtime.md).
 from __future__ import annotations
 
 from .generate import Generation, Runtime, TextStream, load
-from .linear import BACKENDS, CompressedLinear, LayerPlan, layer_plan
+from .linear import CompressedLinear
+from .plan import BACKENDS, LayerPlan, layer_plan
 
 __all__ = ["BACKENDS", "CompressedLinear", "Generation", "LayerPlan", "Runtime", "TextStream", "layer_plan", "load"]

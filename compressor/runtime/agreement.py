@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ...formats.arithmetic.grouped import grouped_int_matmul
-from ..activation_sparsity.calibrate import sparsify_input
+from ...formats.arithmetic.sparse_inputs import sparsify_input
+from ..errors import UserError
 from .cpu import CpuOp
 from .linear import CompressedLinear
 
@@ -123,7 +124,7 @@ def op_agreement(rt, cpu_rt, prompts: Sequence[Sequence[int]], new_ids: Sequence
     ops = _hooked_ops(rt.model)
     missing = sorted(set(ops) - set(ref_ops))
     if missing:
-        raise ValueError(f"the reference runtime has no op named {missing[0]} (load both with the same fusion)")
+        raise UserError(f"the reference runtime has no op named {missing[0]} (load both with the same fusion)")
     out = Agreement({name: OpReport(name) for name in ops})
 
     def check(name: str, x2: torch.Tensor, y: torch.Tensor) -> None:

@@ -1,8 +1,8 @@
 """The runtime's CPU backend: the kernels' arithmetic in torch, through the modules ``eval`` rebuilds with.
 
-Quantized activations: :class:`~..quantize.fake_quant.FakeQuantLinear` (bit-identical to the IE-BME
-reference, outlier side product included). Activation-sparse formats: :class:`~..activation_sparsity.linear.
-TiledCBCLinear` with the threshold applied at N = 1 only (summation order is its only difference from
+Quantized activations: :class:`~unionsparse.formats.arithmetic.linears.FakeQuantLinear` (bit-identical to the IE-BME
+reference, outlier side product included). Activation-sparse formats: :class:`~unionsparse.formats.arithmetic.
+sparse_inputs.TiledCBCLinear` with the threshold applied at N = 1 only (summation order is its only difference from
 ``spmspv_reference`` / ``spmm_reference``). Other fp16-activation layers (IE-BME W4A16): ``FakeQuantLinear``
 with fp16 activations.
 """
@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..activation_sparsity.linear import TiledCBCLinear
+from ...formats.arithmetic.linears import FakeQuantLinear
+from ...formats.arithmetic.sparse_inputs import TiledCBCLinear
 from ..artifact.store import LayerRecord
 from ..model.rebuild import layer_weight
-from ..quantize.fake_quant import FakeQuantLinear
-from .linear import LayerPlan, QuantizingOp
+from .plan import LayerPlan, QuantizingOp
 
 FP16_ACTIVATIONS = {"bits": 16, "scheme": "fp16"}
 

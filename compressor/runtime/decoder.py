@@ -113,7 +113,7 @@ class StaticDecoder(nn.Module):
     @glue.setter
     def glue(self, value: str) -> None:
         if value not in ("kernels", "torch"):
-            raise ValueError(f"glue must be 'kernels' or 'torch', got {value!r}")
+            raise UserError(f"glue must be 'kernels' or 'torch', got {value!r}")
         self._glue_name = value
         self._glue = (self.kernels or runtime_ops.get("reference")) if value == "kernels" else _TorchGlue
         self.prequant = value == "kernels" and self.PREQUANT

@@ -1,8 +1,8 @@
 """Linears that read the same input run as one product: Q/K/V and gate/up (docs/runtime.md, "Fused linears").
 
 The artifact stores every linear separately. At load, the stored encodings of the linears of one block that read
-the same input are stacked by rows (:func:`formats.stacking.stack_rows`, each member padded to whole tiles, so the
-bytes are those a fused encoding would have), their scales and outlier side matrices too
+the same input are stacked by rows (:func:`~unionsparse.formats.stacking.stack_rows`, each member padded to whole
+tiles, so the bytes are those a fused encoding would have), their scales and outlier side matrices too
 (:func:`stack_records`); one :class:`~.linear.CompressedLinear` computes the stacked output, and
 :class:`SharedInputLinear` hands each original module path a member that returns its rows of it.
 
@@ -25,6 +25,7 @@ from ...formats.arithmetic.outlier_side import OutlierSide
 from ...formats.errors import FormatError
 from ...formats.stacking import stack_rows
 from ..artifact.store import LayerRecord
+from ..errors import UserError
 from ..model.shared_inputs import SHARED_INPUTS
 
 
@@ -210,7 +211,7 @@ class SharedInputLinear(nn.Module):
                  biases: Sequence[torch.Tensor | None] | None = None) -> None:
         super().__init__()
         if not len(names) == len(offsets) == len(sizes) or not names:
-            raise ValueError("one name, offset and size per member")
+            raise UserError("one name, offset and size per member")
         self.stacked = stacked
         self.in_features = int(stacked.in_features)
         self.out_features = int(stacked.out_features)
@@ -218,7 +219,7 @@ class SharedInputLinear(nn.Module):
         self.offsets = [int(o) for o in offsets]
         self.sizes = [int(s) for s in sizes]
         if any(o < 0 or o + s > self.out_features for o, s in zip(self.offsets, self.sizes, strict=True)):
-            raise ValueError(f"member rows {list(zip(self.offsets, self.sizes, strict=True))} exceed the stacked "
+            raise UserError(f"member rows {list(zip(self.offsets, self.sizes, strict=True))} exceed the stacked "
                              f"output of {self.out_features}")
         biases = list(biases) if biases is not None else [None] * len(names)
         # plain list: the members sit at the original module paths; registering them here too would put each
@@ -276,7 +277,7 @@ class SharedInputMember(nn.Module):
         self.in_features = shared.in_features
         self.out_features = shared.sizes[index]
         if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise ValueError(f"{self.name}: bias of shape {tuple(bias.shape)} for {self.out_features} outputs")
+            raise UserError(f"{self.name}: bias of shape {tuple(bias.shape)} for {self.out_features} outputs")
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

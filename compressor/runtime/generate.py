@@ -25,7 +25,7 @@ from ..artifact.store import Artifact
 from ..artifact.tokenizer import has_tokenizer, load_generation_config, load_tokenizer
 from ..errors import UserError
 from .decoder import GraphedStep, StaticDecoder
-from .linear import backend_kernels
+from .plan import backend_kernels
 from .sampling import check_sampling, choose
 
 DEVICES = ("cpu", "cuda")
@@ -447,8 +447,8 @@ def load(path: str | Path | Artifact, device: str = "cpu", backend: str | None =
     lm_head; default float32 on the CPU, float16 on a GPU); ``float16`` on the CPU computes what the GPU computes
     (docs/runtime.md, "Agreement"). ``Runtime.load_s`` holds the load time. A path is opened with its manifest
     checked (:class:`~..artifact.store.Artifact`); an open Artifact is used as it was opened."""
-    from .linear import BACKENDS
     from .model import build_model
+    from .plan import BACKENDS
 
     t0 = time.perf_counter()
     if device not in DEVICES:

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 from ...formats.arithmetic.grouped import grouped_int_matmul
+from ...formats.arithmetic.sparse_inputs import sparsify_input
 from ...formats.arithmetic.weights import n_groups
-from ..activation_sparsity.calibrate import sparsify_input
 from ..artifact.store import LayerRecord
 from ..errors import UserError
 from ..model.rebuild import layer_weight
-from .linear import LayerPlan, QuantizingOp
+from .plan import LayerPlan, QuantizingOp
 
 
 class KernelOp(QuantizingOp):
@@ -59,7 +59,7 @@ class KernelOp(QuantizingOp):
     def _init_iebme(self, rec: LayerRecord, group_size: int) -> None:
         from ...formats import registry
 
-        if not registry.get(rec.format).outlier_side:  # the formats whose kernel takes b-bit activations
+        if "iebme_spmm" not in registry.get(rec.format).kernel_ops:  # the runtime op taking b-bit activations
             raise UserError(f"layer {rec.name}: no kernel computes {rec.format} with quantized activations; "
                             "use --device cpu")
         try:

@@ -9,10 +9,12 @@ from torch import nn
 
 from ...formats.errors import FormatError
 from ..artifact.store import Artifact
+from ..errors import UserError
+from ..model.modules import replace_linear
 from ..model.rebuild import dense_state, empty_model, missing_tensors
-from ..quantize.fake_quant import replace_linear
 from .fused import SharedInputLinear, plan_group, shared_input_groups
-from .linear import BACKENDS, CompressedLinear
+from .linear import CompressedLinear
+from .plan import BACKENDS
 
 
 def build_model(art: Artifact, backend: str = "cpu", device: str | torch.device = "cpu",
@@ -31,7 +33,7 @@ def build_model(art: Artifact, backend: str = "cpu", device: str | torch.device 
         from transformers.modeling_utils import no_init_weights
 
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise UserError(f"backend must be one of {BACKENDS}, got {backend!r}")
     device = torch.device(device)
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.float16)
     with no_init_weights():  # every weight comes from the artifact; built in its dtype (RoPE buffers stay fp32)

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ...formats import baselines, iebme, registry, stats, tiled_cbc
+from ...formats import baselines, registry, stats
 from ...formats.bitpack import code_range
+from ..artifact.layout import MANIFEST
 from ..artifact.scan import Store, StoreError
-from ..artifact.store import MANIFEST, Artifact, LayerRecord, _jsonable, check_manifest
+from ..artifact.store import Artifact, LayerRecord, _jsonable, check_manifest
 from ..errors import UserError
 from ..layer_rules import layer_options
 from ..quantize.modes import QUANT_MODES
@@ -66,8 +67,10 @@ def compare_arrays(rec: LayerRecord, again) -> list[str]:
 
 
 def kernel_checks(rec: LayerRecord, rng: np.random.Generator, ns: list[int], backend: str) -> list[str]:
-    """Run the layer's kernels (CPU reference, and the GPU kernels for backend 'cupy') on random inputs."""
-    return _KERNEL_CHECKS[rec.format](rec, rng, ns, backend)
+    """Run the layer's kernels (CPU reference, and the GPU kernels for backend 'cupy') on random inputs: the checks
+    of the runtime ops its format names (``Format.kernel_ops``; none for a format without kernels of its own)."""
+    ops = registry.get(rec.format).kernel_ops
+    return next((_KERNEL_CHECKS[op](rec, rng, ns, backend) for op in ops if op in _KERNEL_CHECKS), [])
 
 
 def _tiled_cbc_checks(rec: LayerRecord, rng: np.random.Generator, ns: list[int], backend: str) -> list[str]:
@@ -95,7 +98,7 @@ def _iebme_checks(rec: LayerRecord, rng: np.random.Generator, ns: list[int], bac
     return out
 
 
-_KERNEL_CHECKS = {iebme.NAME: _iebme_checks, tiled_cbc.NAME: _tiled_cbc_checks}  # the kernels of each format
+_KERNEL_CHECKS = {"iebme_spmm": _iebme_checks, "spmspv": _tiled_cbc_checks}  # by runtime op (Format.kernel_ops)
 
 
 def verify_layer(rec: LayerRecord, rng: np.random.Generator, ns: list[int], backend: str,

@@ -13,7 +13,7 @@ channels (the last group may be shorter):
 * ``code = clamp(rint(x[k] / scale), -2^(b-1), 2^(b-1) - 1)`` with an IEEE float32 division and
   round-half-to-even (CUDA ``__float2int_rn(__fdiv_rn(x, s))``).
 
-It is the weight quantizer's grid (``compressor.quant``): absmax lands on 2^(b-1) - 1/2 steps, so all
+It is the weight quantizer's grid (:mod:`.weights`): absmax lands on 2^(b-1) - 1/2 steps, so all
 2^b levels are used and the positive extreme is clipped by half a step at most. Scales are float16
 so the kernel can read them as ``half``; products of scales are taken in float32.
 """
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..bitpack import code_range
+from ..errors import FormatError
 from .weights import FP16_TINY, grid_max, n_groups
 
 SCHEME = "per-token-symmetric"
@@ -50,9 +51,9 @@ def quantize_activations_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch version of :func:`quantize_activations`: (int8 codes [N, K], float16 scales [N, G])."""
     if x.ndim != 2:
-        raise ValueError(f"activations must be 2-D [tokens, channels], got {tuple(x.shape)}")
+        raise FormatError(f"activations must be 2-D [tokens, channels], got {tuple(x.shape)}")
     if not 0.0 < clip <= 1.0:
-        raise ValueError(f"clip ratio must be in (0, 1], got {clip}")
+        raise FormatError(f"clip ratio must be in (0, 1], got {clip}")
     x = x.float()
     k = x.shape[1]
     group_size = min(group_size, k)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..bitpack import code_range
+from ..errors import FormatError
 
 FP16_TINY = float(np.finfo(np.float16).tiny)
 
@@ -72,7 +73,7 @@ def rtn(weight: torch.Tensor | np.ndarray, bits: int, group_size: int = 128) -> 
     """Symmetric round-to-nearest group quantization of a [M, K] weight."""
     w = torch.as_tensor(weight).float()
     if w.ndim != 2:
-        raise ValueError(f"weight must be 2-D, got {tuple(w.shape)}")
+        raise FormatError(f"weight must be 2-D, got {tuple(w.shape)}")
     group_size = min(group_size, w.shape[1])
     scales = scales_from_absmax(group_absmax(w, group_size), bits)
     codes = quantize_with_scales(w, scales, bits, group_size)

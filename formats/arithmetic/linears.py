@@ -11,7 +11,7 @@ with the scale product and the accumulation in float32 and Y rounded once to flo
 partial sums are computed as float32 matrix products of the codes, which is exact: every partial sum is
 an integer of magnitude at most group_size * 2^(bw-1) * 2^(bx-1) (8192 for 4x4 bits and g = 128; the
 8-bit outlier side stays below 2^21), far below 2^24, so no rounding happens in any summation order.
-With outlier channels (:mod:`.outliers`) the input is permuted, the main matrix sees the normal
+With outlier channels (``compressor/quantize/outliers.py``) the input is permuted, the main matrix sees the normal
 channels and the 8-bit side matrix the outlier block, whose groups are added after the main ones.
 
 W4A16 (weight only): Y = fp16( fp16(x) @ (q_w * s_w)^T ) with the dequantized weight and the product in
@@ -26,15 +26,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...formats.arithmetic.activations import quantize_activations_torch
-from ...formats.arithmetic.grouped import grouped_int_matmul
-from ...formats.arithmetic.outlier_side import OutlierSide, quantize_inputs_torch
-from ...formats.arithmetic.weights import QuantizedWeight, n_groups
+from ..errors import FormatError
+from .activations import quantize_activations_torch
+from .grouped import grouped_int_matmul
+from .outlier_side import OutlierSide, quantize_inputs_torch
+from .weights import QuantizedWeight, n_groups
 
 
 def _exact_bound(group: int, bits_w: int, bits_x: int) -> None:
     if group * (1 << (bits_w - 1)) * (1 << (bits_x - 1)) >= 1 << 24:
-        raise ValueError(f"group of {group} channels at {bits_w}x{bits_x} bits overflows exact float32 sums")
+        raise FormatError(f"group of {group} channels at {bits_w}x{bits_x} bits overflows exact float32 sums")
 
 
 class RowwiseLinear(nn.Module):
@@ -78,17 +79,17 @@ class FakeQuantLinear(RowwiseLinear):
         self.act_bits = int(self.act["bits"])
         scales_t = torch.as_tensor(np.asarray(scales, dtype=np.float16)).float()
         if scales_t.shape != (self.out_features, n_groups(self.in_features, self.group_size)):
-            raise ValueError(f"scales shape {tuple(scales_t.shape)} does not match codes "
+            raise FormatError(f"scales shape {tuple(scales_t.shape)} does not match codes "
                              f"{tuple(codes_t.shape)} with group size {self.group_size}")
         if self.act_bits == 16:
             if outliers is not None:
-                raise ValueError("outlier channels only exist with quantized activations")
+                raise FormatError("outlier channels only exist with quantized activations")
             s = scales_t.repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
             self.register_buffer("w_deq", codes_t.float() * s)
         else:
             act_group = min(int(self.act["group_size"]), self.in_features)
             if act_group != self.group_size:
-                raise ValueError(f"activation group {act_group} differs from weight group {self.group_size}")
+                raise FormatError(f"activation group {act_group} differs from weight group {self.group_size}")
             _exact_bound(self.group_size, self.bits, self.act_bits)
             self.register_buffer("w_codes", codes_t.float())
             self.register_buffer("w_scales", scales_t)
@@ -97,7 +98,7 @@ class FakeQuantLinear(RowwiseLinear):
             n = outliers.codes.shape[1]
             self.side_group = int(self.act.get("outlier_group_size") or min(self.group_size, n))
             if list(self.act.get("outlier_channels") or []) != outliers.channels.tolist():
-                raise ValueError("the activation record's outlier_channels differ from the side matrix")
+                raise FormatError("the activation record's outlier_channels differ from the side matrix")
             _exact_bound(self.side_group, outliers.bits, outliers.bits)
             self.register_buffer("perm", torch.from_numpy(outliers.perm.astype(np.int64)))
             self.register_buffer("side_codes", torch.from_numpy(outliers.codes).float())
@@ -142,9 +143,3 @@ class FakeQuantLinear(RowwiseLinear):
         return (f"in={self.in_features}, out={self.out_features}, W{self.bits}A{self.act_bits}, "
                 f"group={self.group_size}, outliers={o}")
 
-
-def replace_linear(model: nn.Module, name: str, module: nn.Module) -> None:
-    """Swap the submodule at dotted path ``name`` for ``module``."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)

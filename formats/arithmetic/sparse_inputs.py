@@ -17,8 +17,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quantize.fake_quant import RowwiseLinear
-from .calibrate import sparsify_input
+from .linears import RowwiseLinear
+
+
+def sparsify_input(x: torch.Tensor, tau: float | torch.Tensor | None) -> torch.Tensor:
+    """The decode kernel's view of an input: rounded to float16, and (tau given) zero where
+    ``|x| > tau`` fails, the test done in float32 (docs/format.md, "Tiled-CBC"). Returned as float32."""
+    xh = x.to(torch.float16).float()
+    if tau is None:
+        return xh
+    t = tau if isinstance(tau, torch.Tensor) else torch.tensor(float(tau), dtype=torch.float32, device=x.device)
+    return torch.where(xh.abs() > t, xh, torch.zeros((), dtype=xh.dtype, device=xh.device))
 
 
 class TiledCBCLinear(RowwiseLinear):
