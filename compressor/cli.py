@@ -52,6 +52,17 @@ def _check_artifact(path: str, no_verify: bool, open_now: bool = True, every_fil
             art.check_files()
 
 
+class OutlierCount(click.ParamType):
+    """``--keep-outliers``: ``auto`` or a non-negative integer (``config.parse_keep_outliers``)."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        from .config import parse_keep_outliers
+
+        return parse_keep_outliers(value)  # a bad value: UserError, one line and exit 2 as any bad input
+
+
 def _load_recipe(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """`--config`: the recipe's values become the command's defaults (flags and env vars win)."""
     from .recipe import load_into_context
@@ -87,15 +98,19 @@ def cli(log_level: str) -> None:
 @click.option("--group-size", default=128, show_default=True, type=int)
 @click.option("--gptq", is_flag=True, help="GPTQ weight error feedback (needs --prune wanda|sparsegpt).")
 @click.option("--clip-search", is_flag=True, help="Per-group weight clip ratios scored on calibration H.")
-@click.option("--keep-outliers", default=0, show_default=True, type=int,
-              help="Atom: the N most active input channels as an 8-bit side matrix (ie-bme, w4a4|w2a4).")
+@click.option("--keep-outliers", default="auto", show_default=True, type=OutlierCount(),
+              help="Atom: the N most active input channels (from calibration) as an 8-bit side matrix (ie-bme, "
+                   "w4a4|w2a4). auto: min(128, K/4) per layer where that applies (ie-bme with w4a4|w2a4), else "
+                   "0; 0: none.")
 @click.option("--format", "fmt", default=registry.names()[0], show_default=True,
               type=click.Choice(registry.names()))
 @click.option("--tile", default=None, help="Local tile HxW (ie-bme 16x64, tiled-cbc 256x16).")
 @click.option("--areas", default="2x2", show_default=True, help="IE-BME area grid R_AxC_A.")
 @click.option("--reorder", default="auto", show_default=True, type=click.Choice(["auto", "dp", "cpsat", "none"]),
               help="Row reordering (ie-bme).")
-@click.option("--calib", default="c4", show_default=True, help="c4|alpaca|PATH (.json/.jsonl/.json.gz/.parquet)")
+@click.option("--calib", default="builtin", show_default=True,
+              help="Calibration text: builtin (English text bundled with unionsparse, offline)|c4|alpaca (hub)|"
+                   "PATH (.json/.jsonl/.json.gz/.parquet).")
 @click.option("--nsamples", default=128, show_default=True, type=int)
 @click.option("--seqlen", default=2048, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
@@ -108,7 +123,7 @@ def cli(log_level: str) -> None:
 @click.option("--act-sparsity-profile", "--dp-profile", "act_sparsity_profile", default="uniform", show_default=True,
               type=click.Choice(["uniform", "greedy"]), help="Per-layer targets: uniform, or greedy (TEAL).")
 @click.option("--act-sparsity-calib", "--dp-calib", "act_sparsity_calib", default="alpaca", show_default=True,
-              help="Activation-sparsity calibration text: c4|alpaca|PATH (as --calib).")
+              help="Activation-sparsity calibration text: builtin|c4|alpaca|PATH (as --calib).")
 @click.option("--targets", multiple=True, metavar="REGEX",
               help="Compress only the decoder linears whose module path matches (repeatable; default: all).")
 @click.option("--ignore", multiple=True, metavar="REGEX",
