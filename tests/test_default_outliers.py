@@ -144,3 +144,15 @@ def test_default_compress_writes_outlier_columns(no_network, llama_with_tokenize
         assert ch.size == min(128, k // 4) and np.all(np.diff(ch) > 0) and ch.max() < k, name
     v = run_cli("verify", out, "--n", "1", "--backend", "cpu", "--quiet")
     assert v.code == 0, v.out + v.err
+
+
+def test_a_model_without_tokenizer_says_how_to_skip_outliers(model_dirs, tmp_path, run_cli, monkeypatch):
+    """The default calibrates for outlier channels; a model it cannot tokenize for gets one line that names the
+    way out (--keep-outliers 0), and nothing is written."""
+    monkeypatch.delenv(ENV, raising=False)
+    out = tmp_path / "x.zarr"
+    r = run_cli("compress", model_dirs["llama"], "-o", out, "--nsamples", "2", "--seqlen", "32")
+    assert r.code == 2, r.out + r.err
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and "tokenizer" in lines[0] and "--keep-outliers 0" in lines[0], r.err
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
