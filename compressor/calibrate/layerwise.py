@@ -193,10 +193,14 @@ def calibration_plan(
     tokenizer=None,
     nm: str | tuple[int, int] | None = None,
     load: LoadWeights | None = None,
+    outliers: bool = False,
 ) -> CalibrationPlan:
-    """Load calibration windows when ``prune`` / ``profile`` need them, and the per-block sparsities.
+    """Load calibration windows when ``prune`` / ``profile`` / ``outliers`` need them, and the per-block
+    sparsities.
 
     ``load``: as in :func:`calibrated_blocks` (streaming: the OWL pass fills one block in at a time).
+    ``outliers``: some layer keeps outlier channels, chosen by each input channel's ``x_sq_norm`` (or diag H),
+    so the statistics are collected whatever the pruning method.
     """
     from .samples import load_calibration
 
@@ -206,11 +210,16 @@ def calibration_plan(
         raise UserError("--sparsity-profile owl applies to unstructured sparsity; drop --nm or use uniform")
     blocks, _ = find_blocks(model)
     kind = METHODS[prune].statistics if prune in METHODS else None
+    only_outliers = outliers and kind is None and profile != "owl"  # the one reason to calibrate
+    if outliers and kind is None:
+        kind = "wanda"  # x_sq_norm: what outlier channels are chosen by
     needs = kind is not None or (prune in METHODS and profile == "owl")
     if not needs:
         return CalibrationPlan(None, None, [float(sparsity)] * len(blocks))
     say = note or (lambda _m: None)
-    tok = tokenizer if tokenizer is not None else load_tokenizer(model_source)
+    purpose = (" to choose outlier channels (--keep-outliers auto, the default; --keep-outliers 0 needs no "
+               "calibration)" if only_outliers else " for calibration")
+    tok = tokenizer if tokenizer is not None else load_tokenizer(model_source, purpose=purpose)
     samples, info = load_calibration(calib, tok, nsamples, seqlen, seed, return_info=True)
     say(f"calibration: {nsamples} x {seqlen} tokens from {calib} (seed {seed}), {info.get('mode')} sampling "
         f"from {info.get('documents')} documents")  # after loading: no note before an error line

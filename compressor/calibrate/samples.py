@@ -1,6 +1,11 @@
-"""Calibration samples: C4 / Alpaca from the hub or a local file, windowed as the Wanda/SparseGPT code.
+"""Calibration samples: the bundled English text, C4 / Alpaca from the hub or a local file, windowed as the
+Wanda/SparseGPT code.
 
 ``load_calibration(source, tokenizer, nsamples, seqlen, seed)`` returns ``LongTensor [nsamples, seqlen]``.
+
+``builtin`` is ``calibration_en.txt`` next to this module (English prose written for unionsparse, Apache-2.0
+as the package; ``calibration_en.md`` says so): documents separated by lines of ``=====``. It is small (tens
+of thousands of tokens), so larger requests take overlapping windows (``concat`` sampling, below).
 
 Sampling (``mode="auto"`` picks one of the two, see ``docs/pruning.md``):
 
@@ -39,6 +44,8 @@ HUB_SOURCES = {
     "c4": ("allenai/c4", {"data_files": {"train": "en/c4-train.00000-of-01024.json.gz"}, "split": "train"}),
     "alpaca": ("tatsu-lab/alpaca", {"split": "train"}),
 }
+BUILTIN_TEXT = Path(__file__).with_name("calibration_en.txt")
+DOCUMENT_SEPARATOR = "====="
 LOCAL_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet")
 _LOCAL_HINT = (
     "pass a local file with --calib PATH (.json, .jsonl, .json.gz or .parquet; "
@@ -224,9 +231,31 @@ def _load_hub(source: str) -> Sequence[str]:
     return _HubColumn(ds, alpaca=(source == "alpaca"))
 
 
+def builtin_documents() -> list[str]:
+    """The documents of the bundled calibration text (``--calib builtin``), offline."""
+    try:
+        raw = BUILTIN_TEXT.read_text(encoding="utf-8")
+    except OSError as e:  # an installation without its package data
+        raise UserError(f"--calib builtin: cannot read {BUILTIN_TEXT} ({e.strerror or type(e).__name__}); "
+                        f"reinstall unionsparse or {_LOCAL_HINT}") from None
+    lines = [ln for ln in raw.splitlines() if not ln.startswith("#")]  # the header comment
+    docs, cur = [], []
+    for ln in lines + [DOCUMENT_SEPARATOR]:
+        if ln.strip() == DOCUMENT_SEPARATOR:
+            text = "\n".join(cur).strip()
+            if text:
+                docs.append(text)
+            cur = []
+        else:
+            cur.append(ln)
+    return docs
+
+
 def load_documents(source: str | Path) -> Sequence[str]:
-    """The documents of ``source``: ``"c4"``, ``"alpaca"`` (hub) or a local file path."""
+    """The documents of ``source``: ``"builtin"`` (bundled), ``"c4"``, ``"alpaca"`` (hub) or a local file path."""
     s = str(source)
+    if s == "builtin":
+        return builtin_documents()
     if s in HUB_SOURCES:
         return _load_hub(s)
     return _read_local(Path(s).expanduser())
@@ -346,7 +375,8 @@ def load_calibration(
     mode: str = "auto",
     return_info: bool = False,
 ):
-    """``LongTensor [nsamples, seqlen]`` of calibration windows from ``source`` (``c4``, ``alpaca`` or PATH).
+    """``LongTensor [nsamples, seqlen]`` of calibration windows from ``source`` (``builtin``, ``c4``, ``alpaca``
+    or PATH).
 
     With ``return_info=True`` returns ``(samples, CalibrationInfo)``.
     """

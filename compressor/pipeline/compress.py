@@ -133,7 +133,8 @@ def _compress(cfg: CompressConfig, reporter: Reporter, out: Path, recipe: dict, 
     blocks, prefix = find_blocks(loaded.model)
     in_features = {f"{prefix}.{i}.{n}": lin.weight.shape[1]
                    for i, b in enumerate(blocks) for n, lin in block_linears(b)}
-    check_outlier_count(cfg.keep_outliers, in_features)
+    if cfg.keep_outliers != "auto":  # auto leaves at least 3/4 of every layer's channels
+        check_outlier_count(int(cfg.keep_outliers), in_features)
     layer_cfg = layer_configs(cfg, list(in_features))  # per-layer rules, checked against the model's layers
     preflight.check_loaded_model(cfg, out, loaded, blocks, prefix)  # context, memory, disk, finite dense tensors
     with environment_errors("-o", out):  # the writer removes a partial it began itself
@@ -148,6 +149,7 @@ def _compress(cfg: CompressConfig, reporter: Reporter, out: Path, recipe: dict, 
         plan = layerwise.calibration_plan(  # calibration windows, statistics kind, per-block sparsity (OWL)
             loaded.model, cfg.model, cfg.prune, cfg.sparsity, cfg.sparsity_profile, cfg.calib, cfg.nsamples,
             cfg.seqlen, cfg.seed, cfg.device, note=reporter.note, nm=cfg.nm, load=block_loader(loaded),
+            outliers=cfg.uses_outliers,
         )
         compress_blocks(run, plan)
         dense, tied = write_dense(run)
@@ -272,7 +274,7 @@ def prepare_layer(run: _Run, full: str, lin: torch.nn.Linear, sparsity: float, s
     w_pruned, mask = prune_layer(cfg.prune, w, sparsity, cfg.nm, stats)
     payload: QuantizedLayer | torch.Tensor | None = w_pruned.cpu()
     if cfg.bits is not None:  # also for a stored layer that later blocks see: they must see the same weights
-        payload = quantize_layer(w_pruned, spec_from_config(cfg), mask=mask, h=stats and stats.H,
+        payload = quantize_layer(w_pruned, spec_from_config(cfg, w.shape[1]), mask=mask, h=stats and stats.H,
                                  x_sq_norm=stats and stats.x_sq_norm, tokens=tokens)
         preflight.check_scales(full, payload.qweight.scales, cfg.quant)  # verify rejects scales over fp16's range
         if payload.outliers is not None:

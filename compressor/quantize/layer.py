@@ -129,12 +129,13 @@ def quantize_layer(
     return QuantizedLayer(q, acts, side, report)
 
 
-def spec_from_config(cfg) -> QuantSpec | None:
-    """The QuantSpec of a CompressConfig (None for ``--quant none``)."""
+def spec_from_config(cfg, in_features: int) -> QuantSpec | None:
+    """The QuantSpec of a CompressConfig for a layer of ``in_features`` input channels (None for ``--quant
+    none``); ``--keep-outliers auto`` resolves per layer (``CompressConfig.outliers_for``)."""
     if cfg.quant == "none":
         return None
     return QuantSpec.from_mode(cfg.quant, group_size=cfg.group_size, gptq=cfg.gptq,
-                               clip_search=cfg.clip_search, keep_outliers=cfg.keep_outliers)
+                               clip_search=cfg.clip_search, keep_outliers=cfg.outliers_for(in_features))
 
 
 def hessian_kind(kind: str | None) -> str | None:
