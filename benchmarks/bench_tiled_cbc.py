@@ -91,19 +91,12 @@ def write_md(res, path):
             "",
             "Geomean SpMM speedup by N (auto): "
             + ", ".join(f"N={n}: {g:.2f}x" for n, g in res["geomean_spmm"].items()),
-            "",
-            "Warp-streamed kernel (v3) alone: "
-            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_warp", {}).items()),
-            "",
-            "wgmma kernel (v4) alone: "
-            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_wgmma", {}).items()),
-            "",
-            "Fused kernel alone: "
-            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_fused", {}).items()),
-            "",
-            "Decode once + cuBLAS alone: "
-            + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get("geomean_spmm_dense_path", {}).items()),
         ]
+        for label, key in (("Warp-streamed kernel (v3) alone", "geomean_spmm_warp"),
+                           ("wgmma kernel (v4) alone", "geomean_spmm_wgmma"),
+                           ("Fused kernel alone", "geomean_spmm_fused"),
+                           ("Decode once + cuBLAS alone", "geomean_spmm_dense_path")):
+            L += ["", f"{label}: " + ", ".join(f"N={n}: {g:.2f}x" for n, g in res.get(key, {}).items())]
     path.write_text("\n".join(L) + "\n")
 
 
