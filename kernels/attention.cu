@@ -18,54 +18,6 @@
 #define MAX_D 256
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY macro
 
-// PER halves at p (PER * 2 bytes aligned when PER is even) as floats.
-template <int PER>
-__device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* out) {
-    if (PER % 8 == 0) {
-#pragma unroll
-        for (int i = 0; i < PER; i += 8) {
-            const uint4 w = *reinterpret_cast<const uint4*>(p + i);
-            const unsigned int ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                out[i + 2 * k] = h2f((u16)(ws[k] & 0xffffu));
-                out[i + 2 * k + 1] = h2f((u16)(ws[k] >> 16));
-            }
-        }
-    } else if (PER % 4 == 0) {
-#pragma unroll
-        for (int i = 0; i < PER; i += 4) {
-            const uint2 w = *reinterpret_cast<const uint2*>(p + i);
-            out[i] = h2f((u16)(w.x & 0xffffu));
-            out[i + 1] = h2f((u16)(w.x >> 16));
-            out[i + 2] = h2f((u16)(w.y & 0xffffu));
-            out[i + 3] = h2f((u16)(w.y >> 16));
-        }
-    } else if (PER % 2 == 0) {
-#pragma unroll
-        for (int i = 0; i < PER; i += 2) {
-            const unsigned int w = *reinterpret_cast<const unsigned int*>(p + i);
-            out[i] = h2f((u16)(w & 0xffffu));
-            out[i + 1] = h2f((u16)(w >> 16));
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < PER; ++i) out[i] = h2f(p[i]);
-    }
-}
-
-__device__ __forceinline__ float warp_sum(float s) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    return s;
-}
-
-__device__ __forceinline__ float warp_max(float m) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    return m;
-}
-
 // The warp's sums of a[0..7] over its 32 lanes in 9 shuffles instead of 40: a transposing butterfly in which
 // each exchange halves the slots a lane carries. Lane l ends with the sum of slot ((l >> 2) & 7).
 __device__ __forceinline__ float slot_sums(const float* a, int lane) {

@@ -21,15 +21,52 @@ __device__ __forceinline__ float residual_at(const u16* __restrict__ xr, const u
     return dr == nullptr ? h2f(xr[k]) : h2f(f2h(h2f(xr[k]) + h2f(dr[k])));
 }
 
-// The 8 float16 at p (16-byte aligned) as floats.
-__device__ __forceinline__ void load8(const u16* __restrict__ p, float* v) {
-    const uint4 w = *reinterpret_cast<const uint4*>(p);
-    const unsigned int ws[4] = {w.x, w.y, w.z, w.w};
+// PER halves at p (PER * 2 bytes aligned when PER is even) as floats.
+template <int PER>
+__device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* out) {
+    if (PER % 8 == 0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        v[2 * i] = h2f((u16)(ws[i] & 0xffffu));
-        v[2 * i + 1] = h2f((u16)(ws[i] >> 16));
+        for (int i = 0; i < PER; i += 8) {
+            const uint4 w = *reinterpret_cast<const uint4*>(p + i);
+            const unsigned int ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                out[i + 2 * k] = h2f((u16)(ws[k] & 0xffffu));
+                out[i + 2 * k + 1] = h2f((u16)(ws[k] >> 16));
+            }
+        }
+    } else if (PER % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 4) {
+            const uint2 w = *reinterpret_cast<const uint2*>(p + i);
+            out[i] = h2f((u16)(w.x & 0xffffu));
+            out[i + 1] = h2f((u16)(w.x >> 16));
+            out[i + 2] = h2f((u16)(w.y & 0xffffu));
+            out[i + 3] = h2f((u16)(w.y >> 16));
+        }
+    } else if (PER % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 2) {
+            const unsigned int w = *reinterpret_cast<const unsigned int*>(p + i);
+            out[i] = h2f((u16)(w & 0xffffu));
+            out[i + 1] = h2f((u16)(w >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) out[i] = h2f(p[i]);
     }
+}
+
+__device__ __forceinline__ float warp_sum(float s) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
+__device__ __forceinline__ float warp_max(float m) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    return m;
 }
 
 // sum over k < K of v[k]^2, v = residual_at(xr, dr, k), in float32 for every thread of the block, then a warp and
@@ -50,10 +87,10 @@ __device__ __forceinline__ float row_sum_squares(const u16* __restrict__ xr, con
             for (int u = 0; u < 4; ++u) {
                 const int g = g0 + u * blockDim.x;
                 if (g < groups) {
-                    load8(xr + 8 * g, v[u]);
+                    load_halves<8>(xr + 8 * g, v[u]);
                     if (dr != nullptr) {
                         float d[8];
-                        load8(dr + 8 * g, d);
+                        load_halves<8>(dr + 8 * g, d);
 #pragma unroll
                         for (int i = 0; i < 8; ++i) v[u][i] = h2f(f2h(v[u][i] + d[i]));
                     }
@@ -79,12 +116,12 @@ __device__ __forceinline__ float row_sum_squares(const u16* __restrict__ xr, con
             for (int j = 0; j < 8; ++j) s = fmaf(v[j], v[j], s);
         }
     }
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s = warp_sum(s);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
     __syncthreads();
     if (threadIdx.x < 32) {
         s = threadIdx.x < (blockDim.x + 31) / 32 ? part[threadIdx.x] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        s = warp_sum(s);
         if (threadIdx.x == 0) part[0] = s;
     }
     __syncthreads();

@@ -78,7 +78,7 @@ __device__ void quantize_groups(const F& f, const QuantArgs& a, int r) {
             const int p = base + i;
             if (side || p < main_end) amax = fmaxf(amax, fabsf(f(a.perm ? a.perm[p] : p, true)));
         }
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        amax = warp_max(amax);
         float s = __fdiv_rn(__fmul_rn(amax, side ? a.side_clip : a.clip), side ? a.side_grid : a.grid);
         s = fmaxf(h2f(f2h(fmaxf(s, a.tiny))), a.tiny);
         const int lo = -(1 << (b - 1)), hi = (1 << (b - 1)) - 1;
