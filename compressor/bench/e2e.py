@@ -1,8 +1,9 @@
 """`unionsparse bench --e2e [ARTIFACT]`: time per output token of whole decode steps (issue 28, item 5).
 
 For each model (synthetic LLaMA-2-7B and Llama-3-8B shapes with random weights made on the device, or an
-artifact's own model), each linear kind (``e2e_peers.KINDS``: dense fp16, dense W4A16, IE-BME W4A4 at 50% and
-at 0% as the control, Tiled-CBC fp16 30% + 30%; Q/K/V and gate/up stacked through the runtime's
+artifact's own model), each linear kind (``e2e_peers.KINDS``, by default ``DEFAULT_KINDS``: dense fp16, dense
+W4A16, IE-BME W4A4 50% with and without 128 outlier channels and their 0% controls, Tiled-CBC fp16 30% + 30%;
+Q/K/V and gate/up stacked through the runtime's
 ``SharedInputLinear``), each batch and each context, the same step code runs: ``runtime.decoder.StaticDecoder``
 (static KV cache) prefilled with ``context`` random tokens, its step captured in ONE CUDA graph
 (``GraphedStep``, greedy choice included) and replayed; CUDA events around ``steps`` replays, median over

@@ -8,12 +8,14 @@ down; ``e2e_models.ModelSpec.groups``):
   (torchao's int4 weight-only kernel, tinygemm; float16 activations where this torch's kernel takes them,
   else bfloat16 with the input cast to bf16 and the output back, two more kernels per product, timed and
   reported as ``casts``); the CPU runs ``torch._weight_int4pack_mm_for_cpu`` on the same codes;
-* ``iebme-w4a4-50`` / ``iebme-w4a4-0``: the runtime's ``CompressedLinear`` (what ``runtime.load`` builds)
-  on a synthetic layer record of random nonzero 4-bit codes under a uniformly random 50% (0%: the dense
-  control) mask, group 128, tile 16x64, no row reordering, and the per-token W4A4 activation record
-  ``compress`` writes;
-* ``tcbc-fp16-30+30``: ``CompressedLinear`` on random fp16 values with 30% zeros (static) and a stored
-  threshold tau at which 30% of the layer's decode inputs are inactive (dynamic; the spMspV kernel at N = 1).
+* ``iebme-w4a4-50`` / ``iebme-w4a4-0`` (and 70 / 90, ``iebme-w2a4-50-o128``): the runtime's
+  ``CompressedLinear`` (what ``runtime.load`` builds) on a synthetic layer record of random nonzero codes under
+  a uniformly random 50% (0%: the dense control) mask, group 128, tile 16x64, no row reordering, and the
+  per-token activation record ``compress`` writes; ``-o128``: with 128 outlier channels (at most K / 4) in an
+  8-bit side matrix, the configuration that keeps quality;
+* ``tcbc-fp16-30+30`` (and ``-50+30``, ``tcbc-int4-50+30`` / ``-50+50`` with 4-bit codes): ``CompressedLinear``
+  on random values with that share of zeros (static) and a stored threshold tau at which that share of the
+  layer's decode inputs is inactive (dynamic; the spMspV kernel at N = 1).
 
 Encoding a 7B block on the CPU takes seconds, all 32 blocks minutes: a kind encodes ONE record per group and
 builds every block's module from it (each an upload of its own, so no block reads another's weights from L2).
