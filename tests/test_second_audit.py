@@ -78,6 +78,23 @@ def test_overwrite_keeps_a_user_file_inside_the_artifact(where, named, art, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.zarr"]
 
 
+def test_a_node_a_killed_run_had_just_created_is_the_stores_own(art, tmp_path):
+    """A run killed between creating a layer's folder and writing its zarr.json leaves an empty folder (or one
+    holding only zarr's temporary file): still the store's own, so --resume can tell the configuration apart
+    (tests/test_resume_kill.py met this at random kill points); a folder with a user's file stays foreign."""
+    from unionsparse.compressor.artifact.ownership import foreign_entries
+
+    d = tmp_path / "a.zarr.partial"
+    shutil.copytree(art, d)
+    (d / "unionsparse_manifest.json").unlink()  # a partial store has no manifest yet
+    (d / "layers" / "model.layers.9.mlp.down_proj").mkdir()
+    (d / "layers" / "model.layers.9.mlp.up_proj").mkdir()
+    (d / "layers" / "model.layers.9.mlp.up_proj" / f"zarr.{'0' * 32}.partial").write_text("{}")
+    assert foreign_entries(d) == []
+    (d / "layers" / "model.layers.9.mlp.down_proj" / "notes.txt").write_text("my thesis")
+    assert foreign_entries(d) == ["layers/model.layers.9.mlp.down_proj"]
+
+
 # ------------------------------------------------------------- 2. nothing used that verify rejects
 
 

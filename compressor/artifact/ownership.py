@@ -84,6 +84,10 @@ def _foreign_in_node(p: Path, rel: str, top: bool = False) -> list[str]:
     if p.name == "c" and not top and not (p / "zarr.json").exists():
         return _foreign_in_chunks(p, rel)
     if not _plain_file(p / "zarr.json"):
+        # a node a killed run had created but not yet described: empty, or holding only zarr's temporary files
+        if not top and not (p / "zarr.json").exists() and all(
+                ZARR_TEMP.fullmatch(q.name) and _plain_file(q) for q in p.iterdir()):
+            return []
         return [rel]
     out = []
     for q in sorted(p.iterdir()):
