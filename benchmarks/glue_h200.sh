@@ -24,8 +24,9 @@ for part in part00 part01; do [ -f .gguf/$part ] && cp .gguf/$part /tmp/gguf-$pa
 mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
 export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if [ "$MODE" = quick ]; then
-  timeout 120 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
-    tests/test_glue_kernels.py tests/test_attention_kernel.py 2>&1 | tee "$DEST/glue_gpu_tests.log" | tail -3
+  timeout 180 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
+    tests/test_glue_kernels.py tests/test_attention_kernel.py \
+    tests/test_runtime.py::test_gpu_outlier_side_kernel_equals_the_torch_path 2>&1 | tee "$DEST/glue_gpu_tests.log" | tail -3
   E2E_BUDGET=100 E2E_TIMEOUT=180 OUT="$DEST" bash benchmarks/e2e_h200.sh --spec llama2-7b --batch 1 --context 512 \
     --kinds fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50,iebme-w4a4-0 > /dev/null 2>&1
   for f in "$DEST"/e2e-*.md; do sed -n '/^spec/,/^linears/p' "$f"; grep "launches outside\|CHECK" "$f"; done

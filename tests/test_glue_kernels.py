@@ -168,21 +168,25 @@ def test_quantizing_producer_kernels_equal_their_references(k, n_side):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("n, gs", [(8, 8), (128, 128), (200, 64)])
-def test_outlier_side_kernel_equals_grouped_int_matmul(n, gs):
-    """The side product in one launch against the runtime's torch path, bit for bit."""
+@pytest.mark.parametrize("n, gs, rows, fast", [(8, 8, 5, False), (200, 64, 5, False), (128, 128, 5, True),
+                                               (128, 128, 19, True), (144, 144, 3, True), (160, 64, 9, True),
+                                               (256, 64, 1, True)])
+def test_outlier_side_kernel_equals_grouped_int_matmul(n, gs, rows, fast):
+    """The side product in one launch against the runtime's torch path, bit for bit, in both kernels (the
+    coalesced one: one group or several, a last partial group, more token rows than a block takes)."""
     from unionsparse.formats.arithmetic.grouped import grouped_int_matmul
-    from unionsparse.kernels.outlier_side import side_product
+    from unionsparse.kernels.outlier_side import coalesced, side_product
 
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(n)
-    rows, m, groups = 5, 1000, -(-n // gs)
+    g = torch.Generator(device=dev).manual_seed(n + rows)
+    m, groups = 1000, -(-n // gs)
     y = (torch.randn(rows, m + 24, device=dev, generator=g) * 4).half()[:, :m]  # a row view, as a fused op gives
     xq = torch.randint(-128, 128, (rows, n), device=dev, generator=g, dtype=torch.int8)
     wq = torch.randint(-128, 128, (m, n), device=dev, generator=g, dtype=torch.int8)
     sx = torch.rand(rows, groups, device=dev, generator=g) * 0.01
     sw = torch.rand(m, groups, device=dev, generator=g) * 0.01
     want = grouped_int_matmul(xq, sx, wq.float(), sw, gs, out=y.float()).half()
+    assert coalesced(n, gs, wq) == fast
     assert torch.equal(side_product(y, xq, sx, wq, sw, gs), want)
 
 
