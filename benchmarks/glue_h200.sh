@@ -11,7 +11,8 @@
 #   device tool:  run(command="bash benchmarks/glue_h200.sh", carry=[".whl"], timeout_s=600)
 #   any CUDA machine with the package installed:  bash benchmarks/glue_h200.sh   (writes benchmarks/results/)
 # .whl: bash benchmarks/h200_wheels.sh, once, here (the image lacks zarr and its codecs).
-# `bash benchmarks/glue_h200.sh quick` (about 3 minutes): the glue and attention GPU tests, then LLaMA-2-7B at batch 1,
+# `bash benchmarks/glue_h200.sh quick` (about 4 minutes): the glue, attention and outlier-side GPU tests (the side
+# product in the IE-BME epilogue too, and the runtime's agreement with outliers), then LLaMA-2-7B at batch 1,
 # context 512 only, kinds fp16, W4A16 and IE-BME W4A4 50% / 0% with and without 128 outlier channels.
 set -o pipefail
 MODE="${1:-full}"
@@ -24,9 +25,14 @@ for part in part00 part01; do [ -f .gguf/$part ] && cp .gguf/$part /tmp/gguf-$pa
 mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
 export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if [ "$MODE" = quick ]; then
-  timeout 180 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
+  timeout 300 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
     tests/test_glue_kernels.py tests/test_attention_kernel.py \
-    tests/test_runtime.py::test_gpu_outlier_side_kernel_equals_the_torch_path 2>&1 | tee "$DEST/glue_gpu_tests.log" | tail -3
+    tests/test_runtime.py::test_gpu_outlier_side_kernel_equals_the_torch_path \
+    tests/test_kernels_iebme.py::test_gpu_outlier_side_product_in_the_epilogue \
+    tests/test_kernels_iebme.py::test_gpu_partials_exact_and_output_close \
+    "tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op[w4a4-outliers-fused]" \
+    "tests/test_runtime_agreement.py::test_gpu_agrees_on_smollm2_shapes[w4a4-outliers]" \
+    2>&1 | tee "$DEST/glue_gpu_tests.log" | tail -3
   E2E_BUDGET=100 E2E_TIMEOUT=180 OUT="$DEST" bash benchmarks/e2e_h200.sh --spec llama2-7b --batch 1 --context 512 \
     --kinds fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50,iebme-w4a4-0 > /dev/null 2>&1
   for f in "$DEST"/e2e-*.md; do sed -n '/^spec/,/^linears/p' "$f"; grep "launches outside\|CHECK" "$f"; done

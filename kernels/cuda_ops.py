@@ -98,12 +98,24 @@ class CudaKernels:
         layer.kp = layer.tc * 64
         return layer
 
-    def iebme_spmm(self, layer, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
-        from .iebme_spmm import spmm_iebme
+    def iebme_spmm(self, layer, xq: torch.Tensor, sx: torch.Tensor, side: tuple | None = None) -> torch.Tensor:
+        from .iebme_spmm import Side, spmm_iebme
 
         with _on(xq.device) as cp:
-            y = spmm_iebme(layer, cp.from_dlpack(xq), cp.from_dlpack(sx.float().contiguous()), poison=False)
+            fused = None
+            if side is not None:
+                oq, osx, wq, sw, group = side
+                fused = Side(cp.from_dlpack(oq), cp.from_dlpack(osx), cp.from_dlpack(wq), cp.from_dlpack(sw),
+                             int(group))
+            y = spmm_iebme(layer, cp.from_dlpack(xq), cp.from_dlpack(sx.float().contiguous()), poison=False,
+                           side=fused)
             return torch.from_dlpack(y)  # inside the context (see act_quant)
+
+    @staticmethod
+    def side_fusable(oq: torch.Tensor, wq: torch.Tensor, group: int) -> bool:
+        from .iebme_spmm import side_fusable
+
+        return side_fusable(int(wq.shape[1]), group, oq.data_ptr(), wq.data_ptr())
 
     def side_product(self, y: torch.Tensor, oq: torch.Tensor, osx: torch.Tensor, wq: torch.Tensor,
                      sw: torch.Tensor, group: int) -> torch.Tensor:

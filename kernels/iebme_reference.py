@@ -119,15 +119,17 @@ def iebme_partial_sums(m: IEBMEMatrix, x_codes: np.ndarray, group_size: int) -> 
     return np.ascontiguousarray(p.transpose(2, 0, 1)).astype(np.int32)
 
 
-def scale_partials(partial: np.ndarray, w_scales: np.ndarray, x_scales: np.ndarray) -> np.ndarray:
-    """fp16 [N, M] from int32 partial sums [N, M, G] (fp32 accumulation in group order)."""
+def scale_partials(partial: np.ndarray, w_scales: np.ndarray, x_scales: np.ndarray,
+                   dtype: type = np.float16) -> np.ndarray:
+    """fp16 [N, M] from int32 partial sums [N, M, G] (fp32 accumulation in group order); ``dtype=np.float32``:
+    the float32 sums before the rounding (to which the outlier side product is added)."""
     n, mm, gc = partial.shape
     ws = np.asarray(w_scales)
     xs = np.asarray(x_scales)
     if ws.shape != (mm, gc) or xs.shape != (n, gc):
         raise KernelError(f"scales must be w [{mm}, {gc}] and x [{n}, {gc}], got {ws.shape} and {xs.shape}")
     y = _scale(np.ascontiguousarray(partial.transpose(1, 2, 0)), ws.astype(np.float32), xs.astype(np.float32))
-    return y.astype(np.float16)
+    return y.astype(dtype)
 
 
 def iebme_spmm_reference(m: IEBMEMatrix, w_scales: np.ndarray, x_codes: np.ndarray, x_scales: np.ndarray,

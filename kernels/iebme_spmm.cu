@@ -193,8 +193,38 @@ struct Args {
   int* counters;             // [gridDim.x] split-K arrival counters, zero between calls
   uint16_t* y;               // fp16 [N, M]
   int* partial;              // int32 [N, M, G] (DEBUG), zeroed by the caller
-  int N, M, G, Kp, Mp, TR, TC, gs_tiles, chunk;
+  const int8_t* side_x;      // 8-bit outlier side (ns = 0: none): activation codes [N, ns]
+  const float* side_xs;      //   their scales [N, SG]
+  const int8_t* side_w;      //   weight codes [M, ns], rows 16-byte aligned
+  const float* side_ws;      //   weight scales [M, SG]
+  int N, M, G, Kp, Mp, TR, TC, gs_tiles, chunk, ns, sgs;
 };
+
+DEVI int dp4a(int a, int b, int c) {  // c + the dot product of a's and b's four signed bytes
+  int d;
+  asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// v plus the 8-bit outlier side product of output (row, col), in float32, side groups in order:
+// v = v + (s_x * s_w) * dot, each product and the add rounded once, the dot exact (16-byte chunks, dp4a).
+// ns is a multiple of 16 and there is one side group or groups of whole chunks (iebme_spmm.side_fusable).
+DEVI float add_side(const Args& a, int row, int col, float v) {
+  const int4* w4 = reinterpret_cast<const int4*>(a.side_w + static_cast<size_t>(row) * a.ns);
+  const int4* x4 = reinterpret_cast<const int4*>(a.side_x + static_cast<size_t>(col) * a.ns);
+  const int nc = a.ns >> 4, sg = (a.ns + a.sgs - 1) / a.sgs, cg = sg == 1 ? nc : a.sgs >> 4;
+  for (int j = 0; j < sg; ++j) {
+    int dot = 0;
+    for (int c = j * cg; c < min((j + 1) * cg, nc); ++c) {
+      const int4 w = __ldg(w4 + c), x = __ldg(x4 + c);
+      dot = dp4a(w.w, x.w, dp4a(w.z, x.z, dp4a(w.y, x.y, dp4a(w.x, x.x, dot))));
+    }
+    const float s = __fmul_rn(__ldg(a.side_xs + static_cast<size_t>(col) * sg + j),
+                              __ldg(a.side_ws + static_cast<size_t>(row) * sg + j));
+    v = __fadd_rn(v, __fmul_rn(s, static_cast<float>(dot)));
+  }
+  return v;
+}
 
 // One lane's 8 codes of one area stream, as two int8x4 fragment registers (code in the high bits),
 // zeros at inactive positions. vbit: bit offset of the segment's first code inside the slot; e: the
@@ -554,6 +584,17 @@ DEVI void spmm(const Args& a) {
   cp_wait<0>();
   if (DEBUG) return;
   if (TRACE) tt[2] = gtimer();
+  // The outlier side product, added once (by the first K chunk's CTA) after the main groups and before the one
+  // float16 rounding: without split-K the CPU reference's arithmetic bit for bit.
+  if (a.ns > 0 && blockIdx.y == 0 && active) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = tr * 16 + g + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
+        if (row < a.M && col < a.N) yv[nt][i] = add_side(a, row, col, yv[nt][i]);
+      }
+  }
 
   // ---------------- output ----------------
   if (gridDim.y == 1) {
@@ -640,9 +681,10 @@ DEVI void spmm(const Args& a) {
   extern "C" __global__ void __launch_bounds__(IEBME_WARPS * 32, IEBME_MINB) iebme_spmm_w##B##_nt##NT##_p##P##_d##D(  \
       const uint8_t* values, const uint8_t* bitmaps, const uint32_t* offsets, const uint8_t* pinv,       \
       const uint16_t* wsT, const float* xs, const int8_t* x, float* ws_acc, int* counters, uint16_t* y,  \
-      int* partial, int N, int M, int G, int Kp, int Mp, int TR, int TC, int gs_tiles, int chunk) {      \
+      int* partial, const int8_t* side_x, const float* side_xs, const int8_t* side_w, const float* side_ws, \
+      int N, int M, int G, int Kp, int Mp, int TR, int TC, int gs_tiles, int chunk, int ns, int sgs) {     \
     const iebme::Args a{values, bitmaps, offsets, pinv, wsT, xs, x, ws_acc, counters, y, partial,        \
-                        N, M, G, Kp, Mp, TR, TC, gs_tiles, chunk};                                       \
+                        side_x, side_xs, side_w, side_ws, N, M, G, Kp, Mp, TR, TC, gs_tiles, chunk, ns, sgs}; \
     iebme::spmm<B, NT, P, D>(a);                                                                          \
   }
 

@@ -373,11 +373,44 @@ def cluster_split(splits: int) -> bool:
     return 1 < splits <= largest and _cc() >= 90
 
 
+@dataclass(frozen=True)
+class Side:
+    """The 8-bit outlier side product the kernel adds in its epilogue (docs/kernels.md, "Outlier side product"):
+    activation codes int8 [N, n] and scales float32 [N, SG], weight codes int8 [M, n] and scales float32 [M, SG],
+    side groups of ``group`` channels (CuPy arrays, or anything with ``data.ptr``, C-contiguous)."""
+
+    x_codes: object
+    x_scales: object
+    w_codes: object
+    w_scales: object
+    group: int
+
+
+def side_fusable(n: int, group: int, *pointers: int) -> bool:
+    """Whether the kernel's epilogue computes a side product of ``n`` channels in groups of ``group``: 16-byte
+    rows (n a multiple of 16, code arrays at ``pointers`` 16-byte aligned) and one group or groups of whole
+    16-byte chunks; otherwise the separate ``outlier_side`` launch does."""
+    one_group = -(-n // group) == 1
+    return n > 0 and n % 16 == 0 and (one_group or group % 16 == 0) and all(p % 16 == 0 for p in pointers)
+
+
+def _side_args(layer: DeviceLayer, side: Side | None, n0: int) -> tuple:
+    if side is None:
+        d = layer.dummy
+        return (d, d, d, d), (np.int32(0), np.int32(1))
+    n = int(side.w_codes.shape[1])
+    if not side_fusable(n, side.group, side.x_codes.data.ptr, side.w_codes.data.ptr):
+        raise KernelError(f"side product of {n} channels in groups of {side.group}: not fusable")
+    return ((side.x_codes[n0:], side.x_scales[n0:], side.w_codes, side.w_scales),
+            (np.int32(n), np.int32(side.group)))
+
+
 def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=None, stream=None,
-           trace=None) -> None:
+           trace=None, side: Side | None = None) -> None:
     """Launch on prepared inputs (``prepare_x``); writes y fp16 [N, M] or, with ``partial``, int32 sums.
-    ``trace`` (uint64 [CTAs, 5], a kernel built with ``LaunchSettings(trace="1")``, N <= 32) receives per CTA
-    %globaltimer at entry, after the prologue, after warp 0's loop, at exit, and the SM id."""
+    ``side``: the outlier side product added before the rounding. ``trace`` (uint64 [CTAs, 5], a kernel built
+    with ``LaunchSettings(trace="1")``, N <= 32) receives per CTA %globaltimer at entry, after the prologue, after
+    warp 0's loop, at exit, and the SM id."""
     n = x.shape[0]
     m, _ = layer.shape
     debug = partial is not None
@@ -390,10 +423,11 @@ def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=N
         fn = _kernel(layer.bits, nt, layer.pinv is not None, debug, p.nstage, p.warps, p.ilp, p.minb)
         yp = y[n0:] if not debug else layer.dummy
         pp = partial[n0:] if debug else (layer.dummy if trace is None else trace)
+        side_ptrs, side_sizes = _side_args(layer, None if debug else side, n0)
         args = (layer.values, layer.bitmaps, layer.offsets, null, layer.wsT, xs[n0:], x[n0:], layer.ws_acc,
-                layer.counters, yp, pp, np.int32(nn), np.int32(m), np.int32(layer.n_groups),
+                layer.counters, yp, pp, *side_ptrs, np.int32(nn), np.int32(m), np.int32(layer.n_groups),
                 np.int32(layer.tc * 64), np.int32(layer.mp), np.int32(layer.tr), np.int32(layer.tc),
-                np.int32(layer.gs_tiles), np.int32(p.chunk))
+                np.int32(layer.gs_tiles), np.int32(p.chunk), *side_sizes)
         block = (p.warps * 32,)
         if not debug and cluster_split(grid[1]):
             launch_cluster(fn, grid, block, p.smem, args, cluster=(1, grid[1], 1), stream=stream)
@@ -405,12 +439,13 @@ def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=N
 
 
 def spmm_iebme(layer: DeviceLayer, x_codes, x_scales, *, splits: int | None = None,
-               debug_partials: bool = False, poison: bool = True):
+               debug_partials: bool = False, poison: bool = True, side: Side | None = None):
     """fp16 Y [N, M] (CuPy) of the layer on activations (int8 codes [N, K], scales [N, G]).
 
-    ``debug_partials=True`` returns the exact int32 group partial sums [N, M, G] instead. ``poison`` fills Y
-    with NaN first, so that an element the kernel fails to write shows (checks); the runtime skips that
-    launch.
+    ``side`` adds the 8-bit outlier side product in float32 before the one rounding (``side_fusable`` must
+    hold). ``debug_partials=True`` returns the exact int32 group partial sums [N, M, G] instead. ``poison``
+    fills Y with NaN first, so that an element the kernel fails to write shows (checks); the runtime skips
+    that launch.
     """
     cp = require_cupy()
     x, xs = prepare_x(layer, x_codes, x_scales)
@@ -423,5 +458,5 @@ def spmm_iebme(layer: DeviceLayer, x_codes, x_scales, *, splits: int | None = No
     y = cp.empty((n, m), dtype=cp.uint16)
     if poison:
         y.fill(0x7E00)  # fp16 NaN: every element must be written
-    launch(layer, x, xs, y, splits=splits)
+    launch(layer, x, xs, y, splits=splits, side=side)
     return y.view(cp.float16)

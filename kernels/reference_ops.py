@@ -64,13 +64,25 @@ class ReferenceKernels:
     def iebme_layer(self, m: Any, scales: Any, group_size: int) -> ReferenceLayer:
         return ReferenceLayer(m, np.asarray(scales), int(group_size))
 
-    def iebme_spmm(self, layer: ReferenceLayer, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
-        from .iebme_reference import iebme_spmm_reference
+    def iebme_spmm(self, layer: ReferenceLayer, xq: torch.Tensor, sx: torch.Tensor,
+                   side: tuple | None = None) -> torch.Tensor:
+        from .iebme_reference import iebme_partial_sums, scale_partials
 
         k = int(layer.m.shape[1])
         gs = min(int(layer.group_size), k)
-        y, _ = iebme_spmm_reference(layer.m, layer.scales, _numpy(xq[:, :k]), _numpy(sx), gs)
-        return torch.from_numpy(np.ascontiguousarray(y)).to(xq.device)
+        partial = iebme_partial_sums(layer.m, _numpy(xq[:, :k]), gs)
+        if side is None:
+            y = scale_partials(partial, layer.scales, _numpy(sx))
+            return torch.from_numpy(np.ascontiguousarray(y)).to(xq.device)
+        y32 = torch.from_numpy(scale_partials(partial, layer.scales, _numpy(sx), dtype=np.float32))
+        oq, osx, wq, sw, group = (t.cpu() if isinstance(t, torch.Tensor) else t for t in side)
+        return grouped_int_matmul(oq, osx, wq, sw, group, out=y32).half().to(xq.device)
+
+    @staticmethod
+    def side_fusable(oq: torch.Tensor, wq: torch.Tensor, group: int) -> bool:
+        from .iebme_spmm import side_fusable
+
+        return side_fusable(int(wq.shape[1]), group, oq.data_ptr(), wq.data_ptr())
 
     def side_product(self, y: torch.Tensor, oq: torch.Tensor, osx: torch.Tensor, wq: torch.Tensor,
                      sw: torch.Tensor, group: int) -> torch.Tensor:

@@ -55,8 +55,12 @@ class RuntimeKernels(Protocol):
     def iebme_layer(self, m: Any, scales: Any, group_size: int) -> Any:
         """The layer made ready for :meth:`iebme_spmm` (its ``kp``: padded K of the input codes)."""
 
-    def iebme_spmm(self, layer: Any, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
-        """float16 [N, M]: the exact group sums scaled in float32 in group order, rounded once."""
+    def iebme_spmm(self, layer: Any, xq: torch.Tensor, sx: torch.Tensor, side: tuple | None = None) -> torch.Tensor:
+        """float16 [N, M]: the exact group sums scaled in float32 in group order, plus (``side``: codes, scales,
+        weight codes, weight scales, group) the 8-bit outlier side groups in order, rounded once."""
+
+    def side_fusable(self, oq: torch.Tensor, wq: torch.Tensor, group: int) -> bool:
+        """Whether :meth:`iebme_spmm` takes this side product (else :meth:`side_product` adds it)."""
 
     def side_product(self, y: torch.Tensor, oq: torch.Tensor, osx: torch.Tensor, wq: torch.Tensor,
                      sw: torch.Tensor, group: int) -> torch.Tensor:

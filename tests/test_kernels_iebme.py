@@ -221,6 +221,43 @@ def test_gpu_partials_exact_and_output_close(bits, perm, m, k, gs):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("bits, perm, m, k, gs", [(4, "random", 100, 1000, 64), (2, "none", 64, 512, 128),
+                                                  (4, "none", 333, 4100, 4100)])
+@pytest.mark.parametrize("n_side, side_group", [(16, 16), (128, 128), (160, 64)])
+def test_gpu_outlier_side_product_in_the_epilogue(bits, perm, m, k, gs, n_side, side_group):
+    """The 8-bit outlier side product added in the kernel's epilogue before the one rounding: the reference's
+    float32 main sums plus ``grouped_int_matmul``'s side groups, bit for bit without split-K, within fp16
+    tolerance through a cluster (2 splits) and through atomics (3); the side is added once, not per split."""
+    import cupy as cp
+    import torch
+    from unionsparse.formats.arithmetic.grouped import grouped_int_matmul
+    from unionsparse.kernels.iebme_spmm import Side, prepare_layer, single_chunk, spmm_iebme
+
+    rng = np.random.default_rng(m + n_side)
+    codes, mat = random_layer(rng, m, k, bits, perm=perm)
+    ws = (rng.random((m, -(-k // gs))) + 0.5).astype(np.float16)
+    layer = prepare_layer(mat, ws, gs)
+    sg = -(-n_side // side_group)
+    wq = rng.integers(-127, 128, (m, n_side)).astype(np.int8)
+    sw = (rng.random((m, sg)) * 0.01).astype(np.float32)
+    for n in (1, 5, 8, 40):
+        xq, xs = quantize_activations(rng.standard_normal((n, k)).astype(np.float32), 4, gs)
+        oq = rng.integers(-127, 128, (n, n_side)).astype(np.int8)
+        osx = (rng.random((n, sg)) * 0.01).astype(np.float32)
+        _, p_ref = iebme_spmm_reference(mat, ws, xq, xs, gs)
+        y32 = torch.from_numpy(scale_partials(p_ref, ws, xs, dtype=np.float32))
+        want = grouped_int_matmul(torch.from_numpy(oq), torch.from_numpy(osx), torch.from_numpy(wq),
+                                  torch.from_numpy(sw), side_group, out=y32).half().numpy()
+        side = Side(cp.asarray(oq), cp.asarray(osx), cp.asarray(wq), cp.asarray(sw), side_group)
+        for splits in (1, 2, 3):
+            y = spmm_iebme(layer, xq, xs, splits=splits, side=side).get()
+            if single_chunk(layer, n, splits):
+                np.testing.assert_array_equal(y, want)
+            assert fp16_close(y, want).all()
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("env", [{}, {"TMA": "0"}, {"NSTAGE": "3"}, {"NSTAGE": "3", "TMA": "0"}, {"CLUSTER": "0"},
                                  {"CLUSTER": "8"}, {"CLUSTER": "16"}, {"WARPS": "16"}, {"TRACE": "1"}])
 def test_gpu_ring_variants_and_trace(monkeypatch, env):

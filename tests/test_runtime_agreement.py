@@ -12,8 +12,8 @@ logits of two correct runtimes whose dense parts round differently (a float16 GP
 one) drift apart by whole logits on SmolLM2 (2.6 at W4A4's prefill, 3-4 per Tiled-CBC decode step, measured on
 the CPU alone by switching the dense dtype). The tolerance is therefore put where it can be derived: each op's
 output against the CPU op on the very same input, within float16 rounding of the quantities involved
-(``agreement.tolerance``: float32 summation order, the extra float16 rounding of IE-BME's main product before the
-outlier side product, one final rounding).
+(``agreement.tolerance``: float32 summation order, the extra float16 rounding of IE-BME's main product where the
+outlier side product takes a separate launch, one final rounding).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ CALIB = ["--calib", "CALIB", "--nsamples", "4", "--seqlen", "32"]
 CASES = {  # every configuration compress writes: compress flags (CALIB: the calibration file)
     "w4a16": ["--prune", "magnitude", "--quant", "w4a16", "--reorder", "none"],
     "w4a4": ["--prune", "wanda", "--quant", "w4a4", "--keep-outliers", "0", "--reorder", "dp", *CALIB],
-    "w4a4-outliers": ["--prune", "wanda", "--quant", "w4a4", "--keep-outliers", "4", "--reorder", "dp", *CALIB],
+    # 16 outlier channels: the side product in the IE-BME kernel's epilogue; W2A4's 4: the separate launch
+    "w4a4-outliers": ["--prune", "wanda", "--quant", "w4a4", "--keep-outliers", "16", "--reorder", "dp", *CALIB],
     "w2a4-outliers": ["--prune", "wanda", "--quant", "w2a4", "--keep-outliers", "4", "--reorder", "none", *CALIB],
     "cbc-dp": ["--prune", "magnitude", "--quant", "none", "--format", "tiled-cbc", "--act-sparsity", "0.4",
                "--act-sparsity-calib", "CALIB", "--nsamples", "4", "--seqlen", "32"],
@@ -118,6 +119,31 @@ def test_every_switch_of_the_decode_step_agrees(switch, artifacts, monkeypatch):
     SWITCHES[switch](monkeypatch)
     a = artifacts("w4a4-outliers")
     _check(runtime.load(a, backend="reference", fuse=True), runtime.load(a, fuse=True), "batch3")
+
+
+def _op_pairs(a):
+    """(cpu op, reference op) of every stored IE-BME layer of artifact ``a``, unfused."""
+    cpu, ref = runtime.load(a), runtime.load(a, backend="reference")
+    ref_ops = {n: m.op for n, m in ref.model.named_modules() if isinstance(getattr(m, "op", None), KernelOp)}
+    return [(m.op, ref_ops[n]) for n, m in cpu.model.named_modules() if n in ref_ops]
+
+
+@pytest.mark.parametrize("side_kernel, fused", [("fused", True), ("kernel", False)])
+def test_the_fused_side_product_rounds_once_like_the_cpu_op(side_kernel, fused, artifacts, monkeypatch):
+    """IE-BME with 16 outlier channels: with the side product in the kernel's epilogue the op's output is the CPU
+    op's bit for bit (main and side groups summed in float32, one rounding); the separate launch rounds the main
+    product first, and some outputs differ by that rounding."""
+    monkeypatch.setattr(KernelOp, "side_kernel", side_kernel)
+    pairs = _op_pairs(artifacts("w4a4-outliers"))
+    assert pairs and all(ref.n_side == 16 for _, ref in pairs)
+    g = torch.Generator().manual_seed(0)
+    same = []
+    for cpu_op, ref_op in pairs:
+        x = torch.randn(3, ref_op.plan.shape[1], generator=g) * 2
+        side_codes = ref_op.kernels.act_quant(x, ref_op.rule)[2]
+        assert ref_op.kernels.side_fusable(side_codes, ref_op.side_codes, ref_op.side_group)
+        same.append(torch.equal(cpu_op(x), ref_op(x)))
+    assert all(same) if fused else not all(same)
 
 
 def test_the_reference_step_runs_the_gpu_glue_and_producers(artifacts):

@@ -82,10 +82,11 @@ def tolerance(op: CpuOp, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Both sides compute float32 sums of the same exact products (integer group sums times scales, or weight times
     input) and round to float16; they may differ in the order of the float32 additions (split-K, summation trees),
     which moves the sum by at most ``(terms + 2) * 2^-24 * sum |terms|`` (``delta``); an IE-BME layer with outliers
-    rounds its main product to float16 before the side product is added (one more rounding, at most one ulp of
-    its magnitude); and two float16 roundings of sums that differ by ``delta`` differ by at most ``delta`` plus
-    one ulp (of the larger binade). A dense float16 product (W4A16) may also round partial sums to float16
-    (cuBLAS's reduced-precision reduction): one more ulp of the magnitude sum there."""
+    whose side product takes the separate launch rounds its main product to float16 first (one more rounding, at
+    most one ulp of its magnitude; allowed for every such layer); and two float16 roundings of sums that differ
+    by ``delta`` differ by at most ``delta`` plus one ulp (of the larger binade). A dense float16 product (W4A16)
+    may also round partial sums to float16 (cuBLAS's reduced-precision reduction): one more ulp of the magnitude
+    sum there."""
     impl = op.impl
     x = x2.detach().float().cpu()
     y = op(x).float()

@@ -8,14 +8,16 @@ ready once (uploaded as they are on a GPU). Per call:
 
 * quantized activations (IE-BME W4A4 / W2A4): the activation rule of ``formats.arithmetic`` (outlier gather,
   quantization and padding; or the quantized input the producing op handed over, ``QuantizingOp``), then the
-  IE-BME product, whose float16 output gets the 8-bit outlier side product added in float32 and is rounded
-  again (one more float16 rounding than the ``cpu`` backend's single rounding);
+  IE-BME product with the 8-bit outlier side product added in float32 in its epilogue before the one float16
+  rounding, as the ``cpu`` backend does (side widths the epilogue does not take, and ``side_kernel`` "kernel" or
+  "torch": the product rounded, then the side product added by a second launch and rounded again);
 * activation-sparse layers (Tiled-CBC): N = 1 is the spMspV with the stored threshold; more rows are the SpMM
   for fp16 values and one spMspV per row without threshold for int codes (no int-code SpMM);
 * IE-BME W4A16 (no kernel): the decoded weight in fp16 and one dense product (cuBLAS on a GPU).
 
-``act_quant`` and ``side_kernel`` ("kernel" or "torch") choose the one-launch kernels or the formats' torch
-functions for those two steps (the same values; "torch" launches about ten and five kernels on a GPU).
+``act_quant`` ("kernel" or "torch") and ``side_kernel`` ("fused", "kernel" or "torch") choose the one-launch
+kernels or the formats' torch functions for those two steps ("torch" launches about ten and five kernels on a
+GPU; "kernel" and "torch" give the same values).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class KernelOp(QuantizingOp):
     """``x2 [N, K] -> float16 [N, M]`` of one stored layer through ``kernels`` (see the module docstring)."""
 
     act_quant = "kernel"    # IE-BME inputs: "kernel" (one launch) or "torch" (the formats' torch functions)
-    side_kernel = "kernel"  # the 8-bit outlier side product: "kernel" (one launch) or "torch" (grouped products)
+    side_kernel = "fused"  # the 8-bit outlier side product: "fused" (in the IE-BME kernel's epilogue, one rounding),
+    #                        "kernel" (a second launch) or "torch" (grouped products); both of these round twice
 
     def __init__(self, rec: LayerRecord, plan: LayerPlan, kernels, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -106,10 +109,14 @@ class KernelOp(QuantizingOp):
 
     def _iebme(self, x: torch.Tensor) -> torch.Tensor:
         xq, sx, oq, osx = self._quantize(x)
-        y = self.kernels.iebme_spmm(self.layer, xq, sx)
         if not self.n_side:
-            return y
-        if self.side_kernel == "kernel":  # one launch (kernels/outlier_side.cu), the same arithmetic
+            return self.kernels.iebme_spmm(self.layer, xq, sx)
+        oq, osx = oq.contiguous(), osx.float().contiguous()
+        if self.side_kernel == "fused" and self.kernels.side_fusable(oq, self.side_codes, self.side_group):
+            side = (oq, osx, self.side_codes, self.side_scales, self.side_group)
+            return self.kernels.iebme_spmm(self.layer, xq, sx, side)
+        y = self.kernels.iebme_spmm(self.layer, xq, sx)
+        if self.side_kernel != "torch":  # one launch (kernels/outlier_side.cu), the same arithmetic as torch's
             return self.kernels.side_product(y, oq, osx, self.side_codes, self.side_scales, self.side_group)
         return grouped_int_matmul(oq, osx, self.side_codes.float(), self.side_scales, self.side_group,
                                   out=y.float()).half()

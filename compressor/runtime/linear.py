@@ -17,8 +17,9 @@ Backends (``backend``): ``"cpu"`` runs that arithmetic in torch (:mod:`.cpu`, th
 needs CuPy and a GPU); ``"reference"`` runs the very same op logic with the kernels' CPU references in place of
 the kernels (``kernels/reference_ops.py``; slow), so that the CUDA backend's Python path is tested without a GPU.
 All return float16 ``[N, M]``; the bias is added afterwards in the model's dtype. The ``cuda`` and ``reference``
-ops round an IE-BME layer's main product to float16 before adding the outlier side product (as the kernels do),
-the ``cpu`` op rounds once: agreement to fp16 rounding there, bit for bit elsewhere (docs/runtime.md).
+ops add an IE-BME layer's outlier side product in the kernel's epilogue before its one rounding, as the ``cpu``
+op does, except for side widths that are not whole 16-byte rows, where they round the main product first: agreement
+to fp16 rounding there (docs/runtime.md).
 """
 
 from __future__ import annotations
