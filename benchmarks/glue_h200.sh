@@ -13,7 +13,8 @@
 # .whl: bash benchmarks/h200_wheels.sh, once, here (the image lacks zarr and its codecs).
 # `bash benchmarks/glue_h200.sh quick` (about 4 minutes): the glue, attention and outlier-side GPU tests (the side
 # product in the IE-BME epilogue too, and the runtime's agreement with outliers), then LLaMA-2-7B at batch 1,
-# context 512 only, kinds fp16, W4A16 and IE-BME W4A4 50% / 0% with and without 128 outlier channels.
+# context 512 only, fp16, W4A16 and IE-BME W4A4 with and without 128 outlier channels, with the IE-BME kernel's
+# programmatic dependent launch off and on (benchmarks/iebme_pdl_ab.py).
 set -o pipefail
 MODE="${1:-full}"
 DEST="${OUT:-benchmarks/results}"
@@ -28,14 +29,15 @@ if [ "$MODE" = quick ]; then
   timeout 300 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
     tests/test_glue_kernels.py tests/test_attention_kernel.py \
     tests/test_runtime.py::test_gpu_outlier_side_kernel_equals_the_torch_path \
+    tests/test_runtime.py::test_gpu_decode_step_is_one_graph_without_host_syncs \
+    tests/test_kernels_iebme.py::test_gpu_ring_variants_and_trace \
     tests/test_kernels_iebme.py::test_gpu_outlier_side_product_in_the_epilogue \
     tests/test_kernels_iebme.py::test_gpu_partials_exact_and_output_close \
     "tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op[w4a4-outliers-fused]" \
     "tests/test_runtime_agreement.py::test_gpu_agrees_on_smollm2_shapes[w4a4-outliers]" \
     2>&1 | tee "$DEST/glue_gpu_tests.log" | tail -3
-  E2E_BUDGET=100 E2E_TIMEOUT=180 OUT="$DEST" bash benchmarks/e2e_h200.sh --spec llama2-7b --batch 1 --context 512 \
-    --kinds fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50,iebme-w4a4-0 > /dev/null 2>&1
-  for f in "$DEST"/e2e-*.md; do sed -n '/^spec/,/^linears/p' "$f"; grep "launches outside\|CHECK" "$f"; done
+  timeout 300 python3 benchmarks/iebme_pdl_ab.py --out "$DEST" 2>&1 | tee "$DEST/iebme_pdl_ab.log" \
+    | grep -v "^launches\|^linears:\|^floor"
   exit 0
 fi
 timeout 150 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m "gpu and not slow" \

@@ -1,14 +1,17 @@
-"""Launch a CuPy-compiled kernel as thread-block clusters (sm_90+), by ctypes on the CUDA driver.
+"""Launch a CuPy-compiled kernel with launch attributes (sm_90+), by ctypes on the CUDA driver.
 
-CuPy's ``RawKernel.__call__`` takes no launch attributes, so a cluster launch goes through
-``cuLaunchKernelEx`` with the ``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`` attribute; the kernel needs no
-``__cluster_dims__``, so one compiled kernel serves every cluster shape (and plain launches). Driver
+CuPy's ``RawKernel.__call__`` takes no launch attributes, so these launches go through ``cuLaunchKernelEx``:
+thread-block clusters (``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION``; the kernel needs no ``__cluster_dims__``, so
+one compiled kernel serves every cluster shape and plain launches) and programmatic dependent launch. Driver
 launches are captured into CUDA graphs like any other::
 
-    launch_cluster(fn, grid, block, shared_mem, args, cluster=(1, 2, 1), stream=None)
+    launch_ex(fn, grid, block, shared_mem, args, cluster=(1, 2, 1), stream=None)
+    launch_ex(fn, grid, block, shared_mem, args, cluster=None, programmatic=True)
 
-``args`` are CuPy arrays (passed as device pointers), NumPy scalars and ctypes objects (a tensor map: passed
-by value). ``launch_ex`` is the same driver launch without attributes, for kernels that take such a struct.
+``programmatic``: programmatic dependent launch (``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``):
+the kernel may start while the kernel before it on the stream still runs, and waits for it with
+``griddepcontrol.wait`` (kernels/iebme_spmm.cu). ``args`` are CuPy arrays (passed as device pointers), NumPy
+scalars and ctypes objects (a tensor map: passed by value).
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import numpy as np
 from .errors import KernelError
 
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 MAX_PORTABLE_CLUSTER = 8      # any sm_90 GPU; up to 16 with the non-portable opt-in (H100 / H200)
 
 
 class LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value union (here its clusterDim)."""
+    """CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value union (its clusterDim x, y, z, or in
+    ``x`` the int programmaticStreamSerializationAllowed)."""
 
     _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("x", ctypes.c_uint), ("y", ctypes.c_uint),
                 ("z", ctypes.c_uint), ("rest", ctypes.c_char * 52)]
@@ -76,28 +81,35 @@ def kernel_params(args) -> tuple[ctypes.Array, list]:
     return ptrs, vals
 
 
-def launch_cluster(fn, grid: tuple[int, int], block: tuple[int], shared_mem: int, args, cluster: tuple[int, int, int],
-                   stream=None) -> None:
-    """Launch CuPy kernel ``fn`` on ``grid`` (x, y) in clusters of ``cluster`` CTAs, on ``stream`` (or CuPy's
-    current stream)."""
+def launch_ex(fn, grid: tuple[int, int], block: tuple[int], shared_mem: int, args,
+              cluster: tuple[int, int, int] | None = None, programmatic: bool = False, stream=None) -> None:
+    """Launch CuPy kernel ``fn`` by ``cuLaunchKernelEx`` with the attributes asked for (clusters, programmatic
+    dependent launch), on ``stream`` (or CuPy's current stream)."""
     import cupy as cp
 
-    if any(g % c for g, c in zip((*grid, 1), cluster, strict=True)):
-        raise KernelError(f"cluster {cluster} must divide the grid {grid}")
     fptr = getattr(fn, "kernel", fn).ptr  # CuPy RawKernel -> its cuda.Function (the CUfunction)
-    size = cluster[0] * cluster[1] * cluster[2]
-    if size > MAX_PORTABLE_CLUSTER and fptr not in _NON_PORTABLE:
-        attr = CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-        status = _lib().cuFuncSetAttribute(ctypes.c_void_p(fptr), attr, 1)
-        if status != 0:
-            raise KernelError(f"clusters of {size} CTAs are not allowed here (CUDA driver error {status})")
-        _NON_PORTABLE.add(fptr)
+    attrs = []
+    if cluster is not None:
+        if any(g % c for g, c in zip((*grid, 1), cluster, strict=True)):
+            raise KernelError(f"cluster {cluster} must divide the grid {grid}")
+        size = cluster[0] * cluster[1] * cluster[2]
+        if size > MAX_PORTABLE_CLUSTER and fptr not in _NON_PORTABLE:
+            attr = CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            status = _lib().cuFuncSetAttribute(ctypes.c_void_p(fptr), attr, 1)
+            if status != 0:
+                raise KernelError(f"clusters of {size} CTAs are not allowed here (CUDA driver error {status})")
+            _NON_PORTABLE.add(fptr)
+        attrs.append(LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, x=cluster[0], y=cluster[1],
+                                     z=cluster[2]))
+    if programmatic:
+        attrs.append(LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, x=1))
     s = stream if stream is not None else cp.cuda.get_current_stream()
-    attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, x=cluster[0], y=cluster[1], z=cluster[2])
+    arr = (LaunchAttribute * max(1, len(attrs)))(*attrs)
     cfg = LaunchConfig(gridDimX=grid[0], gridDimY=grid[1], gridDimZ=1, blockDimX=block[0], blockDimY=1,
                        blockDimZ=1, sharedMemBytes=shared_mem, hStream=ctypes.c_void_p(s.ptr),
-                       attrs=ctypes.pointer(attr), numAttrs=1)
+                       attrs=arr, numAttrs=len(attrs))
     ptrs, _keep = kernel_params(args)
     status = _lib().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fptr), ptrs, None)
     if status != 0:
-        raise KernelError(f"cuLaunchKernelEx (cluster {cluster}, grid {grid}) failed with CUDA driver error {status}")
+        raise KernelError(f"cuLaunchKernelEx (cluster {cluster}, programmatic {programmatic}, grid {grid}) failed "
+                          f"with CUDA driver error {status}")

@@ -62,6 +62,9 @@ typedef unsigned long long uint64_t;
 #ifndef IEBME_TRACE      // 1: thread 0 of each CTA writes %globaltimer at entry, after the prologue, after its
 #define IEBME_TRACE 0    // warp's loop and at exit, and %smid, to u64 [CTA][5] passed as `partial` (timing study)
 #endif
+#ifndef IEBME_PDL        // 1: built for programmatic dependent launch (see PDL below)
+#define IEBME_PDL 0
+#endif
 #ifndef IEBME_TMA        // ring copies by cp.async.bulk (one lane, mbarrier) on sm_90; cp.async below
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define IEBME_TMA 1
@@ -79,6 +82,16 @@ constexpr int ILP = IEBME_ILP;
 constexpr int MAX_BATCHES = 31;  // batch boundaries live in one register per lane (boundary j in lane j)
 static_assert(MAX_BATCHES < 32, "boundary MAX_BATCHES (the chunk's end) must fit in lane MAX_BATCHES");
 constexpr bool TMA = IEBME_TMA;
+// Programmatic dependent launch (sm_90, launched with the attribute by iebme_spmm.py): the prologue's weight-only
+// loads and first ring copies run while the kernel before it (the producer of X) still runs; the wait comes
+// before the first read of anything that kernel writes (X, its scales, the side codes). Needs the bulk-copy ring.
+constexpr bool PDL = IEBME_PDL && IEBME_TMA;
+
+DEVI void wait_for_producer() {  // a no-op when the launch was not programmatic
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 // A warp's ring holds value bytes only (bitmaps and inverse perms go to registers); mirrors ring_bytes() in
 // iebme_spmm.py, which sizes the dynamic shared memory.
@@ -206,6 +219,23 @@ DEVI int dp4a(int a, int b, int c) {  // c + the dot product of a's and b's four
   return d;
 }
 
+// Half the integer side dot of output (row, col) over all ns channels (one side group): the 16-byte chunks
+// h, h + 2, ... (h = 0 or 1; the other half comes from a partner lane), two loads of each operand in flight.
+DEVI int side_half_dot(const Args& a, int row, int col, int h) {
+  const int4* w4 = reinterpret_cast<const int4*>(a.side_w + static_cast<size_t>(row) * a.ns);
+  const int4* x4 = reinterpret_cast<const int4*>(a.side_x + static_cast<size_t>(col) * a.ns);
+  const int nc = a.ns >> 4;
+  int dot = 0;
+  for (int c = h; c < nc; c += 4) {
+    const int4 w0 = __ldg(w4 + c), x0 = __ldg(x4 + c);
+    int4 w1 = make_int4(0, 0, 0, 0), x1 = w1;
+    if (c + 2 < nc) { w1 = __ldg(w4 + c + 2); x1 = __ldg(x4 + c + 2); }
+    dot = dp4a(w0.w, x0.w, dp4a(w0.z, x0.z, dp4a(w0.y, x0.y, dp4a(w0.x, x0.x, dot))));
+    dot = dp4a(w1.w, x1.w, dp4a(w1.z, x1.z, dp4a(w1.y, x1.y, dp4a(w1.x, x1.x, dot))));
+  }
+  return dot;
+}
+
 // v plus the 8-bit outlier side product of output (row, col), in float32, side groups in order:
 // v = v + (s_x * s_w) * dot, each product and the add rounded once, the dot exact (16-byte chunks, dp4a).
 // ns is a multiple of 16 and there is one side group or groups of whole chunks (iebme_spmm.side_fusable).
@@ -315,11 +345,14 @@ DEVI void spmm(const Args& a) {
   constexpr int XS_REG = 4, NTHR = WARPS * 32;
   const int nxs = DEBUG ? 0 : ngc * NT * 8;
   float xsv[XS_REG];
+  auto load_xs = [&]() {
 #pragma unroll
-  for (int q = 0; q < XS_REG; ++q) {
-    const int i = tid + q * NTHR, j = i / (NT * 8), n = i - j * (NT * 8);
-    xsv[q] = i < nxs && n < a.N ? __ldg(a.xs + static_cast<size_t>(n) * a.G + ga0 + j) : 0.f;
-  }
+    for (int q = 0; q < XS_REG; ++q) {
+      const int i = tid + q * NTHR, j = i / (NT * 8), n = i - j * (NT * 8);
+      xsv[q] = i < nxs && n < a.N ? __ldg(a.xs + static_cast<size_t>(n) * a.G + ga0 + j) : 0.f;
+    }
+  };
+  if (!PDL) load_xs();
   // batch boundaries: lane j holds the value byte offset of batch j's first tile (<= MAX_BATCHES batches);
   // offsets are segment starts (16-byte aligned, so multiples of 8 codes): (o >> 3) * BITS is exact
   uint32_t boff = 0;
@@ -346,6 +379,12 @@ DEVI void spmm(const Args& a) {
   const uint16_t* wsp = a.wsT + static_cast<size_t>(grp) * a.Mp + tr * 16 + g;
   uint16_t sw0 = 0, sw1 = 0;
   if (!DEBUG && active) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }
+  // the outlier side's weight codes of this warp's 16 rows, to L2 for the epilogue (lines of 128 bytes)
+  if (!DEBUG && a.ns > 0 && blockIdx.y == 0 && active)
+    for (int l = lane; l < 16 * ((a.ns + 127) >> 7); l += 32) {
+      const int row = min(tr * 16 + (l & 15), a.M - 1);
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(a.side_w + static_cast<size_t>(row) * a.ns + (l >> 4) * 128));
+    }
   // X chunk: sm_90, one bulk copy per row (lanes n < N of warp 0) on the X mbarrier; else cp.async
   if (TMA) {
     if (lane == 0) {
@@ -354,6 +393,9 @@ DEVI void spmm(const Args& a) {
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncwarp();
+  }
+  auto copy_x = [&]() {
+  if (TMA) {
     if (warp == 0) {
       const uint32_t rowb = static_cast<uint32_t>(nk) * 64;
       if (lane == 0)
@@ -371,6 +413,8 @@ DEVI void spmm(const Args& a) {
         cp16(xsm + n * xs_stride + 16 * c, a.x + static_cast<size_t>(n) * a.Kp + k0 * 64 + 16 * c);
     cp_commit();
   }
+  };
+  if (!PDL) copy_x();
 
   // copy batch bi's value bytes (BT tiles, or fewer at the chunk's end) into ring slot si = bi % NSTAGE,
   // if bi < nbi (nbi: the warp's batch count, 0 for an inactive warp). Branch-free: every lane shuffles.
@@ -403,6 +447,11 @@ DEVI void spmm(const Args& a) {
   // wait for the next batch, so that the whole ring is in flight while a warp waits, measured 2-4% slower.)
   const int nbl = active ? nb : 0;        // batches of this warp
   for (int s = 0; s < NSTAGE - 1; ++s) issue(s, s, nbl);
+  if (PDL) {  // everything above read only the weights; X, its scales and the side codes come from the producer
+    wait_for_producer();
+    load_xs();
+    copy_x();
+  }
   {  // zero the X columns of the last batch's missing tiles: their mma (A decoded as zeros) adds exact zeros
     const int pad = (nb * BT - nk) * 4;  // 16-byte chunks per row
     for (int i = tid; i < a.N * pad; i += NTHR) {
@@ -585,15 +634,39 @@ DEVI void spmm(const Args& a) {
   if (DEBUG) return;
   if (TRACE) tt[2] = gtimer();
   // The outlier side product, added once (by the first K chunk's CTA) after the main groups and before the one
-  // float16 rounding: without split-K the CPU reference's arithmetic bit for bit.
+  // float16 rounding: without split-K the CPU reference's arithmetic bit for bit. One side group (the default):
+  // the warp's 16 x N dots, two lanes a dot (its rows' codes prefetched to L2 in the prologue), handed to the
+  // fragment owners through the warp's idle ring; several groups: per output.
   if (a.ns > 0 && blockIdx.y == 0 && active) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = tr * 16 + g + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
-        if (row < a.M && col < a.N) yv[nt][i] = add_side(a, row, col, yv[nt][i]);
+    if (a.sgs >= a.ns) {
+      int* sd = reinterpret_cast<int*>(smem + ring_off);  // [16][NT * 8]; every copy into the ring has landed
+      const int r = lane & 15, row = min(tr * 16 + r, a.M - 1);  // lanes r and r + 16: the two halves of a dot
+      for (int col = 0; col < a.N; ++col) {
+        int dot = side_half_dot(a, row, col, lane >> 4);
+        dot += __shfl_xor_sync(0xffffffffu, dot, 16);
+        if (lane < 16) sd[r * (NT * 8) + col] = dot;
       }
+      __syncwarp();
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = g + 8 * (i >> 1), row = tr * 16 + r, col = nt * 8 + 2 * t + (i & 1);
+          if (row < a.M && col < a.N) {
+            const float s = __fmul_rn(__ldg(a.side_xs + col), __ldg(a.side_ws + row));
+            yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, static_cast<float>(sd[r * (NT * 8) + col])));
+          }
+        }
+      __syncwarp();  // the cluster path below reuses the ring
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = tr * 16 + g + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
+          if (row < a.M && col < a.N) yv[nt][i] = add_side(a, row, col, yv[nt][i]);
+        }
+    }
   }
 
   // ---------------- output ----------------

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..formats.iebme import IEBMEMatrix
 from . import sm_count
-from .cluster_launch import launch_cluster
+from .cluster_launch import launch_ex
 from .errors import KernelError
 from .iebme_reference import check_group_size
 from .loader import compile_source, require_cupy
@@ -42,8 +42,9 @@ class LaunchSettings:
     waves; set, it wins); ``ilp`` tiles decoded back to back (None: 2 for N <= 16, 4 above); ``minb`` min
     CTAs per SM for the register allocator (0: none); ``x_bytes`` shared bytes for a chunk's X codes (None:
     ``X_BUDGET`` per 8 warps); ``cluster`` largest split-K run as one thread-block cluster (None:
-    ``CLUSTER_UP_TO``; 0 never). Studies only: ``tma`` "0" builds cp.async rings on sm_90 too, ``trace``
-    "1" per-CTA timestamps (``launch(trace=...)``), ``source`` another revision of the .cu."""
+    ``CLUSTER_UP_TO``; 0 never); ``pdl`` programmatic dependent launch on sm_90 (the prologue's weight loads
+    overlap the kernel before; None: on where the GPU has it). Studies only: ``tma`` "0" builds cp.async rings on
+    sm_90 too, ``trace`` "1" per-CTA timestamps (``launch(trace=...)``), ``source`` another revision of the .cu."""
 
     nstage: int = 2
     warps: int | None = None
@@ -51,6 +52,7 @@ class LaunchSettings:
     minb: int = 0
     x_bytes: int | None = None
     cluster: int | None = None
+    pdl: bool | None = None
     tma: str = ""
     trace: str = ""
     source: str = ""
@@ -128,16 +130,23 @@ def kernel_name(bits: int, nt: int, perm: bool, debug: bool) -> str:
 def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int = 0):
     """The compiled kernel of one variant (with the study fields of the settings in force)."""
     st = settings()
-    return _compiled(bits, nt, perm, debug, nstage, warps, ilp, minb, st.tma, st.trace, st.source)
+    return _compiled(bits, nt, perm, debug, nstage, warps, ilp, minb, st.tma, st.trace, st.source, programmatic())
+
+
+def programmatic() -> bool:
+    """Whether launches are programmatic dependent launches (``LaunchSettings.pdl``; sm_90 with bulk-copy rings)."""
+    st = settings()
+    able = _cc() >= 90 and st.tma != "0"
+    return able if st.pdl is None else bool(st.pdl) and able
 
 
 @cache
 def _compiled(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int,
-              tma: str, trace: str, source: str):
+              tma: str, trace: str, source: str, pdl: bool = False):
     name = kernel_name(bits, nt, perm, debug)
     code = Path(source or SOURCE).read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
     opts = (f"-DIEBME_NSTAGE={nstage}", f"-DIEBME_WARPS={warps}", f"-DIEBME_ILP={ilp}",
-            f"-DIEBME_MINB={minb}")
+            f"-DIEBME_MINB={minb}", f"-DIEBME_PDL={int(pdl)}")
     opts += tuple(f"-DIEBME_{k}={int(v)}" for k, v in (("TMA", tma), ("TRACE", trace)) if v)
     fn = compile_source(code, opts).get_function(name)
     fn.max_dynamic_shared_size_bytes = SMEM_CTA - static_smem(nstage, warps)
@@ -429,8 +438,9 @@ def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=N
                 np.int32(layer.tc * 64), np.int32(layer.mp), np.int32(layer.tr), np.int32(layer.tc),
                 np.int32(layer.gs_tiles), np.int32(p.chunk), *side_sizes)
         block = (p.warps * 32,)
-        if not debug and cluster_split(grid[1]):
-            launch_cluster(fn, grid, block, p.smem, args, cluster=(1, grid[1], 1), stream=stream)
+        cluster = (1, grid[1], 1) if not debug and cluster_split(grid[1]) else None
+        if cluster is not None or programmatic():
+            launch_ex(fn, grid, block, p.smem, args, cluster, programmatic(), stream)
         elif stream is None:
             fn(grid, block, args, shared_mem=p.smem)
         else:

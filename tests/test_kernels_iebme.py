@@ -129,6 +129,14 @@ def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
     monkeypatch.setattr(ks, "_settings", ks.LaunchSettings())
     monkeypatch.setattr(ks, "_cc", lambda: 80)
     assert not ks.cluster_split(4)
+    assert not ks.programmatic()  # programmatic dependent launch: sm_90 with bulk-copy rings, unless turned off
+    monkeypatch.setattr(ks, "_cc", lambda: 90)
+    assert ks.programmatic()
+    for off in (ks.LaunchSettings(pdl=False), ks.LaunchSettings(tma="0")):
+        monkeypatch.setattr(ks, "_settings", off)
+        assert not ks.programmatic()
+    attr = cl.LaunchAttribute(id=cl.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, x=1)
+    assert bytes(attr)[:12] == bytes([6, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0])  # cuda.h: id 6, the int at byte 8
 
 
 def test_launch_plan_takes_wide_ctas_only_when_they_need_fewer_waves(monkeypatch):
@@ -259,7 +267,8 @@ def test_gpu_outlier_side_product_in_the_epilogue(bits, perm, m, k, gs, n_side, 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("env", [{}, {"TMA": "0"}, {"NSTAGE": "3"}, {"NSTAGE": "3", "TMA": "0"}, {"CLUSTER": "0"},
-                                 {"CLUSTER": "8"}, {"CLUSTER": "16"}, {"WARPS": "16"}, {"TRACE": "1"}])
+                                 {"CLUSTER": "8"}, {"CLUSTER": "16"}, {"WARPS": "16"}, {"TRACE": "1"},
+                                 {"PDL": "0"}])
 def test_gpu_ring_variants_and_trace(monkeypatch, env):
     """Both ring paths (bulk copy + mbarrier, cp.async groups) at depths 2 and 3, over chunks of 1 to 9
     batches, give the exact partial sums; split-K through a thread-block cluster (2 splits on sm_90, up to 8

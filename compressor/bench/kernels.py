@@ -38,7 +38,7 @@ MODELS = {  # (hidden, intermediate, kv width) -> projections (M, K)
 
 # study variant keys -> LaunchSettings fields (the keys the UNIONSPARSE_IEBME_* variables of earlier studies had)
 OVERRIDE_FIELDS = {"NSTAGE": "nstage", "WARPS": "warps", "ILP": "ilp", "MINB": "minb", "XBYTES": "x_bytes",
-                   "CLUSTER": "cluster", "TMA": "tma", "TRACE": "trace", "SOURCE": "source"}
+                   "CLUSTER": "cluster", "PDL": "pdl", "TMA": "tma", "TRACE": "trace", "SOURCE": "source"}
 
 
 def parse_overrides(text: str) -> list[dict[str, str]]:
