@@ -93,6 +93,22 @@ DEVI void wait_for_producer() {  // a no-op when the launch was not programmatic
 #endif
 }
 
+// Loads of what the producer writes (X's scales, the side codes and scales). __ldg is a read-only load the
+// compiler may hoist anywhere, and it did: above griddepcontrol.wait, reading the previous step's scales (NaN
+// logits on the GPU). With PDL these are volatile L2 loads, which stay after the wait (both are volatile asm).
+DEVI float ld_produced(const float* p) {
+  if constexpr (!PDL) return __ldg(p);
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+DEVI int4 ld_produced(const int4* p) {
+  if constexpr (!PDL) return __ldg(p);
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
 // A warp's ring holds value bytes only (bitmaps and inverse perms go to registers); mirrors ring_bytes() in
 // iebme_spmm.py, which sizes the dynamic shared memory.
 template <int BITS>
@@ -227,9 +243,9 @@ DEVI int side_half_dot(const Args& a, int row, int col, int h) {
   const int nc = a.ns >> 4;
   int dot = 0;
   for (int c = h; c < nc; c += 4) {
-    const int4 w0 = __ldg(w4 + c), x0 = __ldg(x4 + c);
+    const int4 w0 = __ldg(w4 + c), x0 = ld_produced(x4 + c);
     int4 w1 = make_int4(0, 0, 0, 0), x1 = w1;
-    if (c + 2 < nc) { w1 = __ldg(w4 + c + 2); x1 = __ldg(x4 + c + 2); }
+    if (c + 2 < nc) { w1 = __ldg(w4 + c + 2); x1 = ld_produced(x4 + c + 2); }
     dot = dp4a(w0.w, x0.w, dp4a(w0.z, x0.z, dp4a(w0.y, x0.y, dp4a(w0.x, x0.x, dot))));
     dot = dp4a(w1.w, x1.w, dp4a(w1.z, x1.z, dp4a(w1.y, x1.y, dp4a(w1.x, x1.x, dot))));
   }
@@ -246,10 +262,10 @@ DEVI float add_side(const Args& a, int row, int col, float v) {
   for (int j = 0; j < sg; ++j) {
     int dot = 0;
     for (int c = j * cg; c < min((j + 1) * cg, nc); ++c) {
-      const int4 w = __ldg(w4 + c), x = __ldg(x4 + c);
+      const int4 w = __ldg(w4 + c), x = ld_produced(x4 + c);
       dot = dp4a(w.w, x.w, dp4a(w.z, x.z, dp4a(w.y, x.y, dp4a(w.x, x.x, dot))));
     }
-    const float s = __fmul_rn(__ldg(a.side_xs + static_cast<size_t>(col) * sg + j),
+    const float s = __fmul_rn(ld_produced(a.side_xs + static_cast<size_t>(col) * sg + j),
                               __ldg(a.side_ws + static_cast<size_t>(row) * sg + j));
     v = __fadd_rn(v, __fmul_rn(s, static_cast<float>(dot)));
   }
@@ -349,7 +365,7 @@ DEVI void spmm(const Args& a) {
 #pragma unroll
     for (int q = 0; q < XS_REG; ++q) {
       const int i = tid + q * NTHR, j = i / (NT * 8), n = i - j * (NT * 8);
-      xsv[q] = i < nxs && n < a.N ? __ldg(a.xs + static_cast<size_t>(n) * a.G + ga0 + j) : 0.f;
+      xsv[q] = i < nxs && n < a.N ? ld_produced(a.xs + static_cast<size_t>(n) * a.G + ga0 + j) : 0.f;
     }
   };
   if (!PDL) load_xs();
@@ -464,7 +480,7 @@ DEVI void spmm(const Args& a) {
     if (tid + q * NTHR < nxs) sxs[tid + q * NTHR] = xsv[q] * (1.f / (1 << SHIFT));
   for (int i = tid + XS_REG * NTHR; i < nxs; i += NTHR) {
     const int j = i / (NT * 8), n = i - j * (NT * 8);
-    sxs[i] = n < a.N ? a.xs[static_cast<size_t>(n) * a.G + ga0 + j] * (1.f / (1 << SHIFT)) : 0.f;
+    sxs[i] = n < a.N ? ld_produced(a.xs + static_cast<size_t>(n) * a.G + ga0 + j) * (1.f / (1 << SHIFT)) : 0.f;
   }
   for (int s = tid; s < 256; s += NTHR) {
     // byte-permute selectors: output byte b of a segment = rank of bit b, or a zero byte when inactive
@@ -653,7 +669,7 @@ DEVI void spmm(const Args& a) {
         for (int i = 0; i < 4; ++i) {
           const int r = g + 8 * (i >> 1), row = tr * 16 + r, col = nt * 8 + 2 * t + (i & 1);
           if (row < a.M && col < a.N) {
-            const float s = __fmul_rn(__ldg(a.side_xs + col), __ldg(a.side_ws + row));
+            const float s = __fmul_rn(ld_produced(a.side_xs + col), __ldg(a.side_ws + row));
             yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, static_cast<float>(sd[r * (NT * 8) + col])));
           }
         }
