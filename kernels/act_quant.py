@@ -17,6 +17,7 @@ import torch
 from ..formats.arithmetic.activations import quantize_activations_torch
 from ..formats.arithmetic.outlier_side import quantize_inputs_torch
 from ..formats.arithmetic.weights import FP16_TINY, grid_max, n_groups
+from .cluster_launch import launch
 from .errors import KernelError
 from .loader import load_module, require_cupy
 
@@ -58,7 +59,7 @@ def quantize_inputs(x, bits: int, group_size: int, clip: float, kp: int, perm=No
             np.int32(bits), np.float32(clip), np.float32(grid_max(bits)), np.int32(gs), np.int32(side_bits),
             np.float32(side_clip), np.float32(grid_max(side_bits)), np.float32(FP16_TINY), codes, scales,
             null if side_codes is None else side_codes, null if side_scales is None else side_scales)
-    _kernels()[np.dtype(x.dtype)]((g + g_side, n), (THREADS,), args, stream=stream)
+    launch(_kernels()[np.dtype(x.dtype)], (g + g_side, n), (THREADS,), args, stream=stream)
     return codes, scales, side_codes, side_scales
 
 

@@ -194,6 +194,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
 // one kernel per head dimension (attention_decode_<D / 32>), so each gets the registers it needs
 #define KERNEL(PER)                                                                                               \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_decode_##PER(DECODE_ARGS) {               \
+        pdl_enter(q, k_cache, v_cache, pos, offset, part_o, part_ml, ticket, out);                             \
         extern __shared__ float red[];                                                                          \
         decode<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, part_o, part_ml, ticket, out, red);     \
     }

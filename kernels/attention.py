@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .cluster_launch import launch
 from .errors import KernelError
 
 CHUNK = 32  # attention.cu's CHUNK: cache slots per split block
@@ -100,8 +101,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ticket = _ticket(q.device, b * hkv)
     ptr = [np.uint64(t.data_ptr()) for t in (q, k_cache, v_cache, pos, offset, part_o, part_ml, ticket, out)]
     with cp.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream):
-        _function(d // 32)((chunks, hkv, b), (WARPS * 32,),
-                           (*ptr[:5], np.int32(h), np.int32(hkv), np.int32(length), np.int32(d),
-                            np.float32(scale), *ptr[5:]),
-                           shared_mem=WARPS * (h // hkv) * d * 4)
+        launch(_function(d // 32), (chunks, hkv, b), (WARPS * 32,),
+               (*ptr[:5], np.int32(h), np.int32(hkv), np.int32(length), np.int32(d), np.float32(scale), *ptr[5:]),
+               shared_mem=WARPS * (h // hkv) * d * 4)
     return out

@@ -10,13 +10,18 @@ launches are captured into CUDA graphs like any other::
 
 ``programmatic``: programmatic dependent launch (``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``):
 the kernel may start while the kernel before it on the stream still runs, and waits for it with
-``griddepcontrol.wait`` (kernels/iebme_spmm.cu). ``args`` are CuPy arrays (passed as device pointers), NumPy
+``griddepcontrol.wait`` (kernels/pdl.cuh). ``args`` are CuPy arrays (passed as device pointers), NumPy
 scalars and ctypes objects (a tensor map: passed by value).
+
+The decode step's kernels go through :func:`launch`: a programmatic launch where the GPU has it (sm_90+) unless
+:func:`programmatic_launches` turned it off, else CuPy's own launch. Every kernel launched so starts with
+``pdl_enter`` (kernels/pdl.cuh).
 """
 
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -70,27 +75,32 @@ def kernel_params(args) -> tuple[ctypes.Array, list]:
             vals.append(ctypes.c_uint64(a.data.ptr))
         elif isinstance(a, np.int32):
             vals.append(ctypes.c_int32(int(a)))
+        elif isinstance(a, np.int64):
+            vals.append(ctypes.c_int64(int(a)))
+        elif isinstance(a, np.uint64):
+            vals.append(ctypes.c_uint64(int(a)))
         elif isinstance(a, np.float32):
             vals.append(ctypes.c_float(float(a)))
         elif isinstance(a, ctypes.Array | ctypes.Structure):  # a struct passed by value (its bytes)
             vals.append(a)
         else:
-            raise TypeError(f"unsupported kernel argument {type(a).__name__}: pass CuPy arrays, np.int32/float32 or "
-                            "ctypes structs")
+            raise KernelError(f"unsupported kernel argument {type(a).__name__}: pass CuPy arrays, np.int32/int64/"
+                              "uint64/float32 or ctypes structs")
     ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     return ptrs, vals
 
 
-def launch_ex(fn, grid: tuple[int, int], block: tuple[int], shared_mem: int, args,
+def launch_ex(fn, grid: tuple[int, ...], block: tuple[int], shared_mem: int, args,
               cluster: tuple[int, int, int] | None = None, programmatic: bool = False, stream=None) -> None:
     """Launch CuPy kernel ``fn`` by ``cuLaunchKernelEx`` with the attributes asked for (clusters, programmatic
     dependent launch), on ``stream`` (or CuPy's current stream)."""
     import cupy as cp
 
     fptr = getattr(fn, "kernel", fn).ptr  # CuPy RawKernel -> its cuda.Function (the CUfunction)
+    grid = (*grid, 1, 1)[:3]
     attrs = []
     if cluster is not None:
-        if any(g % c for g, c in zip((*grid, 1), cluster, strict=True)):
+        if any(g % c for g, c in zip(grid, cluster, strict=True)):
             raise KernelError(f"cluster {cluster} must divide the grid {grid}")
         size = cluster[0] * cluster[1] * cluster[2]
         if size > MAX_PORTABLE_CLUSTER and fptr not in _NON_PORTABLE:
@@ -105,7 +115,7 @@ def launch_ex(fn, grid: tuple[int, int], block: tuple[int], shared_mem: int, arg
         attrs.append(LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, x=1))
     s = stream if stream is not None else cp.cuda.get_current_stream()
     arr = (LaunchAttribute * max(1, len(attrs)))(*attrs)
-    cfg = LaunchConfig(gridDimX=grid[0], gridDimY=grid[1], gridDimZ=1, blockDimX=block[0], blockDimY=1,
+    cfg = LaunchConfig(gridDimX=grid[0], gridDimY=grid[1], gridDimZ=grid[2], blockDimX=block[0], blockDimY=1,
                        blockDimZ=1, sharedMemBytes=shared_mem, hStream=ctypes.c_void_p(s.ptr),
                        attrs=arr, numAttrs=len(attrs))
     ptrs, _keep = kernel_params(args)
@@ -113,3 +123,46 @@ def launch_ex(fn, grid: tuple[int, int], block: tuple[int], shared_mem: int, arg
     if status != 0:
         raise KernelError(f"cuLaunchKernelEx (cluster {cluster}, programmatic {programmatic}, grid {grid}) failed "
                           f"with CUDA driver error {status}")
+
+
+_PROGRAMMATIC: list[bool | None] = [None]   # None: on where the GPU has it
+
+
+@contextmanager
+def programmatic_launches(on: bool | None):
+    """Within the block, :func:`launch` (and the IE-BME launcher) use programmatic dependent launch if ``on``
+    (and the GPU has it), never if False; None restores the default (for A/B timings in one process)."""
+    before = _PROGRAMMATIC[0]
+    _PROGRAMMATIC[0] = on
+    try:
+        yield
+    finally:
+        _PROGRAMMATIC[0] = before
+
+
+def programmatic_enabled() -> bool:
+    """Whether launches on the current GPU are programmatic dependent launches (sm_90+, unless turned off)."""
+    return _PROGRAMMATIC[0] is not False and _compute_capability() >= 90
+
+
+def _compute_capability() -> int:
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    if dev.id not in _CC:
+        _CC[dev.id] = int(dev.compute_capability)
+    return _CC[dev.id]
+
+
+_CC: dict[int, int] = {}
+
+
+def launch(fn, grid: tuple[int, ...], block: tuple[int], args, shared_mem: int = 0, stream=None) -> None:
+    """Launch a step kernel (one that starts with ``pdl_enter``) on ``stream`` or CuPy's current stream: a
+    programmatic dependent launch when :func:`programmatic_enabled`, else CuPy's plain launch."""
+    if programmatic_enabled():
+        launch_ex(fn, grid, block, shared_mem, args, programmatic=True, stream=stream)
+    elif stream is None:
+        fn(grid, block, args, shared_mem=shared_mem)
+    else:
+        fn(grid, block, args, shared_mem=shared_mem, stream=stream)

@@ -4,13 +4,7 @@
 #pragma once
 typedef unsigned short u16;
 
-// A producer of an IE-BME kernel's input lets that kernel (launched as a programmatic dependent launch, sm_90)
-// start its weight-only prologue now; the dependent still waits for this grid's completion before reading X.
-__device__ __forceinline__ void allow_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n");
-#endif
-}
+#include "pdl.cuh"
 
 __device__ __forceinline__ float h2f(u16 h) {
     float f;

@@ -11,6 +11,7 @@ from functools import cache
 import numpy as np
 import torch
 
+from .cluster_launch import launch
 from .errors import KernelError
 
 THREADS = 256
@@ -124,8 +125,8 @@ def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
     k = x2.shape[1]
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     with _stream(x.device):
-        _functions()["rms_norm"]((min(-(-k // NORM_SLICE), 16), x2.shape[0]), (NORM_THREADS,),
-                                 (*res, _ptr(weight.contiguous()), _ptr(y), np.int32(k), np.float32(eps)))
+        launch(_functions()["rms_norm"], (min(-(-k // NORM_SLICE), 16), x2.shape[0]), (NORM_THREADS,),
+               (*res, _ptr(weight.contiguous()), _ptr(y), np.int32(k), np.float32(eps)))
     return None if xo is None else xo.reshape(x.shape), y.reshape(x.shape)
 
 
@@ -137,8 +138,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     r, i = g2.shape
     y = torch.empty((r, i), dtype=gate.dtype, device=gate.device)
     with _stream(gate.device):
-        _functions()["silu_mul"]((min(-(-i // THREADS), 64), r), (THREADS,),
-                                 (_ptr(g2), np.int64(ld_g), _ptr(u2), np.int64(ld_u), _ptr(y), np.int32(i)))
+        launch(_functions()["silu_mul"], (min(-(-i // THREADS), 64), r), (THREADS,),
+               (_ptr(g2), np.int64(ld_g), _ptr(u2), np.int64(ld_u), _ptr(y), np.int32(i)))
     return y.reshape(gate.shape)
 
 
@@ -157,8 +158,8 @@ def rotary_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.device)
     n = (h + 2 * hkv) * d
     with _stream(q.device):
-        _functions()["rotary_cache"](
-            (min(-(-n // THREADS), 64), b * t), (THREADS,),
+        launch(
+            _functions()["rotary_cache"], (min(-(-n // THREADS), 64), b * t), (THREADS,),
             (_ptr(q2), np.int64(ld_q), _ptr(k2), np.int64(ld_k), _ptr(v2), np.int64(ld_v), _ptr(cos), _ptr(sin),
              _ptr(pos.to(torch.int64).contiguous()), _ptr(rpos.to(torch.int64).contiguous()),
              np.int32(t), np.int32(h), np.int32(hkv), np.int32(d),

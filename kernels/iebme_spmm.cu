@@ -47,6 +47,8 @@ typedef unsigned long long uint64_t;
 
 #define DEVI __device__ __forceinline__
 
+#include "pdl.cuh"
+
 #ifndef IEBME_NSTAGE
 #define IEBME_NSTAGE 3   // batches in each warp's ring
 #endif
@@ -87,11 +89,6 @@ constexpr bool TMA = IEBME_TMA;
 // before the first read of anything that kernel writes (X, its scales, the side codes). Needs the bulk-copy ring.
 constexpr bool PDL = IEBME_PDL && IEBME_TMA;
 
-DEVI void wait_for_producer() {  // a no-op when the launch was not programmatic
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
 
 // Loads of what the producer writes (X's scales, the side codes and scales). __ldg is a read-only load the
 // compiler may hoist anywhere, and it did: above griddepcontrol.wait, reading the previous step's scales (NaN
@@ -320,6 +317,7 @@ DEVI void spmm(const Args& a) {
   constexpr bool TRACE = IEBME_TRACE && !DEBUG;
   uint64_t tt[3] = {0, 0, 0};
   if (TRACE) tt[0] = gtimer();
+  allow_dependents();  // the next kernel of the step may be scheduled now (it waits for this grid's end)
   // trace: thread 0 records its exit (every return below goes through here)
   auto trace_exit = [&]() {
     if (TRACE && threadIdx.x == 0) {

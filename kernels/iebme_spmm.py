@@ -22,7 +22,7 @@ import numpy as np
 
 from ..formats.iebme import IEBMEMatrix
 from . import sm_count
-from .cluster_launch import launch_ex
+from .cluster_launch import launch_ex, programmatic_enabled
 from .errors import KernelError
 from .iebme_reference import check_group_size
 from .loader import compile_source, require_cupy
@@ -136,7 +136,7 @@ def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int
 def programmatic() -> bool:
     """Whether launches are programmatic dependent launches (``LaunchSettings.pdl``; sm_90 with bulk-copy rings)."""
     st = settings()
-    able = _cc() >= 90 and st.tma != "0"
+    able = programmatic_enabled() and st.tma != "0"
     return able if st.pdl is None else bool(st.pdl) and able
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ..formats.arithmetic.weights import FP16_TINY, grid_max, n_groups
 from .act_quant import quantize_inputs_reference
+from .cluster_launch import launch
 from .errors import KernelError
 from .glue import NORM_THREADS, _check, _ptr, _rows, _stream, residual_args, rms_norm_reference, silu_mul_reference
 
@@ -69,7 +70,7 @@ def _launch(name: str, rows: int, k: int, rule: InputRule, args: tuple) -> None:
     if rule.n_side:
         groups += n_groups(rule.n_side, rule.side_group or min(rule.group, rule.n_side))
     warps = NORM_THREADS // 32
-    _functions()[name]((-(-groups // warps), rows), (NORM_THREADS,), args)
+    launch(_functions()[name], (-(-groups // warps), rows), (NORM_THREADS,), args)
 
 
 @cache

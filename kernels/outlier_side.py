@@ -11,6 +11,7 @@ from functools import cache
 import numpy as np
 import torch
 
+from .cluster_launch import launch
 from .errors import KernelError
 from .glue import _ptr, _rows, _stream
 
@@ -47,8 +48,8 @@ def side_product(y: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor, wq: torch.
             np.int32(group_size))
     with _stream(y.device):
         if coalesced(n, group_size, wq):
-            _function("side_product16")((-(-m // (THREADS // 8)), -(-n_rows // ROWS16)), (THREADS,),
-                                        args + (np.int32(n_rows),), shared_mem=ROWS16 * n)
+            launch(_function("side_product16"), (-(-m // (THREADS // 8)), -(-n_rows // ROWS16)), (THREADS,),
+                   args + (np.int32(n_rows),), shared_mem=ROWS16 * n)
         else:
-            _function("side_product")((-(-m // THREADS), n_rows), (THREADS,), args, shared_mem=4 * n)
+            launch(_function("side_product"), (-(-m // THREADS), n_rows), (THREADS,), args, shared_mem=4 * n)
     return out

@@ -113,12 +113,15 @@ def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
 
     from unionsparse.kernels import cluster_launch as cl
     from unionsparse.kernels import iebme_spmm as ks
+    from unionsparse.kernels.errors import KernelError
 
     assert ctypes.sizeof(cl.LaunchAttribute) == 72 and cl.LaunchAttribute.x.offset == 8
     assert cl.LaunchConfig.hStream.offset == 32 and cl.LaunchConfig.numAttrs.offset == 48
     ptrs, vals = cl.kernel_params([np.int32(7), np.float32(0.5)])
     assert len(ptrs) == 2 and vals[0].value == 7 and ctypes.sizeof(vals[0]) == 4
-    with pytest.raises(TypeError, match="unsupported kernel argument"):
+    ptrs, vals = cl.kernel_params([np.int64(-3), np.uint64(2**63)])
+    assert [v.value for v in vals] == [-3, 2**63] and [ctypes.sizeof(v) for v in vals] == [8, 8]
+    with pytest.raises(KernelError, match="unsupported kernel argument"):
         cl.kernel_params([7])
     monkeypatch.setattr(ks, "_cc", lambda: 90)
     assert [ks.cluster_split(s) for s in (1, 2, 3, 8)] == [False, True, False, False]
@@ -128,9 +131,14 @@ def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
     assert not ks.cluster_split(4)
     monkeypatch.setattr(ks, "_settings", ks.LaunchSettings())
     monkeypatch.setattr(ks, "_cc", lambda: 80)
+    monkeypatch.setattr(cl, "_compute_capability", lambda: 80)
     assert not ks.cluster_split(4)
     assert not ks.programmatic()  # programmatic dependent launch: sm_90 with bulk-copy rings, unless turned off
     monkeypatch.setattr(ks, "_cc", lambda: 90)
+    monkeypatch.setattr(cl, "_compute_capability", lambda: 90)
+    assert ks.programmatic() and cl.programmatic_enabled()
+    with cl.programmatic_launches(False):
+        assert not ks.programmatic() and not cl.programmatic_enabled()
     assert ks.programmatic()
     for off in (ks.LaunchSettings(pdl=False), ks.LaunchSettings(tma="0")):
         monkeypatch.setattr(ks, "_settings", off)

@@ -1,0 +1,78 @@
+"""Check in the SASS that no step kernel touches global memory before ``griddepcontrol.wait``.
+
+Kernels launched as programmatic dependent launches (kernels/pdl.cuh) may start while the kernel before them
+still runs; a global load issued before the wait reads stale data. The compiler moves read-only loads
+(``__ldg``, ``const __restrict__``) across the wait's ``asm volatile``, and it did once (IE-BME's activation
+scales: NaN decode steps on an H100). This compiles each kernel file for sm_90 with nvcc, disassembles it with
+nvdisasm (``pip download nvidia-cuda-nvdisasm``, unzip, pass ``--nvdisasm``) and fails if any global load, store
+or atomic precedes the first ``ACQBULK`` (the wait) of a kernel. IE-BME reads its weights before the wait by
+design and what producers write through ``ld_produced`` (``LDG.E.STRONG.GPU``): none of those may come first.
+
+    python benchmarks/check_pdl_order.py [--nvdisasm PATH]      (no GPU needed; nvcc on PATH)
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+FILES = ("glue", "attention", "act_quant", "norm_quant", "outlier_side")
+GLOBAL = re.compile(r"\b(LDG|LD|STG|ST|ATOMG|ATOM|RED|REDG)(\.[A-Z0-9.]+)?\s")
+
+
+def sass(src: str, out: Path, nvdisasm: str, opts: tuple[str, ...] = ()) -> str:
+    cubin = out / "k.cubin"
+    (out / "k.cu").write_text(src)
+    subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-std=c++17", f"-I{KERNELS}", *opts, "-o", str(cubin),
+                    str(out / "k.cu")], check=True)
+    return subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
+
+
+def functions(text: str) -> dict[str, list[str]]:
+    found = re.finditer(r"\.text\.([A-Za-z0-9_]+):\n(.*?)(?=\n\s*\.section|\Z)", text, re.S)
+    return {m.group(1): [ln for ln in m.group(2).splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+            for m in found}
+
+
+def before_wait(lines: list[str]) -> tuple[int | None, list[str]]:
+    """(index of the first ACQBULK, the global memory instructions before it)."""
+    acq = next((i for i, ln in enumerate(lines) if "ACQBULK" in ln), None)
+    end = len(lines) if acq is None else acq
+    return acq, [ln.strip() for ln in lines[:end] if GLOBAL.search(ln)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
+    args = ap.parse_args()
+    bad = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in FILES:
+            for fn, lines in functions(sass((KERNELS / f"{name}.cu").read_text(), Path(tmp), args.nvdisasm)).items():
+                acq, early = before_wait(lines)
+                ok = acq is not None and not early
+                bad += not ok
+                print(f"{'ok  ' if ok else 'BAD '} {name}.cu {fn[:48]}: wait at {acq}, {len(early)} global ops before"
+                      + ("" if ok else f": {early[:3]}"))
+        src = (KERNELS / "iebme_spmm.cu").read_text() + "\nIEBME_ENTRY(4, 1, 0, 0)\nIEBME_ENTRY(4, 4, 1, 0)\n"
+        text = sass(src, Path(tmp), args.nvdisasm, ("-DIEBME_PDL=1",))
+        for fn, lines in functions(text).items():
+            acq = next((i for i, ln in enumerate(lines) if "ACQBULK" in ln), None)
+            produced = [i for i, ln in enumerate(lines) if "LDG.E" in ln and "STRONG.GPU" in ln]
+            early = [lines[i].strip() for i in produced if acq is None or i < acq]
+            ok = acq is not None and produced and not early
+            bad += not ok
+            print(f"{'ok  ' if ok else 'BAD '} iebme_spmm.cu {fn}: wait at {acq}, {len(produced)} loads of what "
+                  f"producers wrote, {len(early)} before it")
+    print("FAILED" if bad else "all kernels wait before touching what earlier kernels wrote")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Programmatic dependent launch of the decode step's kernels (kernels/pdl.cuh, kernels/cluster_launch.py).
+
+A kernel launched programmatically may start while the kernel before it still runs, so it must wait
+(``griddepcontrol.wait``) before touching anything: every step kernel begins with ``pdl_enter`` and names in it
+every pointer it reads or writes. The order of the wait and the loads in the SASS is checked by
+benchmarks/check_pdl_order.py (nvcc and nvdisasm); the results by the GPU tests, which run with it on.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from unionsparse.kernels import cluster_launch as cl
+
+KERNELS = Path(cl.__file__).parent
+STEP_FILES = ("glue.cu", "attention.cu", "act_quant.cu", "norm_quant.cu", "outlier_side.cu")
+
+
+def kernel_bodies(text: str) -> list[tuple[str, list[str], str]]:
+    """(name, pointer parameters, body up to its first statement that is not a shared-memory declaration)."""
+    out = []
+    for m in re.finditer(r"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)\s*\{", text):
+        params = [p.split()[-1].lstrip("*&") for p in m.group(2).replace("\\", " ").split(",") if "*" in p]
+        body = text[m.end():m.end() + 600].replace("\\\n", "\n")  # macro line continuations
+        stmts = [s.strip() for s in body.split(";")]
+        first = next(s for s in stmts if s and "__shared__" not in s)
+        out.append((m.group(1), params, first))
+    return out
+
+
+@pytest.mark.parametrize("name", STEP_FILES)
+def test_every_step_kernel_waits_first_and_pins_every_pointer(name):
+    text = (KERNELS / name).read_text()
+    if name == "attention.cu":  # the kernels are one macro over the arguments of DECODE_ARGS
+        args = text[text.index("#define DECODE_ARGS"):text.index("//", text.index("#define DECODE_ARGS"))]
+        text = text.replace("##PER(DECODE_ARGS)", "(" + args.split("DECODE_ARGS", 1)[1] + ")")
+    bodies = kernel_bodies(text)
+    assert bodies, f"no kernels found in {name}"
+    for kernel, params, first in bodies:
+        assert first.startswith("pdl_enter("), f"{name}:{kernel} does not start with pdl_enter: {first!r}"
+        pinned = {p.strip() for p in first[len("pdl_enter("):].rstrip(")").split(",")}
+        assert set(params) <= pinned, f"{name}:{kernel} leaves {set(params) - pinned} unpinned"
+
+
+def test_the_check_finds_a_kernel_that_reads_first():
+    bad = 'extern "C" __global__ void k(const float* __restrict__ x, float* y) {\n    y[0] = x[0];\n}\n'
+    half = 'extern "C" __global__ void k(const float* __restrict__ x, float* y) {\n    pdl_enter(y);\n}\n'
+    assert not kernel_bodies(bad)[0][2].startswith("pdl_enter(")
+    _, params, first = kernel_bodies(half)[0]
+    assert set(params) == {"x", "y"} and first == "pdl_enter(y)"
+
+
+def test_step_kernels_launch_programmatically_where_the_gpu_has_it(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cl, "launch_ex", lambda fn, grid, block, smem, args, cluster=None, programmatic=False,
+                        stream=None: calls.append(("driver", grid, smem, programmatic)))
+
+    def cupy_launch(grid, block, args, shared_mem=0, stream=None):
+        calls.append(("cupy", grid, shared_mem, stream))
+
+    for cc, off, want in ((90, None, "driver"), (90, False, "cupy"), (80, None, "cupy"), (80, True, "cupy")):
+        monkeypatch.setattr(cl, "_compute_capability", lambda cc=cc: cc)
+        with cl.programmatic_launches(off):
+            cl.launch(cupy_launch, (3, 2), (128,), (np.int32(1),), shared_mem=64)
+        assert calls[-1][0] == want and calls[-1][1] == (3, 2) and calls[-1][2] == 64
+    assert calls[0][3] is True
+    assert cl._PROGRAMMATIC[0] is None  # the block restores the default
