@@ -19,7 +19,7 @@ __global__ void act_quant(const T* __restrict__ x, const int* __restrict__ perm,
                           float side_grid, float tiny, signed char* __restrict__ codes, float* __restrict__ scales,
                           signed char* __restrict__ side_codes, float* __restrict__ side_scales) {
     __shared__ float warp_max[32];
-    pdl_enter(x, perm, codes, scales, side_codes, side_scales);
+    pdl_enter();
     const int row = blockIdx.y;
     const int G = (K + gm - 1) / gm;
     const bool side = (int)blockIdx.x >= G;

@@ -54,7 +54,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
     __shared__ int last;
     const int c = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int G = H / Hkv, chunks = gridDim.x;
-    const long long p = pos[0];
+    const long long p = ld_after_wait(pos);  // written by the step: a load kept after the wait (pdl.cuh)
     const int j0 = c * CHUNK;
     if (j0 > p) return;  // past the valid length: no ticket, the combine does not read this chunk
     const int used = (int)min((long long)chunks, p / CHUNK + 1);
@@ -194,7 +194,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
 // one kernel per head dimension (attention_decode_<D / 32>), so each gets the registers it needs
 #define KERNEL(PER)                                                                                               \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_decode_##PER(DECODE_ARGS) {               \
-        pdl_enter(q, k_cache, v_cache, pos, offset, part_o, part_ml, ticket, out);                             \
+        pdl_enter();                                                                                           \
         extern __shared__ float red[];                                                                          \
         decode<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, part_o, part_ml, ticket, out, red);     \
     }

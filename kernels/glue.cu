@@ -13,7 +13,7 @@
 extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ delta,
                                     long long ld_d, u16* __restrict__ x_out, const u16* __restrict__ w,
                                     u16* __restrict__ y, int K, float eps) {
-    pdl_enter(x, delta, x_out, w, y);
+    pdl_enter();
     const u16* xr = x + (long long)blockIdx.y * ld_x;
     const u16* dr = delta == nullptr ? nullptr : delta + (long long)blockIdx.y * ld_d;
     const float r = row_rsqrt(xr, dr, K, eps);
@@ -29,7 +29,7 @@ extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, c
 // y[r, i] = fp16(fp16(silu(g)) * u) with g = gate[r, i], u = up[r, i] (rows ld_g / ld_u apart); y contiguous.
 extern "C" __global__ void silu_mul(const u16* __restrict__ gate, long long ld_g, const u16* __restrict__ up,
                                     long long ld_u, u16* __restrict__ y, int I) {
-    pdl_enter(gate, up, y);
+    pdl_enter();
     const int r = blockIdx.y;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < I; i += gridDim.x * blockDim.x) {
         const float g = h2f(gate[(long long)r * ld_g + i]);
@@ -49,9 +49,9 @@ extern "C" __global__ void rotary_cache(const u16* __restrict__ q, long long ld_
                                         int T, int H, int Hkv, int D, int L,
                                         u16* __restrict__ q_out, u16* __restrict__ k_cache,
                                         u16* __restrict__ v_cache) {
-    pdl_enter(q, k, v, cos_t, sin_t, pos, rpos, q_out, k_cache, v_cache);
+    pdl_enter();
     const int r = blockIdx.y, b = r / T, t = r % T;
-    const long long p = pos[t], pr = rpos[r];
+    const long long p = ld_after_wait(pos + t), pr = ld_after_wait(rpos + r);  // pdl.cuh
     const int half = D / 2;
     const int n = (H + 2 * Hkv) * D;
     for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {

@@ -19,7 +19,7 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {  // c + the dot produ
 extern "C" __global__ void side_product(const u16* __restrict__ y, long long ld_y, const signed char* __restrict__ xq,
                                         const float* __restrict__ sx, const signed char* __restrict__ wq,
                                         const float* __restrict__ sw, u16* __restrict__ out, int M, int n, int gs) {
-    pdl_enter(y, xq, sx, wq, sw, out);
+    pdl_enter();
     extern __shared__ int xs[];
     const int r = blockIdx.y;
     const int G = (n + gs - 1) / gs;
@@ -49,7 +49,7 @@ extern "C" __global__ void side_product16(const u16* __restrict__ y, long long l
                                           const signed char* __restrict__ xq, const float* __restrict__ sx,
                                           const signed char* __restrict__ wq, const float* __restrict__ sw,
                                           u16* __restrict__ out, int M, int n, int gs, int N) {
-    pdl_enter(y, xq, sx, wq, sw, out);
+    pdl_enter();
     extern __shared__ int4 xs4[];
     const int r0 = blockIdx.y * SIDE16_ROWS, rows = min(SIDE16_ROWS, N - r0);
     signed char* xsb = reinterpret_cast<signed char*>(xs4);

@@ -5,8 +5,8 @@
 //                        of this grid's CTAs have executed it or exited);
 //   wait_for_producer()  returns when the grid before has completed and its writes are visible. No load of
 //                        anything an earlier kernel writes may come before it, and the compiler moves read-only
-//                        loads (__ldg, const __restrict__) freely: pdl_enter below pins them, and
-//                        benchmarks/check_pdl_order.py checks the SASS.
+//                        loads (__ldg, const __restrict__) freely: benchmarks/check_pdl_order.py checks the
+//                        SASS of every step kernel, and ld_after_wait below keeps a load in place.
 // Both are no-ops when the launch was not programmatic, and below sm_90.
 #pragma once
 
@@ -22,17 +22,18 @@ __device__ __forceinline__ void wait_for_producer() {
 #endif
 }
 
-// The first statement of a step kernel: let the next kernel start, wait for the one before, then pass each pointer
-// the kernel reads or writes through an empty asm after the wait, so that no access through it can be scheduled
-// before the wait (the compiler hoisted a read-only load of `pos` above it in attention_decode_1 and _3).
-template <class P>
-__device__ __forceinline__ void pin_after_wait(P& p) {
-    asm volatile("" : "+l"(p));
-}
-
-template <class... P>
-__device__ __forceinline__ void pdl_enter(P&... p) {
+// The first statement of a step kernel.
+__device__ __forceinline__ void pdl_enter() {
     allow_dependents();
     wait_for_producer();
-    (pin_after_wait(p), ...);
+}
+
+// A scalar an earlier kernel wrote, read after the wait: a volatile L2 load the compiler keeps in place (it
+// hoisted the plain read-only load of attention's `pos` above the wait). Pinning every pointer after the wait
+// instead (an empty asm on each) kept all loads in place but cost 0.7-2.2 us a launch on an H100
+// (benchmarks/pdl_kernel_ab.py), so the SASS check decides where a load needs this.
+__device__ __forceinline__ long long ld_after_wait(const long long* p) {
+    long long v;
+    asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
 }

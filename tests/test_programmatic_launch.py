@@ -1,9 +1,9 @@
 """Programmatic dependent launch of the decode step's kernels (kernels/pdl.cuh, kernels/cluster_launch.py).
 
 A kernel launched programmatically may start while the kernel before it still runs, so it must wait
-(``griddepcontrol.wait``) before touching anything: every step kernel begins with ``pdl_enter`` and names in it
-every pointer it reads or writes. The order of the wait and the loads in the SASS is checked by
-benchmarks/check_pdl_order.py (nvcc and nvdisasm); the results by the GPU tests, which run with it on.
+(``griddepcontrol.wait``) before touching anything: every step kernel begins with ``pdl_enter()``. That the
+compiler keeps every load after the wait is checked in the SASS by benchmarks/check_pdl_order.py (nvcc and
+nvdisasm); the results by the GPU tests, which run with it on.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ STEP_FILES = ("glue.cu", "attention.cu", "act_quant.cu", "norm_quant.cu", "outli
 
 
 def kernel_bodies(text: str) -> list[tuple[str, list[str], str]]:
-    """(name, pointer parameters, body up to its first statement that is not a shared-memory declaration)."""
+    """(name, pointer parameters, its first statement that is not a shared-memory declaration)."""
     out = []
     for m in re.finditer(r"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)\s*\{", text):
         params = [p.split()[-1].lstrip("*&") for p in m.group(2).replace("\\", " ").split(",") if "*" in p]
@@ -32,7 +32,7 @@ def kernel_bodies(text: str) -> list[tuple[str, list[str], str]]:
 
 
 @pytest.mark.parametrize("name", STEP_FILES)
-def test_every_step_kernel_waits_first_and_pins_every_pointer(name):
+def test_every_step_kernel_waits_first(name):
     text = (KERNELS / name).read_text()
     if name == "attention.cu":  # the kernels are one macro over the arguments of DECODE_ARGS
         args = text[text.index("#define DECODE_ARGS"):text.index("//", text.index("#define DECODE_ARGS"))]
@@ -40,17 +40,16 @@ def test_every_step_kernel_waits_first_and_pins_every_pointer(name):
     bodies = kernel_bodies(text)
     assert bodies, f"no kernels found in {name}"
     for kernel, params, first in bodies:
-        assert first.startswith("pdl_enter("), f"{name}:{kernel} does not start with pdl_enter: {first!r}"
-        pinned = {p.strip() for p in first[len("pdl_enter("):].rstrip(")").split(",")}
-        assert set(params) <= pinned, f"{name}:{kernel} leaves {set(params) - pinned} unpinned"
+        assert params, f"{name}:{kernel}: no pointer parameters parsed"
+        assert first == "pdl_enter()", f"{name}:{kernel} does not start with pdl_enter(): {first!r}"
 
 
 def test_the_check_finds_a_kernel_that_reads_first():
-    bad = 'extern "C" __global__ void k(const float* __restrict__ x, float* y) {\n    y[0] = x[0];\n}\n'
-    half = 'extern "C" __global__ void k(const float* __restrict__ x, float* y) {\n    pdl_enter(y);\n}\n'
-    assert not kernel_bodies(bad)[0][2].startswith("pdl_enter(")
-    _, params, first = kernel_bodies(half)[0]
-    assert set(params) == {"x", "y"} and first == "pdl_enter(y)"
+    head = 'extern "C" __global__ void k(const float* __restrict__ x, float* y) {\n'
+    bad = head + "    y[0] = x[0];\n    pdl_enter();\n}\n"
+    good = head + "    __shared__ float s[4];\n    pdl_enter();\n}\n"
+    assert kernel_bodies(bad)[0][1:] == (["x", "y"], "y[0] = x[0]")
+    assert kernel_bodies(good)[0][2] == "pdl_enter()"
 
 
 def test_step_kernels_launch_programmatically_where_the_gpu_has_it(monkeypatch):
