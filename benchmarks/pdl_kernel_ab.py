@@ -2,7 +2,7 @@
 today's kernels, each timed in CUDA graphs of 32 launches (a step's worth), with programmatic launch off and on.
 
     python benchmarks/pdl_kernel_ab.py --before DIR --out DIR
-DIR holds attention_before.cu, glue_before.cu, norm_quant_before.cu (``git show REV:kernels/X.cu``).
+DIR holds attention_before.cu, glue_before.cu, norm_quant_before.cu (``git show REV:kernels/attention.cu`` and so on).
 """
 
 from __future__ import annotations
