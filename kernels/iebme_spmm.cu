@@ -317,7 +317,8 @@ DEVI void spmm(const Args& a) {
   constexpr bool TRACE = IEBME_TRACE && !DEBUG;
   uint64_t tt[3] = {0, 0, 0};
   if (TRACE) tt[0] = gtimer();
-  allow_dependents();  // the next kernel of the step may be scheduled now (it waits for this grid's end)
+  // No allow_dependents() here: the next IE-BME launch (two launches later) would then be scheduled while this one
+  // still streams, and the whole-step A/B lost 2.5% with it (docs/kernels.md, programmatic dependent launch).
   // trace: thread 0 records its exit (every return below goes through here)
   auto trace_exit = [&]() {
     if (TRACE && threadIdx.x == 0) {
