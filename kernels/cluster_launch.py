@@ -84,8 +84,8 @@ def kernel_params(args) -> tuple[ctypes.Array, list]:
         elif isinstance(a, ctypes.Array | ctypes.Structure):  # a struct passed by value (its bytes)
             vals.append(a)
         else:
-            raise KernelError(f"unsupported kernel argument {type(a).__name__}: pass CuPy arrays, np.int32/int64/"
-                              "uint64/float32 or ctypes structs")
+            raise TypeError(f"unsupported kernel argument {type(a).__name__}: pass CuPy arrays, np.int32/int64/"
+                            "uint64/float32 or ctypes structs")
     ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     return ptrs, vals
 
