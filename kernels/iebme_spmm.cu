@@ -90,20 +90,12 @@ constexpr bool TMA = IEBME_TMA;
 constexpr bool PDL = IEBME_PDL && IEBME_TMA;
 
 
-// Loads of what the producer writes (X's scales, the side codes and scales). __ldg is a read-only load the
-// compiler may hoist anywhere, and it did: above griddepcontrol.wait, reading the previous step's scales (NaN
-// logits on the GPU). With PDL these are volatile L2 loads, which stay after the wait (both are volatile asm).
-DEVI float ld_produced(const float* p) {
-  if constexpr (!PDL) return __ldg(p);
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-DEVI int4 ld_produced(const int4* p) {
-  if constexpr (!PDL) return __ldg(p);
-  int4 v;
-  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
+// Loads of what the producer writes (X's scales, the side codes and scales): after the wait with PDL
+// (pdl.cuh: __ldg there was hoisted above it), read-only loads without.
+template <class T>
+DEVI T ld_produced(const T* p) {
+  if constexpr (PDL) return ld_after_wait(p);
+  else return __ldg(p);
 }
 
 // A warp's ring holds value bytes only (bitmaps and inverse perms go to registers); mirrors ring_bytes() in

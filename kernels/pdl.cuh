@@ -28,12 +28,25 @@ __device__ __forceinline__ void pdl_enter() {
     wait_for_producer();
 }
 
-// A scalar an earlier kernel wrote, read after the wait: a volatile L2 load the compiler keeps in place (it
-// hoisted the plain read-only load of attention's `pos` above the wait). Pinning every pointer after the wait
-// instead (an empty asm on each) kept all loads in place but cost 0.7-2.2 us a launch on an H100
-// (benchmarks/pdl_kernel_ab.py), so the SASS check decides where a load needs this.
+// What an earlier kernel wrote, read after the wait: volatile L2 loads, which the compiler keeps after the wait
+// (both are volatile asm). It hoisted plain read-only loads above it: attention's `pos`, IE-BME's activation scales
+// (NaN decode steps on an H100). Pinning every pointer after the wait instead (an empty asm on each) kept all
+// loads in place but cost 0.7-2.2 us a launch on an H100 (benchmarks/pdl_kernel_ab.py), so the SASS check
+// decides where a load needs this.
 __device__ __forceinline__ long long ld_after_wait(const long long* p) {
     long long v;
-    asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float ld_after_wait(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ int4 ld_after_wait(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
