@@ -13,7 +13,7 @@
 # .whl: bash benchmarks/h200_wheels.sh, once, here (the image lacks zarr and its codecs).
 # `bash benchmarks/glue_h200.sh quick` (about 4 minutes): the glue, attention and outlier-side GPU tests (the side
 # product in the IE-BME epilogue too, and the runtime's agreement with outliers), then LLaMA-2-7B at batch 1,
-# context 512 only, fp16, W4A16 and IE-BME W4A4 with and without 128 outlier channels, with the step kernels'
+# context 512 only, fp16, W4A16, IE-BME W4A4 with and without 128 outlier channels and W4A8, with the step kernels'
 # programmatic dependent launch off and on (benchmarks/step_pdl_ab.py).
 set -o pipefail
 MODE="${1:-full}"
@@ -35,6 +35,8 @@ if [ "$MODE" = quick ]; then
     tests/test_kernels_iebme.py::test_gpu_partials_exact_and_output_close \
     "tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op[w4a4-outliers-fused]" \
     "tests/test_runtime_agreement.py::test_gpu_agrees_on_smollm2_shapes[w4a4-outliers]" \
+    "tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op[w4a8-fused]" \
+    "tests/test_runtime_agreement.py::test_gpu_agrees_on_smollm2_shapes[w4a8]" \
     2>&1 | tee "$DEST/glue_gpu_tests.log" | tail -3
   timeout 300 python3 benchmarks/step_pdl_ab.py --out "$DEST" 2>&1 | tee "$DEST/step_pdl_ab.log" \
     | grep -v "^launches\|^linears:\|^floor"

@@ -270,7 +270,8 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
 @click.option("--batch", "batches", default=None, help="--e2e: batch sizes (default 1,4,8).")
 @click.option("--context", "contexts", default=None, help="--e2e: context lengths (default 512,2048).")
 @click.option("--kinds", default=None, help="--e2e: linear kinds (default fp16, w4a16, iebme-w4a4-50-o128, "
-                                            "iebme-w4a4-0-o128, iebme-w4a4-50, iebme-w4a4-0, tcbc-fp16-30+30; "
+                                            "iebme-w4a4-0-o128, iebme-w4a8-50, iebme-w4a8-0, iebme-w4a4-50, "
+                                            "iebme-w4a4-0, tcbc-fp16-30+30; "
                                             "also iebme-w4a4-70, iebme-w4a4-90, iebme-w2a4-50-o128, "
                                             "tcbc-fp16-50+30, tcbc-int4-50+30, tcbc-int4-50+50; fp16 always "
                                             "runs).")

@@ -1,6 +1,6 @@
-"""The defaults keep quality (issue 35, item 6): W4A4 / W2A4 IE-BME keep Atom outlier channels unless told
-otherwise (``--keep-outliers auto``: min(128, K // 4) per layer), chosen from calibration statistics that the
-bundled English text (``--calib builtin``, the default) gives offline."""
+"""The defaults keep quality (issue 35, item 6): W4A4 / W2A4 (and W4A8 / W2A8) IE-BME keep Atom outlier channels
+unless told otherwise (``--keep-outliers auto``: min(128, K // 4) per layer), chosen from calibration statistics
+that the bundled English text (``--calib builtin``, the default) gives offline."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ def cfg(**kw) -> CompressConfig:
     return CompressConfig(model="m", output="o.zarr", **kw)
 
 
-@pytest.mark.parametrize("quant", ["w4a4", "w2a4"])
+@pytest.mark.parametrize("quant", ["w4a4", "w2a4", "w4a8", "w2a8"])
 @pytest.mark.parametrize("k, expected", [(576, 128), (1536, 128), (256, 64), (128, 32), (8, 2), (3, 0)])
-def test_default_keeps_outliers_for_ie_bme_with_4_bit_activations(quant, k, expected):
+def test_default_keeps_outliers_for_ie_bme_with_quantized_activations(quant, k, expected):
     c = cfg(quant=quant, format="ie-bme")
     assert c.keep_outliers == "auto"
     assert c.validate_options().outliers_for(k) == expected
@@ -63,8 +63,8 @@ def test_cli_and_config_defaults_agree():
     (("--keep-outliers", "-3"), "auto or a non-negative integer"),
     (("--keep-outliers", "lots"), "auto or a non-negative integer"),
     (("--keep-outliers", "2.5"), "auto or a non-negative integer"),
-    (("--keep-outliers", "16", "--quant", "w4a16"), "w4a4 or w2a4"),
-    (("--keep-outliers", "16", "--quant", "none", "--format", "tiled-cbc"), "w4a4 or w2a4"),
+    (("--keep-outliers", "16", "--quant", "w4a16"), "w4a8 or w2a8"),
+    (("--keep-outliers", "16", "--quant", "none", "--format", "tiled-cbc"), "w4a8 or w2a8"),
     (("--keep-outliers", "16", "--format", "tiled-cbc"), "ie-bme"),
 ])
 def test_bad_values_are_one_line_and_exit_2(flags, words, model_dirs, tmp_path, run_cli, monkeypatch):

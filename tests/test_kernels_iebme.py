@@ -24,6 +24,7 @@ def random_layer(rng, m, k, bits, sparsity=0.5, perm="random", tile=(16, 64), ar
     return codes, iebme.encode(codes, bits=bits, tile=tile, areas=areas, perm=p)
 
 
+@pytest.mark.parametrize("xbits", [4, 8])  # activation codes of W*A4 and W*A8
 @pytest.mark.parametrize("m,k,bits,perm,gs,tile,areas", [
     (64, 256, 4, "none", 128, (16, 64), (2, 2)),
     (37, 200, 4, "random", 64, (16, 64), (2, 2)),
@@ -31,10 +32,11 @@ def random_layer(rng, m, k, bits, sparsity=0.5, perm="random", tile=(16, 64), ar
     (24, 96, 4, "random", 96, (8, 32), (2, 1)),     # other geometries: the reference is generic
     (33, 70, 2, "none", 64, (16, 64), (4, 2)),
 ])
-def test_reference_partials_match_dense_codes(m, k, bits, perm, gs, tile, areas):
+def test_reference_partials_match_dense_codes(m, k, bits, perm, gs, tile, areas, xbits):
     rng = np.random.default_rng(m * k + bits)
     codes, mat = random_layer(rng, m, k, bits, perm=perm, tile=tile, areas=areas)
-    x = rng.integers(-8, 8, (5, k)).astype(np.int8)
+    lim = 1 << (xbits - 1)
+    x = rng.integers(-lim, lim, (5, k)).astype(np.int8)
     g = -(-k // gs)
     ws = (rng.random((m, g)) + 0.5).astype(np.float16)
     xs = (rng.random((5, g)) + 0.5).astype(np.float32)
@@ -209,10 +211,11 @@ gpu = pytest.mark.skipif(not available(), reason="needs CuPy and a CUDA device")
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("xbits", [4, 8])
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("perm", ["none", "random"])
 @pytest.mark.parametrize("m,k,gs", [(64, 512, 128), (100, 1000, 64), (333, 4100, 4100), (48, 2048, 256)])
-def test_gpu_partials_exact_and_output_close(bits, perm, m, k, gs):
+def test_gpu_partials_exact_and_output_close(bits, perm, m, k, gs, xbits):
     from unionsparse.kernels.iebme_spmm import prepare_layer, single_chunk, spmm_iebme
 
     rng = np.random.default_rng(m + k + bits)
@@ -222,7 +225,7 @@ def test_gpu_partials_exact_and_output_close(bits, perm, m, k, gs):
     layer = prepare_layer(mat, ws, gs)
     for n in (1, 5, 8, 13, 32, 40):
         x = rng.standard_normal((n, k)).astype(np.float32)
-        xq, xs = quantize_activations(x, 4, gs)
+        xq, xs = quantize_activations(x, xbits, gs)
         y_ref, p_ref = iebme_spmm_reference(mat, ws, xq, xs, gs)
         for splits in (1, 3):
             p = spmm_iebme(layer, xq, xs, splits=splits, debug_partials=True).get()

@@ -231,15 +231,16 @@ def test_grouped_int_matmul_partials_are_exact():
     np.testing.assert_array_equal(got.numpy().astype(np.int64), want)
 
 
+@pytest.mark.parametrize("bits_x", [4, 8])
 @pytest.mark.parametrize("bits_w", [4, 2])
-def test_fake_quant_linear_equals_integer_computation(bits_w):
+def test_fake_quant_linear_equals_integer_computation(bits_w, bits_x):
     w, mask, x, h = correlated_problem(m=40, k=320, n=64, seed=bits_w)
     q = quantize_weight(w, bits_w, 128, gptq=True, h=h, mask=mask)
-    act = activation_scheme(4, 128, 0.9)
+    act = activation_scheme(bits_x, 128, 0.9)
     layer = FakeQuantLinear.from_quantized(q, act)
     got = layer(x).detach()
     assert got.dtype == torch.float32  # model dtype kept, values are fp16
-    want = independent_reference(x.numpy(), q.codes, q.scales, 4, 128, 0.9)
+    want = independent_reference(x.numpy(), q.codes, q.scales, bits_x, 128, 0.9)
     want16 = torch.from_numpy(want).half().float()
     # fp32 accumulation of at most 3 scaled groups vs float64: equal after fp16 rounding up to one ulp
     ulp = torch.abs(want16) * 2.0**-10 + 2.0**-24

@@ -38,6 +38,8 @@ CASES = {  # every configuration compress writes: compress flags (CALIB: the cal
     # 16 outlier channels: the side product in the IE-BME kernel's epilogue; W2A4's 4: the separate launch
     "w4a4-outliers": ["--prune", "wanda", "--quant", "w4a4", "--keep-outliers", "16", "--reorder", "dp", *CALIB],
     "w2a4-outliers": ["--prune", "wanda", "--quant", "w2a4", "--keep-outliers", "4", "--reorder", "none", *CALIB],
+    # 8-bit activation codes through the same kernels (int32 group sums up to 128 * 8 * 128)
+    "w4a8": ["--prune", "wanda", "--quant", "w4a8", "--keep-outliers", "0", "--reorder", "dp", *CALIB],
     "cbc-dp": ["--prune", "magnitude", "--quant", "none", "--format", "tiled-cbc", "--act-sparsity", "0.4",
                "--act-sparsity-calib", "CALIB", "--nsamples", "4", "--seqlen", "32"],
     "cbc4-dp": ["--prune", "magnitude", "--quant", "w4a16", "--format", "tiled-cbc", "--act-sparsity", "0.4",
@@ -292,7 +294,7 @@ def smol_shaped(tmp_path_factory):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("case", ["w4a4-outliers", "w2a4-outliers", "cbc-dp", "cbc4-dp"])
+@pytest.mark.parametrize("case", ["w4a4-outliers", "w2a4-outliers", "w4a8", "cbc-dp", "cbc4-dp"])
 def test_gpu_agrees_on_smollm2_shapes(case, smol_shaped, tmp_path):
     from unionsparse.compressor.cli import main
 

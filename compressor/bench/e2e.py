@@ -314,7 +314,8 @@ def install_kind(model: nn.Module, spec: ModelSpec, kind: str, device: torch.dev
         info["activations"] = str(lin.dtype).removeprefix("torch.")  # bfloat16: a cast around each product
     elif kind.startswith("iebme"):
         te = time.perf_counter()
-        recs = {g: iebme_record(f"synthetic.{g}", m, kk, k.sparsity, rng, bits=k.bits or 4, outliers=k.outliers)
+        recs = {g: iebme_record(f"synthetic.{g}", m, kk, k.sparsity, rng, bits=k.bits or 4,
+                                outliers=k.outliers, act_bits=k.act_bits)
                 for g, (m, kk) in groups.items()}
         info["encode_s"] = time.perf_counter() - te
         if log:

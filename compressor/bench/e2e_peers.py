@@ -8,7 +8,8 @@ down; ``e2e_models.ModelSpec.groups``):
   (torchao's int4 weight-only kernel, tinygemm; float16 activations where this torch's kernel takes them,
   else bfloat16 with the input cast to bf16 and the output back, two more kernels per product, timed and
   reported as ``casts``); the CPU runs ``torch._weight_int4pack_mm_for_cpu`` on the same codes;
-* ``iebme-w4a4-50`` / ``iebme-w4a4-0`` (and 70 / 90, ``iebme-w2a4-50-o128``): the runtime's
+* ``iebme-w4a4-50`` / ``iebme-w4a4-0`` (and 70 / 90, ``iebme-w2a4-50-o128``, ``iebme-w4a8-50`` / ``-0`` with
+  8-bit activations): the runtime's
   ``CompressedLinear`` (what ``runtime.load`` builds) on a synthetic layer record of random nonzero codes under
   a uniformly random 50% (0%: the dense control) mask, group 128, tile 16x64, no row reordering, and the
   per-token activation record ``compress`` writes; ``-o128``: with 128 outlier channels (at most K / 4) in an
@@ -51,6 +52,7 @@ class Kind:
     runtime: bool = False            # built through the runtime's CompressedLinear
     bits: int | None = None          # weight code bits (IE-BME: 4 unless said; Tiled-CBC: fp16 values if None)
     outliers: int = 0                # IE-BME: input channels kept at 8 bits (Atom), min(this, K // 4) a layer
+    act_bits: int = 4                # IE-BME: bits of the per-token activation codes (4 or 8)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "label": self.label, "sparsity": self.sparsity, "dynamic_sparsity": self.dynamic,
@@ -66,6 +68,9 @@ KINDS = {k.name: k for k in (
          "quality (runtime CompressedLinear)", sparsity=0.5, runtime=True, outliers=128),
     Kind("iebme-w4a4-0-o128", "IE-BME W4A4, 0% sparse, 128 outlier channels: the control", runtime=True,
          outliers=128),
+    Kind("iebme-w4a8-50", "IE-BME W4A8, 50% sparse, no outlier channels: keeps quality with 4-bit weights "
+         "(runtime CompressedLinear)", sparsity=0.5, runtime=True, act_bits=8),
+    Kind("iebme-w4a8-0", "IE-BME W4A8, 0% sparse: the control (runtime CompressedLinear)", runtime=True, act_bits=8),
     Kind("iebme-w4a4-70", "IE-BME W4A4, 70% sparse (runtime CompressedLinear)", sparsity=0.7, runtime=True),
     Kind("iebme-w4a4-90", "IE-BME W4A4, 90% sparse (runtime CompressedLinear)", sparsity=0.9, runtime=True),
     Kind("iebme-w2a4-50-o128", "IE-BME W2A4, 50% sparse, 128 outlier channels (runtime CompressedLinear)",
@@ -81,9 +86,10 @@ KINDS = {k.name: k for k in (
 )}
 BASELINES = ("fp16", "w4a16")
 CONTROLS = {"iebme-w4a4-50": "iebme-w4a4-0", "iebme-w4a4-70": "iebme-w4a4-0", "iebme-w4a4-90": "iebme-w4a4-0",
-            "iebme-w4a4-50-o128": "iebme-w4a4-0-o128"}  # kind -> its 0%-sparsity control
-DEFAULT_KINDS = ("fp16", "w4a16", "iebme-w4a4-50-o128", "iebme-w4a4-0-o128", "iebme-w4a4-50", "iebme-w4a4-0",
-                 "tcbc-fp16-30+30")  # what a run times unless --kinds says otherwise
+            "iebme-w4a4-50-o128": "iebme-w4a4-0-o128",
+            "iebme-w4a8-50": "iebme-w4a8-0"}  # kind -> its 0%-sparsity control
+DEFAULT_KINDS = ("fp16", "w4a16", "iebme-w4a4-50-o128", "iebme-w4a4-0-o128", "iebme-w4a8-50", "iebme-w4a8-0",
+                 "iebme-w4a4-50", "iebme-w4a4-0", "tcbc-fp16-30+30")  # what a run times unless --kinds says otherwise
 
 
 # ---------------------------------------------------------------------------------------------------- fp16
@@ -223,9 +229,9 @@ def random_codes(m: int, k: int, sparsity: float, rng: np.random.Generator, bits
 
 
 def iebme_record(name: str, m: int, k: int, sparsity: float, rng: np.random.Generator, bits: int = 4,
-                 group_size: int = GROUP_SIZE, outliers: int = 0) -> LayerRecord:
-    """A stored IE-BME W{bits}A4 layer as ``compress`` writes one (no reordering): random codes, fp16 scales per
-    (row, group of 128), the per-token activation record; with ``outliers`` (capped at K // 4, as
+                 group_size: int = GROUP_SIZE, outliers: int = 0, act_bits: int = 4) -> LayerRecord:
+    """A stored IE-BME W{bits}A{act_bits} layer as ``compress`` writes one (no reordering): random codes, fp16
+    scales per (row, group of 128), the per-token activation record; with ``outliers`` (capped at K // 4, as
     ``--keep-outliers auto``) that many random input channels kept at 8 bits: the main matrix in the permuted
     column order with the outlier columns zero, the int8 side matrix and its scales."""
     n = min(int(outliers), k // 4)
@@ -241,8 +247,8 @@ def iebme_record(name: str, m: int, k: int, sparsity: float, rng: np.random.Gene
     enc = iebme.encode(codes, bits=bits, tile=(16, 64), areas=(2, 2))
     g = -(-k // group_size)
     scales = (rng.random((m, g), dtype=np.float32) * 0.004 + 0.002).astype(np.float16)
-    attrs = {"prune": "synthetic", "quant": f"w{bits}a4", "bits": bits, "group_size": group_size,
-             "activations": activation_scheme(4, group_size, outlier_channels=None if channels is None
+    attrs = {"prune": "synthetic", "quant": f"w{bits}a{act_bits}", "bits": bits, "group_size": group_size,
+             "activations": activation_scheme(act_bits, group_size, outlier_channels=None if channels is None
                                               else channels.tolist())}
     return LayerRecord(name, enc, scales, attrs, side)
 

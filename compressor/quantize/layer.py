@@ -1,7 +1,7 @@
 """Quantize one pruned linear layer from its calibration statistics: the per-layer step of ``compress``.
 
-``--quant`` modes: ``w4a16`` (4-bit weights, fp16 activations), ``w4a4`` and ``w2a4`` (4- or 2-bit
-weights, per-token 4-bit activations). Weights are round-to-nearest by default, with ``clip_search``
+``--quant`` modes: ``w4a16`` (4-bit weights, fp16 activations), ``w4a4`` / ``w2a4`` and ``w4a8`` / ``w2a8``
+(4- or 2-bit weights, per-token 4- or 8-bit activations). Weights are round-to-nearest by default, with ``clip_search``
 per-group clip ratios scored on the layer's H, with ``gptq`` GPTQ error feedback (both combine).
 The activation clip ratio is calibrated per layer on a token sample of the layer's inputs, and
 ``keep_outliers`` N keeps the N most active input channels at 8 bits (Atom; :mod:`.outliers`).
@@ -32,7 +32,7 @@ class QuantSpec:
     """What to do to every layer."""
 
     weight_bits: int
-    act_bits: int  # 4, or FP16_ACTIVATIONS for weight-only
+    act_bits: int  # 4 or 8, or FP16_ACTIVATIONS for weight-only
     group_size: int = 128
     gptq: bool = False
     clip_search: bool = False
@@ -46,10 +46,10 @@ class QuantSpec:
         """The spec of a ``--quant`` mode that quantizes weights (not ``none``)."""
         bits = quant_mode(mode)
         if bits.weight_bits is None:
-            raise UserError(f"--quant {mode} quantizes nothing: no QuantSpec (use w4a4, w2a4 or w4a16)")
+            raise UserError(f"--quant {mode} quantizes nothing: no QuantSpec (use w4a4, w2a4, w4a8, w2a8 or w4a16)")
         spec = cls(bits.weight_bits, bits.act_bits, **kw)
         if spec.keep_outliers and not bits.quantizes_activations:
-            raise UserError(f"outlier channels need quantized activations (w4a4 or w2a4), not {mode}")
+            raise UserError(f"outlier channels need quantized activations (w4a4, w2a4, w4a8 or w2a8), not {mode}")
         return spec
 
     @property

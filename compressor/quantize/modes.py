@@ -31,6 +31,8 @@ class QuantMode:
 QUANT_MODES: dict[str, QuantMode] = {  # the order of --quant's choices
     "w4a4": QuantMode(4, 4),
     "w2a4": QuantMode(2, 4),
+    "w4a8": QuantMode(4, 8),
+    "w2a8": QuantMode(2, 8),
     "w4a16": QuantMode(4, FP16_ACTIVATIONS),
     "none": QuantMode(None, FP16_ACTIVATIONS),
 }
