@@ -6,9 +6,8 @@ from a :class:`~unionsparse.kernels.runtime_ops.RuntimeKernels` implementation: 
 this logic is tested without a GPU (docs/runtime.md, "Kernels"). Per layer, at load, the stored arrays are made
 ready once (uploaded as they are on a GPU). Per call:
 
-* quantized activations (IE-BME W4A4 / W2A4 / W4A8 / W2A8): the activation rule of ``formats.arithmetic``
-  (outlier gather,
-  quantization and padding; or the quantized input the producing op handed over, ``QuantizingOp``), then the
+* quantized activations (IE-BME W4A4 / W2A4 / W4A8 / W2A8): the activation rule of ``formats.arithmetic`` (outlier
+  gather, quantization and padding; or the quantized input the producing op handed over, ``QuantizingOp``), then the
   IE-BME product with the 8-bit outlier side product added in float32 in its epilogue before the one float16
   rounding, as the ``cpu`` backend does (side widths the epilogue does not take, and ``side_kernel`` "kernel" or
   "torch": the product rounded, then the side product added by a second launch and rounded again);

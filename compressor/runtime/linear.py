@@ -3,9 +3,8 @@
 What a layer computes follows from how it was stored (:func:`layer_plan`):
 
 * quantized activations (W4A4 / W2A4 / W4A8 / W2A8, the layer's ``activations`` record): every token row is
-  quantized per
-  token and per group (``formats.arithmetic.activations``), the product is the IE-BME SpMM's (exact integer
-  group sums, float32 scaling in group order, one float16 rounding), plus the 8-bit outlier side product
+  quantized per token and per group (``formats.arithmetic.activations``), the product is the IE-BME SpMM's
+  (exact integer group sums, float32 scaling in group order, one float16 rounding), plus the 8-bit outlier side product
   where the layer has one;
 * fp16 activations on a format whose decode kernel skips inputs (Tiled-CBC, fp16 values or int codes): a
   single token row (N = 1, decode) is one spMspV call with the stored threshold tau (input k active iff
