@@ -18,7 +18,7 @@ from pathlib import Path
 from unionsparse.compressor.bench.e2e import e2e_command, format_table
 from unionsparse.kernels.cluster_launch import programmatic_launches
 
-KINDS = "fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50,iebme-w4a8-50"
+KINDS = "fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50-o128-dp,iebme-w4a4-50,iebme-w4a8-50"
 
 
 def main() -> None:

@@ -272,9 +272,9 @@ def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
 @click.option("--kinds", default=None, help="--e2e: linear kinds (default fp16, w4a16, iebme-w4a4-50-o128, "
                                             "iebme-w4a4-0-o128, iebme-w4a8-50, iebme-w4a8-0, iebme-w4a4-50, "
                                             "iebme-w4a4-0, tcbc-fp16-30+30; "
-                                            "also iebme-w4a4-70, iebme-w4a4-90, iebme-w2a4-50-o128, "
-                                            "tcbc-fp16-50+30, tcbc-int4-50+30, tcbc-int4-50+50; fp16 always "
-                                            "runs).")
+                                            "also iebme-w4a4-50-o128-dp, iebme-w4a4-70, iebme-w4a4-90, "
+                                            "iebme-w2a4-50-o128, tcbc-fp16-50+30, tcbc-int4-50+30, "
+                                            "tcbc-int4-50+50; fp16 always runs).")
 @click.option("--steps", default=None, type=int, help="--e2e: replays per timed repeat (default 16).")
 @click.option("--device", default=None, type=click.Choice(["cuda", "cpu"]),
               help="--e2e: cuda (default), or cpu: a smoke run of --spec tiny, not a performance figure.")

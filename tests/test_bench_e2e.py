@@ -234,6 +234,23 @@ def test_iebme_outlier_kind_is_the_main_product_plus_the_8bit_side():
     assert record_read_bytes(rec) > record_read_bytes(iebme_record("n", 96, 256, 0.5, rng))
 
 
+
+def test_reordered_kind_permutes_rows_and_reads_fewer_union_positions():
+    """``-dp``: the exact DP's per-tile row permutations, as ``--reorder dp`` stores them; the product is unchanged
+    (the runtime undoes the permutation) and the union positions, hence the bytes, drop."""
+    from unionsparse.compressor.runtime.linear import CompressedLinear
+
+    plain = iebme_record("p", 96, 256, 0.5, np.random.default_rng(5), outliers=128)
+    dp = iebme_record("d", 96, 256, 0.5, np.random.default_rng(5), outliers=128, reorder=True)
+    assert plain.encoding.perm is None and dp.encoding.perm is not None
+    assert (dp.encoding.perm != np.arange(16, dtype=np.uint8)).any()  # some tile's rows moved
+    np.testing.assert_array_equal(dp.encoding.decode(), plain.encoding.decode())  # same weights
+    assert record_read_bytes(dp) < record_read_bytes(plain)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).half()
+    torch.testing.assert_close(CompressedLinear(dp, None, "cpu")(x), CompressedLinear(plain, None, "cpu")(x),
+                               rtol=0, atol=0)
+
+
 def test_tcbc_runtime_linear_applies_tau_at_one_row_only():
     from unionsparse.compressor.runtime.linear import CompressedLinear
 
@@ -280,8 +297,8 @@ def test_tcbc_int4_kind_is_the_dequantized_codes_with_tau_and_reads_fewer_bytes(
 def test_the_other_kinds_step_on_the_cpu():
     """The kinds outside the default run (sparser IE-BME, W2A4 with outliers, Tiled-CBC int4 and fp16 at 50%
     static) build and step through the same code; their bytes follow their sparsity and bits."""
-    extra = ("iebme-w4a4-70", "iebme-w4a4-90", "iebme-w2a4-50-o128", "tcbc-fp16-50+30", "tcbc-int4-50+30",
-             "tcbc-int4-50+50")
+    extra = ("iebme-w4a4-70", "iebme-w4a4-90", "iebme-w2a4-50-o128", "iebme-w4a4-50-o128-dp", "tcbc-fp16-50+30",
+             "tcbc-int4-50+30", "tcbc-int4-50+50")
     assert not set(extra) & set(DEFAULT_KINDS) and set(extra) <= set(KINDS)
     res = e2e.e2e_command(specs="tiny", batches="1", contexts="8", kinds=",".join(extra), steps=1, device="cpu",
                           hf_generate=False, checks=False)

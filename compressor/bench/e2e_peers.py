@@ -13,7 +13,8 @@ down; ``e2e_models.ModelSpec.groups``):
   ``CompressedLinear`` (what ``runtime.load`` builds) on a synthetic layer record of random nonzero codes under
   a uniformly random 50% (0%: the dense control) mask, group 128, tile 16x64, no row reordering, and the
   per-token activation record ``compress`` writes; ``-o128``: with 128 outlier channels (at most K / 4) in an
-  8-bit side matrix, the configuration that keeps quality;
+  8-bit side matrix, the configuration that keeps quality; ``-dp``: rows reordered per tile by the exact DP
+  (``--reorder dp``: fewer union positions, a permutation per tile);
 * ``tcbc-fp16-30+30`` (and ``-50+30``, ``tcbc-int4-50+30`` / ``-50+50`` with 4-bit codes): ``CompressedLinear``
   on random values with that share of zeros (static) and a stored threshold tau at which that share of the
   layer's decode inputs is inactive (dynamic; the spMspV kernel at N = 1).
@@ -34,6 +35,7 @@ from ...formats import iebme, tiled_cbc
 from ...formats.arithmetic.activations import activation_scheme
 from ...formats.arithmetic.outlier_side import OutlierSide, column_permutation
 from ...formats.arithmetic.weights import rtn
+from ...solvers.reorder import reorder_matrix
 from ..artifact.store import LayerRecord
 from ..errors import UserError
 
@@ -53,6 +55,7 @@ class Kind:
     bits: int | None = None          # weight code bits (IE-BME: 4 unless said; Tiled-CBC: fp16 values if None)
     outliers: int = 0                # IE-BME: input channels kept at 8 bits (Atom), min(this, K // 4) a layer
     act_bits: int = 4                # IE-BME: bits of the per-token activation codes (4 or 8)
+    reorder: bool = False            # IE-BME: rows reordered per tile by the exact DP (--reorder dp)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "label": self.label, "sparsity": self.sparsity, "dynamic_sparsity": self.dynamic,
@@ -68,6 +71,9 @@ KINDS = {k.name: k for k in (
          "quality (runtime CompressedLinear)", sparsity=0.5, runtime=True, outliers=128),
     Kind("iebme-w4a4-0-o128", "IE-BME W4A4, 0% sparse, 128 outlier channels: the control", runtime=True,
          outliers=128),
+    Kind("iebme-w4a4-50-o128-dp", "IE-BME W4A4, 50% sparse, 128 outlier channels, rows reordered per tile by the "
+         "exact DP as --reorder dp does (runtime CompressedLinear)", sparsity=0.5, runtime=True, outliers=128,
+         reorder=True),
     Kind("iebme-w4a8-50", "IE-BME W4A8, 50% sparse, no outlier channels: keeps quality with 4-bit weights "
          "(runtime CompressedLinear)", sparsity=0.5, runtime=True, act_bits=8),
     Kind("iebme-w4a8-0", "IE-BME W4A8, 0% sparse: the control (runtime CompressedLinear)", runtime=True, act_bits=8),
@@ -86,7 +92,7 @@ KINDS = {k.name: k for k in (
 )}
 BASELINES = ("fp16", "w4a16")
 CONTROLS = {"iebme-w4a4-50": "iebme-w4a4-0", "iebme-w4a4-70": "iebme-w4a4-0", "iebme-w4a4-90": "iebme-w4a4-0",
-            "iebme-w4a4-50-o128": "iebme-w4a4-0-o128",
+            "iebme-w4a4-50-o128": "iebme-w4a4-0-o128", "iebme-w4a4-50-o128-dp": "iebme-w4a4-0-o128",
             "iebme-w4a8-50": "iebme-w4a8-0"}  # kind -> its 0%-sparsity control
 DEFAULT_KINDS = ("fp16", "w4a16", "iebme-w4a4-50-o128", "iebme-w4a4-0-o128", "iebme-w4a8-50", "iebme-w4a8-0",
                  "iebme-w4a4-50", "iebme-w4a4-0", "tcbc-fp16-30+30")  # what a run times unless --kinds says otherwise
@@ -229,11 +235,13 @@ def random_codes(m: int, k: int, sparsity: float, rng: np.random.Generator, bits
 
 
 def iebme_record(name: str, m: int, k: int, sparsity: float, rng: np.random.Generator, bits: int = 4,
-                 group_size: int = GROUP_SIZE, outliers: int = 0, act_bits: int = 4) -> LayerRecord:
-    """A stored IE-BME W{bits}A{act_bits} layer as ``compress`` writes one (no reordering): random codes, fp16
-    scales per (row, group of 128), the per-token activation record; with ``outliers`` (capped at K // 4, as
-    ``--keep-outliers auto``) that many random input channels kept at 8 bits: the main matrix in the permuted
-    column order with the outlier columns zero, the int8 side matrix and its scales."""
+                 group_size: int = GROUP_SIZE, outliers: int = 0, act_bits: int = 4,
+                 reorder: bool = False) -> LayerRecord:
+    """A stored IE-BME W{bits}A{act_bits} layer as ``compress`` writes one (``reorder``: rows reordered per tile
+    by the exact DP, else none): random codes, fp16 scales per (row, group of 128), the per-token activation
+    record; with ``outliers`` (capped at K // 4, as ``--keep-outliers auto``) that many random input channels
+    kept at 8 bits: the main matrix in the permuted column order with the outlier columns zero, the int8 side
+    matrix and its scales."""
     n = min(int(outliers), k // 4)
     codes = random_codes(m, k, sparsity, rng, bits)
     side = None
@@ -244,7 +252,8 @@ def iebme_record(name: str, m: int, k: int, sparsity: float, rng: np.random.Gene
         side_codes = rng.integers(-127, 128, size=(m, n), dtype=np.int8)
         side_scales = (rng.random((m, 1), dtype=np.float32) * 0.0004 + 0.0002).astype(np.float16)
         side = OutlierSide(channels, column_permutation(k, channels), side_codes, side_scales)
-    enc = iebme.encode(codes, bits=bits, tile=(16, 64), areas=(2, 2))
+    perm = reorder_matrix(codes != 0, (16, 64), (2, 2), method="dp")[0] if reorder else None
+    enc = iebme.encode(codes, bits=bits, tile=(16, 64), areas=(2, 2), perm=perm)
     g = -(-k // group_size)
     scales = (rng.random((m, g), dtype=np.float32) * 0.004 + 0.002).astype(np.float16)
     attrs = {"prune": "synthetic", "quant": f"w{bits}a{act_bits}", "bits": bits, "group_size": group_size,
