@@ -328,8 +328,8 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
         if time_budget is not None and not time_budget > 0:
             raise UserError(f"--time-budget must be a positive number of seconds, got {time_budget}")
         log = None if as_json else (lambda msg: click.echo(printable(msg), err=True))
-        data = e2e_command(artifact, spec, batches, contexts, kinds, steps, device or "cuda", out_dir, time_budget,
-                           record=bool(record), log=log, verify=not no_verify)
+        data = e2e_command(opened or artifact, spec, batches, contexts, kinds, steps, device or "cuda", out_dir,
+                           time_budget, record=bool(record), log=log, verify=not no_verify)
         if as_json:
             click.echo(json.dumps(data, indent=2, default=str))
         else:
