@@ -252,7 +252,7 @@ class CompressConfig:
             meta = f.metadata.get("cli")
             if meta is not None and meta["choices"]:
                 allowed = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
-                choice(meta["flags"][0], getattr(self, f.name), tuple(allowed))
+                choice("/".join(meta["flags"]), getattr(self, f.name), tuple(allowed))  # old names too
 
     def _validate_sources(self) -> None:
         """Files the options name, the model source, the context length and the device."""
