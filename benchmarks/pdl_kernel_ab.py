@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import torch
-from unionsparse.kernels import attention, glue, loader, norm_quant
+from unionsparse.kernels import attention, glue, loader, norm_quant, study
 from unionsparse.kernels.cluster_launch import programmatic_launches
 
 KERNELS = Path(loader.__file__).parent
@@ -21,14 +21,10 @@ NAMES = ("attention", "glue", "norm_quant")
 
 
 def use_sources(sources: dict[str, str]) -> None:
-    """Make the launchers compile ``sources[name]`` (a file) instead of kernels/<name>.cu."""
-    real = loader.load_module.__wrapped__ if hasattr(loader.load_module, "__wrapped__") else loader.load_module
-
-    def load(name, expressions=(), source="", options=()):
-        return real(name, expressions, sources.get(name, source), options)
-
-    load.__wrapped__ = real
-    loader.load_module = load
+    """Make the launchers compile ``sources[name]`` (a file) instead of kernels/<name>.cu (study builds,
+    kernels/study.py; a name not in ``sources``: the shipped file)."""
+    for name in NAMES:
+        study.use_build(name, study.Build(source=sources[name]) if name in sources else None)
     for f in (attention._function, glue._functions, norm_quant._functions):
         f.cache_clear()
 

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="tiled_cbc_h200_spmspv_modes.json")
     ap.add_argument("--baseline", action="append", default=[], help="another revision of kernels/"
                     "tiled_cbc_spmspv.cu (repeatable): its split-K and default launches are timed too, labelled "
-                    "/<file stem> (kernels.tiled_cbc_spmspv.use_source)")
+                    "/<file stem> (a study build, kernels/study.py)")
     ap.add_argument("--bits", type=int, choices=(16, 4, 2), default=16,
                     help="values: 16 (fp16) or b-bit codes with fp16 scales per 128 inputs")
     args = ap.parse_args(argv)
@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     import cupy as cp
     import torch
     from unionsparse.compressor.bench.tiled_cbc import SPINFER, bench_spmspv, machine_info
+    from unionsparse.kernels import study
+    from unionsparse.kernels.tiled_cbc_spmspv import KERNEL
 
     t0 = time.time()
 
@@ -85,9 +87,9 @@ def main(argv=None) -> int:
     settings, base = (SETTINGS, BASE) if args.bits == 16 else (SETTINGS_CODES, BASE_CODES)
     cands = [dict(warps=w, stages=s, scale=x, mode=m, streamk=k) for w, s, x, m, k in settings]
     for b in args.baseline:
-        src = str(Path(b).resolve())
-        cands += [dict(warps=4, stages=settings[0][1], scale=1.0, mode=0, streamk=k, source=src, tag=f"/{Path(b).stem}")
-                  for k in (False, None)]
+        build = study.Build(source=str(Path(b).resolve()))
+        cands += [dict(warps=4, stages=settings[0][1], scale=1.0, mode=0, streamk=k, tag=f"/{Path(b).stem}",
+                       within=lambda build=build: study.building(KERNEL, build)) for k in (False, None)]
     res = dict(command="python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
                machine=machine_info(cp, torch), bits=args.bits, settings=[list(s) for s in settings], runs={})
     shapes = SPINFER[:4] if args.quick else SPINFER

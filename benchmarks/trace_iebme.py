@@ -1,10 +1,10 @@
 """Where an IE-BME launch spends its time, from per-CTA %globaltimer stamps (a GPU study, not a benchmark).
 
     python benchmarks/trace_iebme.py [--out DIR] [--ns 1,8] [--shapes 4096x4096,8192x8192,...]
-        [--variants "SOURCE=old.cu;;CLUSTER=0"]  # LaunchSettings overrides, "" = as shipped
+        [--variants "SOURCE=old.cu;;CLUSTER=0"]  # launch_variants.py overrides, "" = as shipped
 
-The kernel is built with LaunchSettings(trace="1"): thread 0 of every CTA records the time at entry, after
-the prologue (the CTA barrier passed, X staged), after warp 0's loop and at exit, and its SM. A CUDA
+The kernel is a study build with IEBME_TRACE=1 (kernels/study.py): thread 0 of every CTA records the time at
+entry, after the prologue (the CTA barrier passed, X staged), after warp 0's loop and at exit, and its SM. A CUDA
 graph of R launches (weights rotated beyond L2, as ``bench``), each with its own trace buffer, is replayed;
 per launch: span (first entry to last exit), the gap to the next launch's first entry, and over CTAs the
 median prologue, loop and exit (split-K reduction) times and how late the last CTA starts and ends.
@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from unionsparse.compressor.bench.kernels import apply_overrides, parse_overrides
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch_variants import apply_overrides, parse_overrides  # noqa: E402 - beside this script
 
 apply_overrides({"TRACE": "1"})  # every variant is built with per-CTA timestamps
 

@@ -3,8 +3,9 @@
     python benchmarks/tune_iebme_warps.py [--out DIR] [--ns 1,2,4,8] [--warps 4,5,6,7,8] [--splits 0]
     python benchmarks/tune_iebme_warps.py --variants "WARPS=8,MINB=5,XBYTES=6144;WARPS=8" ...
 
-A variant sets fields of kernels.iebme_spmm.LaunchSettings (``--warps 4,8`` is short for ``--variants
-"WARPS=4;WARPS=8"``; an empty variant is the shipped default). For each shape and N every variant is timed
+A variant sets fields of kernels.iebme_spmm.LaunchSettings or a study build of the kernel
+(``launch_variants.py``; ``--warps 4,8`` is short for ``--variants "WARPS=4;WARPS=8"``; an empty variant is the
+shipped default). For each shape and N every variant is timed
 (CUDA-graph replays, weights rotated beyond L2) with the chunk ``chunk_for`` picks for it (``--splits 0``)
 or, with ``--splits S``, with each of the S smallest split counts along K that the launch allows; grid,
 chunk and registers are recorded so a launch rule can be fitted offline. Writes DIR/--name (JSON).
@@ -18,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from unionsparse.compressor.bench.kernels import apply_overrides, parse_overrides
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch_variants import apply_overrides, parse_overrides  # noqa: E402 - beside this script
 
 parse_variants = parse_overrides  # the name the command line and tests know
 

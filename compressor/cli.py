@@ -27,12 +27,13 @@ EXIT_BUG = 3
 
 
 class LiveChoice(click.Choice):
-    """A choice whose values ``values()`` gives when the option is parsed (``--format``: the registered formats,
-    so that a format registered after this module was imported is a choice too)."""
+    """A choice whose values ``values()`` gives when the option is parsed or shown, not before (``--format``: the
+    registered formats, so that a format registered after this module was imported is a choice too; ``--to``:
+    ``export.TARGETS``, without importing the exporters until then)."""
 
     def __init__(self, values) -> None:
         self._values = values
-        super().__init__(values())
+        super().__init__(())
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -47,9 +48,38 @@ def FormatChoice() -> LiveChoice:  # noqa: N802 - a click type, as click.Choice
     return LiveChoice(registry.names)
 
 
+def _export_targets() -> tuple[str, ...]:
+    from .export import TARGETS
+
+    return TARGETS
+
+
+class ShownChoice(click.ParamType):
+    """A ``compress`` option's choices in ``--help`` and shell completion, not checked here: the configuration
+    checks them (``CompressConfig.validate_options``), once, whether the value came from a flag, the environment,
+    a recipe or Python. ``choices``: a tuple, or a callable giving it (the registered formats)."""
+
+    name = "choice"
+
+    def __init__(self, choices) -> None:
+        self._choices = choices
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._choices() if callable(self._choices) else self._choices)
+
+    def get_metavar(self, *_args, **_kwargs) -> str:
+        return "[" + "|".join(self.choices) + "]"
+
+    def shell_complete(self, ctx, param, incomplete):
+        from click.shell_completion import CompletionItem
+
+        return [CompletionItem(c) for c in self.choices if c.startswith(incomplete)]
+
+
 def config_options(command):
     """The ``compress`` options, one per ``config.option`` field of CompressConfig, in its order: flags, help,
-    choices and type come from the configuration, which validates the values (docs/cli.md)."""
+    choices and type come from the configuration, which validates the values, choices included (docs/cli.md)."""
     import dataclasses
 
     from .config import CompressConfig
@@ -66,7 +96,7 @@ def config_options(command):
             empty = meta["multiple"] or isinstance(f.default, tuple)  # nothing given: the configuration's ()
             kw["default"] = None if empty else f.default
             kw["show_default"] = f.default is not None and not empty
-            kw["type"] = (LiveChoice(choices) if callable(choices) else click.Choice(choices) if choices
+            kw["type"] = (ShownChoice(choices) if choices
                           else meta["type"] or (type(f.default) if f.default is not None and not empty else None))
         command = click.option(*meta["flags"], f.name, **kw)(command)
     return command
@@ -138,9 +168,9 @@ def compress(model, output, quiet, as_json, **options) -> None:
 
     options["layer_overrides"] = parse_overrides_option(options["layer_overrides"])
     options["targets"], options["ignore"] = tuple(options["targets"]), tuple(options["ignore"])
-    cfg = CompressConfig(model=model, output=output, **options).validate()
+    cfg = CompressConfig(model=model, output=output, **options)
     with Reporter(quiet=quiet or as_json) as rep:
-        summary = run(cfg, rep)
+        summary = run(cfg, rep)  # validates the configuration first, once
     summary["requested_sparsity"] = cfg.requested_sparsity
     if as_json:
         click.echo(json.dumps(summary, indent=2))
@@ -225,11 +255,9 @@ def inspect(artifact, layer, as_json, compare, plot_file, html_file, recipe) -> 
               help="Print {ok, backend, layers, failures, notes, manifest_sha256} as JSON.")
 def verify(artifact, backend, ns, seed, quiet, as_json) -> None:
     """Decode and re-encode every layer and check the kernels on it; exit 1 if any check fails."""
-    from .config import choice
     from .progress import Reporter
     from .verify.checks import verify as run
 
-    choice("--backend", backend, ("auto", "cupy", "cpu"))
     widths = _ns(ns)
     from .artifact.store import Artifact
 
@@ -290,8 +318,6 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
           out_dir, record, as_json, no_verify) -> None:
     """Time the project's kernels beside cuBLAS fp16 (and int8) on the same shapes (needs a GPU); --e2e: whole
     decode steps."""
-    from .config import choice
-
     opened = _check_artifact(artifact, no_verify, every_file=True) if artifact else None
 
     e2e_only = {"--spec": spec, "--batch": batches, "--context": contexts, "--kinds": kinds, "--steps": steps,
@@ -302,8 +328,8 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
         if time_budget is not None and not time_budget > 0:
             raise UserError(f"--time-budget must be a positive number of seconds, got {time_budget}")
         log = None if as_json else (lambda msg: click.echo(printable(msg), err=True))
-        data = e2e_command(artifact, spec, batches, contexts, kinds, steps, device or "cuda", out_dir, time_budget,
-                           record=bool(record), log=log, verify=not no_verify)
+        data = e2e_command(opened or artifact, spec, batches, contexts, kinds, steps, device or "cuda", out_dir,
+                           time_budget, record=bool(record), log=log, verify=not no_verify)
         if as_json:
             click.echo(json.dumps(data, indent=2, default=str))
         else:
@@ -318,7 +344,6 @@ def bench(artifact, shapes, ns, sparsity, fmt, e2e, spec, batches, contexts, kin
 
     if not 0.0 <= sparsity < 1.0:
         raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")
-    choice("--format", fmt, registry.names())
     data = bench_command(opened or artifact, shapes, _ns(ns), sparsity, as_json, fmt=fmt, verify=not no_verify)
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
@@ -386,8 +411,8 @@ def eval_cmd(source, text_path, seqlen, max_windows, tasks, tasks_data, limit, b
 @cli.command()
 @click.argument("artifact")
 @click.option("-o", "--output", required=True, help="Output folder DIR (new, or empty).")
-@click.option("--to", "target", default="hf", show_default=True, type=click.Choice(["hf", "compressed-tensors"]),
-              help="A Hugging Face folder of fp16 weights, or packed int4/int2 codes (export.TARGETS).")
+@click.option("--to", "target", default="hf", show_default=True, type=LiveChoice(_export_targets),
+              help="A Hugging Face folder of fp16 weights, or packed int4/int2 codes.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file, e.g. 500MB.")
 @click.option("--overwrite", is_flag=True, help="Replace DIR if an earlier export wrote it.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON on stdout.")
@@ -395,10 +420,8 @@ def eval_cmd(source, text_path, seqlen, max_windows, tasks, tasks_data, limit, b
               help="Use the artifact without checking its files against its manifest (said on stderr).")
 def export(artifact, output, target, max_shard_size, overwrite, as_json, no_verify) -> None:
     """Write ARTIFACT as a Hugging Face folder or a compressed-tensors checkpoint in DIR."""
-    from .config import choice
-    from .export import EXPORTERS, TARGETS
+    from .export import EXPORTERS
 
-    choice("--to", target, TARGETS)
     _check_artifact(artifact, no_verify, open_now=False)  # the exporter opens it first thing
     res = EXPORTERS[target](artifact, output, overwrite=overwrite, max_shard_size=max_shard_size,
                             verify=not no_verify)

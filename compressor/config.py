@@ -24,9 +24,9 @@ MAX_AUTO_OUTLIERS = 128  # --keep-outliers auto: Atom's 128 channels, at most a 
 def option(default, *flags: str, help: str | None = None, choices=None, type=None, metavar: str | None = None,
            multiple: bool = False):
     """One compress option: the configuration field and its command-line flag in one place. ``cli.py`` builds the
-    ``compress`` command's options from these (flags, help, choices, type), and :meth:`CompressConfig.validate`
-    checks the values whichever way they came (flags, a recipe file, Python). ``choices``: a tuple, or a callable
-    giving it when asked (the registered formats)."""
+    ``compress`` command's options from these (flags, help, choices shown, type), and
+    :meth:`CompressConfig.validate` checks the values, choices included, whichever way they came (flags, a recipe
+    file, Python). ``choices``: a tuple, or a callable giving it when asked (the registered formats)."""
     return dataclasses.field(default=default, metadata={"cli": {
         "flags": flags, "help": help, "choices": choices, "type": type, "metavar": metavar, "multiple": multiple}})
 
@@ -194,13 +194,7 @@ class CompressConfig:
 
     def validate_options(self) -> CompressConfig:
         """The options alone (also each layer's options under the per-layer rules)."""
-        choice("--prune", self.prune, PRUNE_METHODS)
-        choice("--quant", self.quant, tuple(QUANT_MODES))
-        choice("--format", self.format, registry.names())
-        choice("--reorder", self.reorder, REORDER_METHODS)
-        choice("--device", self.device, DEVICES)
-        choice("--sparsity-profile", self.sparsity_profile, SPARSITY_PROFILES)
-        choice("--act-sparsity-profile", self.act_sparsity_profile, ACT_SPARSITY_PROFILES)
+        self._check_choices()
         if not (0.0 <= self.sparsity < 1.0):
             raise UserError(f"--sparsity must lie in [0, 1), got {self.sparsity}")
         if not (0.0 <= self.act_sparsity < 1.0):
@@ -250,6 +244,15 @@ class CompressConfig:
         if self.workers is not None and self.scheduler is not None:
             raise UserError("--workers and --scheduler are exclusive")
         return self
+
+    def _check_choices(self) -> None:
+        """Every option that has choices, against its field's ``choices``: the one check of them (the command line
+        lists them in its help but leaves the check here, whichever way a value came)."""
+        for f in dataclasses.fields(self):
+            meta = f.metadata.get("cli")
+            if meta is not None and meta["choices"]:
+                allowed = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
+                choice("/".join(meta["flags"]), getattr(self, f.name), tuple(allowed))  # old names too
 
     def _validate_sources(self) -> None:
         """Files the options name, the model source, the context length and the device."""
@@ -308,6 +311,7 @@ def _outliers_set(value) -> bool:
 
 
 def choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    """UserError naming ``flag`` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
         raise UserError(f"{flag}: unknown value {value!r} (choose from {', '.join(allowed)})")
 

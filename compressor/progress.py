@@ -61,13 +61,12 @@ class Reporter:
                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                 console=self.console, transient=not sys.stderr.isatty(),
             )
-            self._progress.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._progress is not None:
+        if self._progress is not None and self._progress.live.is_started:
             self._progress.stop()
-            self._progress = None
+        self._progress = None
 
     def note(self, msg: str) -> None:
         log.info(msg)
@@ -76,7 +75,10 @@ class Reporter:
 
     @contextmanager
     def stage(self, description: str, total: int | None) -> Iterator[StageHandle]:
-        """A bar for one stage (``total`` None: a pulsing bar for a stage of unknown length)."""
+        """A bar for one stage (``total`` None: a pulsing bar for a stage of unknown length). The bars start with
+        the first stage: a run that fails its checks before any prints its one line and nothing else."""
+        if self._progress is not None and not self._progress.live.is_started:
+            self._progress.start()
         handle = StageHandle(self._progress, description, total)
         try:
             yield handle

@@ -21,30 +21,31 @@ from pathlib import Path
 import numpy as np
 
 from ..formats.iebme import IEBMEMatrix
-from . import sm_count
+from . import sm_count, study
 from .cluster_launch import launch_ex, programmatic_enabled
 from .errors import KernelError
 from .iebme_reference import check_group_size
 from .loader import compile_source, require_cupy
 
 SOURCE = Path(__file__).with_name("iebme_spmm.cu")
+KERNEL = SOURCE.stem                                         # its name for kernels/study.py
 BT = 4                                                       # tiles per batch (fixed in the .cu)
 WARP_CHOICES = (4, 5, 6, 7, 8, 16)                           # warps (tile rows) per CTA a launch may use
 
 
 @dataclass(frozen=True)
 class LaunchSettings:
-    """How launches are configured. The defaults are the measured ones (H200, docs/kernels.md, "Tuning"); a
-    field left None follows the launch rule. Only benchmarks and studies change them (``use_settings``; the
-    study scripts turn their ``--variants`` into one): the product reads no environment variable.
+    """What the product tunes in a launch. The defaults are the measured ones (H200, docs/kernels.md, "Tuning");
+    a field left None follows the launch rule. Only benchmarks and tests change them (``use_settings``); the
+    product reads no environment variable. Study builds of the kernel (another .cu revision, cp.async rings on
+    sm_90, per-CTA timestamps) are not settings: ``kernels/study.py``.
 
     ``nstage`` ring depth in batches; ``warps`` warps per CTA (None: 8, or 16 where ``plan`` finds fewer
     waves; set, it wins); ``ilp`` tiles decoded back to back (None: 2 for N <= 16, 4 above); ``minb`` min
     CTAs per SM for the register allocator (0: none); ``x_bytes`` shared bytes for a chunk's X codes (None:
     ``X_BUDGET`` per 8 warps); ``cluster`` largest split-K run as one thread-block cluster (None:
     ``CLUSTER_UP_TO``; 0 never); ``pdl`` programmatic dependent launch on sm_90 (the prologue's weight loads
-    overlap the kernel before; None: on where the GPU has it). Studies only: ``tma`` "0" builds cp.async rings on
-    sm_90 too, ``trace`` "1" per-CTA timestamps (``launch(trace=...)``), ``source`` another revision of the .cu."""
+    overlap the kernel before; None: on where the GPU has it)."""
 
     nstage: int = 2
     warps: int | None = None
@@ -53,9 +54,6 @@ class LaunchSettings:
     x_bytes: int | None = None
     cluster: int | None = None
     pdl: bool | None = None
-    tma: str = ""
-    trace: str = ""
-    source: str = ""
 
     def __post_init__(self) -> None:
         if self.warps is not None and self.warps not in WARP_CHOICES:
@@ -128,26 +126,26 @@ def kernel_name(bits: int, nt: int, perm: bool, debug: bool) -> str:
 
 
 def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int = 0):
-    """The compiled kernel of one variant (with the study fields of the settings in force)."""
-    st = settings()
-    return _compiled(bits, nt, perm, debug, nstage, warps, ilp, minb, st.tma, st.trace, st.source, programmatic())
+    """The compiled kernel of one variant, of the build in force (``study.build``: the shipped one unless a study
+    set another)."""
+    return _compiled(bits, nt, perm, debug, nstage, warps, ilp, minb, study.build(KERNEL), programmatic())
 
 
 def programmatic() -> bool:
-    """Whether launches are programmatic dependent launches (``LaunchSettings.pdl``; sm_90 with bulk-copy rings)."""
+    """Whether launches are programmatic dependent launches (``LaunchSettings.pdl``; sm_90 with bulk-copy rings,
+    which a study build with ``IEBME_TMA=0`` replaces)."""
     st = settings()
-    able = programmatic_enabled() and st.tma != "0"
+    able = programmatic_enabled() and study.build(KERNEL).define("IEBME_TMA", 1) != 0
     return able if st.pdl is None else bool(st.pdl) and able
 
 
 @cache
 def _compiled(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int,
-              tma: str, trace: str, source: str, pdl: bool = False):
+              build: study.Build = study.SHIPPED, pdl: bool = False):
     name = kernel_name(bits, nt, perm, debug)
-    code = Path(source or SOURCE).read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
+    code = Path(build.source or SOURCE).read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
     opts = (f"-DIEBME_NSTAGE={nstage}", f"-DIEBME_WARPS={warps}", f"-DIEBME_ILP={ilp}",
-            f"-DIEBME_MINB={minb}", f"-DIEBME_PDL={int(pdl)}")
-    opts += tuple(f"-DIEBME_{k}={int(v)}" for k, v in (("TMA", tma), ("TRACE", trace)) if v)
+            f"-DIEBME_MINB={minb}", f"-DIEBME_PDL={int(pdl)}") + build.options()
     fn = compile_source(code, opts).get_function(name)
     fn.max_dynamic_shared_size_bytes = SMEM_CTA - static_smem(nstage, warps)
     fn.preferred_shared_memory_carveout = 100  # all of L1 as shared memory: the most CTAs per SM
@@ -417,9 +415,9 @@ def _side_args(layer: DeviceLayer, side: Side | None, n0: int) -> tuple:
 def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=None, stream=None,
            trace=None, side: Side | None = None) -> None:
     """Launch on prepared inputs (``prepare_x``); writes y fp16 [N, M] or, with ``partial``, int32 sums.
-    ``side``: the outlier side product added before the rounding. ``trace`` (uint64 [CTAs, 5], a kernel built
-    with ``LaunchSettings(trace="1")``, N <= 32) receives per CTA %globaltimer at entry, after the prologue, after
-    warp 0's loop, at exit, and the SM id."""
+    ``side``: the outlier side product added before the rounding. ``trace`` (uint64 [CTAs, 5], N <= 32): the
+    buffer a study build with ``IEBME_TRACE=1`` (``kernels/study.py``) writes per CTA %globaltimer at entry, after
+    the prologue, after warp 0's loop, at exit, and the SM id to, in the slot of ``partial``."""
     n = x.shape[0]
     m, _ = layer.shape
     debug = partial is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+from . import study
 from .errors import KernelError
 
 KERNEL_DIR = Path(__file__).resolve().parent  # the .cu sources and fp16.cuh
@@ -45,6 +46,9 @@ def compile_source(code: str, options: tuple[str, ...] = (), expressions: tuple[
 
 
 def load_module(name: str, expressions: tuple[str, ...] = (), source: str = "", options: tuple[str, ...] = ()):
-    """``kernels/<name>.cu`` (or the file ``source``, another revision of it, for same-process A/B timings)
-    compiled for the current device by :func:`compile_source`."""
-    return compile_source(Path(source or KERNEL_DIR / f"{name}.cu").read_text(), tuple(options), tuple(expressions))
+    """``kernels/<name>.cu`` compiled for the current device by :func:`compile_source`, as the study build in
+    force for ``name`` has it (``kernels/study.py``: the shipped file and options unless a study set another
+    revision or macros); ``source``: another revision of the file for this call."""
+    build = study.build(name)
+    path = source or build.source or KERNEL_DIR / f"{name}.cu"
+    return compile_source(Path(path).read_text(), (*options, *build.options()), tuple(expressions))

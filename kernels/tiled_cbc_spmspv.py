@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import sm_count
+from . import sm_count, study
 from .errors import KernelError
 from .loader import load_module, require_cupy
 from .tiled_cbc_device import TILE, DeviceTiledCBC
@@ -29,27 +29,15 @@ _EXPR = (
 # pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200), 2 = two 16-byte LDS +
 # register shifts (slower)
 DEFAULT_MODES = {16: 3, 4: 0, 2: 0}  # the launcher's decode per value type
-_SMEM_SET: dict[str, int] = {}
+_SMEM_SET: dict[tuple[study.Build, str], int] = {}
 SMEM_PER_SM = 227 * 1024
 
 
-_study_source = ""  # studies only: another revision of the .cu (same launch ABI), set by use_source
-
-
-def use_source(path: str | None) -> str:
-    """Compile the spMspV kernels from ``path`` instead of the shipped .cu (None or "": the shipped one); for
-    same-process timings of two revisions. Returns the path it replaced."""
-    global _study_source
-    old, _study_source = _study_source, str(path or "")
-    return old
-
-
-def _source() -> str:
-    return _study_source
+KERNEL = "tiled_cbc_spmspv"  # the .cu file's stem; studies time other revisions of it through kernels/study.py
 
 
 def _module():
-    return load_module("tiled_cbc_spmspv", _EXPR, _source())
+    return load_module(KERNEL, _EXPR)
 
 
 def v2_slot_bytes(dev: DeviceTiledCBC) -> int:
@@ -179,7 +167,7 @@ def spmspv(
         nparts = grid[0]
     name = f"tcbc_spmspv2<{bits}, {warps}, {stages}" + (">" if mode == 0 else f", {mode}>")
     f = _module().get_function(name)
-    key = f"{_source()}:{name}"
+    key = (study.build(KERNEL), name)
     if _SMEM_SET.get(key, -1) < smem:  # once per size: no driver call while a graph is captured
         f.max_dynamic_shared_size_bytes = smem
         _SMEM_SET[key] = smem

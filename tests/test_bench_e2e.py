@@ -153,6 +153,31 @@ def test_artifact_runs_beside_its_fp16_and_w4a16_peers(reference_artifact):
     assert art["speedup_vs_fp16"] is not None and art["speedup_vs_w4a16"] is not None
 
 
+def test_cli_opens_the_artifact_once(reference_artifact, monkeypatch):
+    """`bench --e2e ARTIFACT` checks and opens the artifact once and runs that one (no second open), every file's
+    hash checked once."""
+    from unionsparse.compressor.artifact.store import Artifact
+
+    opened, checked = [], []
+    real_init, real_check = Artifact.__init__, Artifact.check_files
+
+    def init(self, *a, **k):
+        opened.append(a[0] if a else k.get("path"))
+        real_init(self, *a, **k)
+
+    def check(self, *a, **k):
+        checked.append(self.path)
+        return real_check(self, *a, **k)
+
+    monkeypatch.setattr(Artifact, "__init__", init)
+    monkeypatch.setattr(Artifact, "check_files", check)
+    code, out, err = _main("bench", "--e2e", str(reference_artifact), "--device", "cpu", "--batch", "1",
+                           "--context", "6", "--steps", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["kinds"] == ["artifact", "fp16", "w4a16"]
+    assert [str(p) for p in opened] == [str(reference_artifact)] and len(checked) == 1
+
+
 # ----------------------------------------------------------------------------------- each peer's arithmetic
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -198,6 +199,46 @@ def test_bad_input_one_line_exit_2(tmp_path, model_dirs, llama_artifact, run_cli
         line = only_line(r.err)
         assert needle in line, (args, line)
         assert not (tmp_path / "o.zarr").exists() and not (tmp_path / "o.zarr.partial").exists(), args
+
+
+def test_choices_live_in_one_place_and_are_checked_once(tmp_path, model_dirs, llama_artifact, run_cli, monkeypatch):
+    """compress: each option with choices lists its configuration field's choices and leaves the check to the
+    configuration, which a run validates once; every command: a bad choice is one line naming the option, exit 2."""
+    import dataclasses
+
+    from unionsparse.compressor import cli, config
+    from unionsparse.compressor.errors import UserError
+    from unionsparse.compressor.pipeline import compress as pipeline
+
+    fields = {f.name: f.metadata["cli"] for f in dataclasses.fields(config.CompressConfig) if f.metadata.get("cli")}
+    params = {p.name: p for p in cli.compress.params}
+    with_choices = [name for name, meta in fields.items() if meta["choices"]]
+    assert {"prune", "quant", "format", "reorder", "device", "sparsity_profile"} <= set(with_choices)
+    for name in with_choices:
+        meta = fields[name]
+        choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
+        assert params[name].type.choices == tuple(choices), name
+        assert params[name].type.convert("bogus", params[name], None) == "bogus", name  # shown, not checked...
+        with pytest.raises(UserError, match=re.escape(f"{'/'.join(meta['flags'])}: unknown value 'bogus'")):
+            config.CompressConfig(model="m", output="o", **{name: "bogus"}).validate_options()  # ...but here
+    model, o = model_dirs["llama"], tmp_path / "o.zarr"
+    for args, flag in ((["compress", model, "-o", o, "--reorder", "greedy"], "--reorder"),
+                       (["compress", model, "-o", o, "--dp-profile", "greedyish"], "--act-sparsity-profile"),
+                       (["bench", "--format", "csr"], "--format"), (["bench", "--shapes", "all"], "--shapes"),
+                       (["export", llama_artifact, "-o", o, "--to", "onnx"], "--to"),
+                       (["generate", llama_artifact, "--device", "tpu"], "--device")):
+        r = run_cli(*args)
+        assert r.code == 2 and flag in only_line(r.err), (args, r.err)
+    validated = []
+    real = config.CompressConfig.validate
+    monkeypatch.setattr(config.CompressConfig, "validate", lambda self: validated.append(1) or real(self))
+
+    def stop(*_a, **_k):
+        raise UserError("stopped after validation")
+
+    monkeypatch.setattr(pipeline, "_compress", stop)
+    r = run_cli("compress", model, "-o", o, "--quiet")
+    assert r.code == 2 and "stopped after validation" in only_line(r.err) and validated == [1]
 
 
 def test_nan_weights_rejected_and_nothing_left(tmp_path, model_dirs, run_cli):

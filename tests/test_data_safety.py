@@ -362,7 +362,7 @@ def test_model_path_is_stored_absolute(tmp_path, model_dirs, run_cli, monkeypatc
 
 def test_help_lists_choices_and_bad_choice_is_one_line(run_cli, tmp_path, model_dirs):
     r = run_cli("compress", "--help")
-    for choices in ("[wanda|sparsegpt|magnitude|none]", "[w4a4|w2a4|w4a16|none]", "[ie-bme|tiled-cbc]",
+    for choices in ("[wanda|sparsegpt|magnitude|none]", "[w4a4|w2a4|w4a8|w2a8|w4a16|none]", "[ie-bme|tiled-cbc]",
                     "[auto|dp|cpsat|none]", "[cpu|cuda]"):
         assert choices in r.out, choices
     refused(run_cli("compress", model_dirs["llama"], "-o", tmp_path / "x.zarr", "--prune", "bogus"), "--prune")

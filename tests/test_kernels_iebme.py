@@ -115,6 +115,7 @@ def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
 
     from unionsparse.kernels import cluster_launch as cl
     from unionsparse.kernels import iebme_spmm as ks
+    from unionsparse.kernels import study
 
     assert ctypes.sizeof(cl.LaunchAttribute) == 72 and cl.LaunchAttribute.x.offset == 8
     assert cl.LaunchConfig.hStream.offset == 32 and cl.LaunchConfig.numAttrs.offset == 48
@@ -141,9 +142,11 @@ def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
     with cl.programmatic_launches(False):
         assert not ks.programmatic() and not cl.programmatic_enabled()
     assert ks.programmatic()
-    for off in (ks.LaunchSettings(pdl=False), ks.LaunchSettings(tma="0")):
-        monkeypatch.setattr(ks, "_settings", off)
-        assert not ks.programmatic()
+    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings(pdl=False))
+    assert not ks.programmatic()
+    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings())
+    monkeypatch.setitem(study._builds, ks.KERNEL, study.Build(defines=(("IEBME_TMA", 0),)))  # cp.async rings
+    assert not ks.programmatic()
     attr = cl.LaunchAttribute(id=cl.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, x=1)
     assert bytes(attr)[:12] == bytes([6, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0])  # cuda.h: id 6, the int at byte 8
 
@@ -178,25 +181,104 @@ def test_launch_plan_takes_wide_ctas_only_when_they_need_fewer_waves(monkeypatch
     assert not ks.single_chunk(layer, 8)  # 128 tiles of K never fit one chunk (at most 124)
 
 
+def _launch_variants():
+    """``benchmarks/launch_variants.py``, the IE-BME studies' variant strings (not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "launch_variants.py"
+    spec = importlib.util.spec_from_file_location("launch_variants", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_study_overrides_parse_and_set_the_launch_settings(monkeypatch):
-    """``parse_overrides`` / ``apply_overrides`` (the launch studies' variants): keys upper-cased, an empty item
-    is the default, unknown keys refused; a variant replaces the launch settings in force (kept fields stay,
-    every other field returns to its default); no environment variable is read or written."""
+    """``parse_overrides`` / ``apply_overrides`` (the launch studies' variants, in benchmarks/): keys upper-cased,
+    an empty item is the default, unknown keys refused; a variant replaces the launch settings and the kernel's
+    study build in force (kept keys stay, every other one returns to its default); no environment variable is
+    read or written."""
     import argparse
     import os
 
-    from unionsparse.compressor.bench.kernels import apply_overrides, parse_overrides
+    from unionsparse.kernels import iebme_spmm as ks
+    from unionsparse.kernels import study
+
+    lv = _launch_variants()
+    assert lv.parse_overrides("warps=16, xbytes=32768;") == [{"WARPS": "16", "XBYTES": "32768"}, {}]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown launch setting"):
+        lv.parse_overrides("WRAPS=8")
+    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings(ilp=4))
+    monkeypatch.setattr(ks, "programmatic_enabled", lambda: True)  # an sm_90 GPU
+    monkeypatch.setattr(study, "_builds", {ks.KERNEL: study.Build(defines=(("IEBME_TRACE", 1),))})
+    env = dict(os.environ)
+    assert lv.apply_overrides({"WARPS": "16"}, keep=("TRACE",)) == "WARPS=16"
+    assert ks.settings() == ks.LaunchSettings(warps=16) and ks.config(1)[1] == 16
+    assert study.build(ks.KERNEL) == study.Build(defines=(("IEBME_TRACE", 1),))
+    assert lv.apply_overrides({"TMA": "0", "TRACE": "1", "SOURCE": "old.cu", "PDL": "0"}) != "default"
+    assert study.build(ks.KERNEL) == study.Build("old.cu", (("IEBME_TMA", 0), ("IEBME_TRACE", 1)))
+    assert ks.settings() == ks.LaunchSettings(pdl=False) and not ks.programmatic()
+    assert lv.apply_overrides({}) == "default" and ks.settings() == ks.LaunchSettings()
+    assert study.build(ks.KERNEL) == study.SHIPPED and study._builds == {}
+    assert dict(os.environ) == env
+
+
+def test_launch_settings_hold_only_what_the_product_tunes():
+    """The product's launch settings are the tuned fields; study builds (another .cu, macros) live in
+    kernels/study.py, and nothing but the studies in benchmarks/ and the tests puts one in force."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
     from unionsparse.kernels import iebme_spmm as ks
 
-    assert parse_overrides("warps=16, xbytes=32768;") == [{"WARPS": "16", "XBYTES": "32768"}, {}]
-    with pytest.raises(argparse.ArgumentTypeError, match="unknown launch setting"):
-        parse_overrides("WRAPS=8")
-    monkeypatch.setattr(ks, "_settings", ks.LaunchSettings(trace="1", ilp=4))
-    env = dict(os.environ)
-    assert apply_overrides({"WARPS": "16"}, keep=("TRACE",)) == "WARPS=16"
-    assert ks.settings() == ks.LaunchSettings(warps=16, trace="1") and ks.config(1)[1] == 16
-    assert apply_overrides({}) == "default" and ks.settings() == ks.LaunchSettings()
-    assert dict(os.environ) == env
+    tuned = {"nstage", "warps", "ilp", "minb", "x_bytes", "cluster", "pdl"}
+    assert {f.name for f in dataclasses.fields(ks.LaunchSettings)} == tuned
+    root = Path(__file__).resolve().parents[1]
+    setters = re.compile(r"\b(use_build|building)\(|_builds\[")
+    product = [p for d in ("kernels", "compressor", "formats", "solvers") for p in (root / d).rglob("*.py")]
+    found = [str(p.relative_to(root)) for p in product if p.name != "study.py" and setters.search(p.read_text())]
+    assert found == []
+
+
+def test_study_builds_compile_apart_from_the_shipped_kernels(monkeypatch, tmp_path):
+    """A study build (another revision of the .cu, extra macros) compiles its own kernel, under its own cache
+    key, and the shipped build comes back unchanged once the study ends; the one module loader does the same
+    for every other kernel."""
+    from types import SimpleNamespace
+
+    from unionsparse.kernels import iebme_spmm as ks
+    from unionsparse.kernels import loader, study
+
+    compiled = []
+
+    def fake_compile(code, options=(), expressions=()):
+        compiled.append((code, tuple(options)))
+        return SimpleNamespace(get_function=lambda name: SimpleNamespace(name=name, n=len(compiled)))
+
+    monkeypatch.setattr(ks, "compile_source", fake_compile)
+    monkeypatch.setattr(loader, "compile_source", fake_compile)
+    monkeypatch.setattr(ks, "programmatic", lambda: False)
+    ks._compiled.cache_clear()
+    try:
+        shipped = ks._kernel(4, 1, False, False, 2, 8, 2)
+        other = tmp_path / "iebme_old.cu"
+        other.write_text("// an older revision\n" + ks.SOURCE.read_text())
+        with study.building(ks.KERNEL, study.Build(str(other), (("IEBME_TRACE", 1),))):
+            traced = ks._kernel(4, 1, False, False, 2, 8, 2)
+        assert ks._kernel(4, 1, False, False, 2, 8, 2) is shipped and len(compiled) == 2
+    finally:
+        ks._compiled.cache_clear()
+    assert traced is not shipped
+    (code0, opts0), (code1, opts1) = compiled
+    assert code1.startswith("// an older revision\n") and code0 == ks.SOURCE.read_text() + "\nIEBME_ENTRY(4, 1, 0, 0)\n"
+    assert "-DIEBME_TRACE=1" in opts1 and not any("TRACE" in o for o in opts0)
+    assert opts1[: len(opts0)] == opts0
+    with study.building("glue", study.Build(str(other), (("X", 3),))):
+        loader.load_module("glue")
+    loader.load_module("glue")
+    assert compiled[2][0].startswith("// an older revision") and compiled[2][1] == ("-DX=3",)
+    assert compiled[3] == ((loader.KERNEL_DIR / "glue.cu").read_text(), ())
 
 
 def test_check_layer_cpu_passes_and_catches_corruption():
@@ -286,11 +368,12 @@ def test_gpu_ring_variants_and_trace(monkeypatch, env):
     output, the cluster path the same bits on every run; a trace build writes ordered per-CTA timestamps
     and the same output."""
     import cupy as cp
-    from unionsparse.compressor.bench.kernels import apply_overrides
     from unionsparse.kernels import iebme_spmm as ks
+    from unionsparse.kernels import study
 
     monkeypatch.setattr(ks, "_settings", ks.settings())
-    apply_overrides(env)
+    monkeypatch.setattr(study, "_builds", dict(study._builds))
+    _launch_variants().apply_overrides(env)
     rng = np.random.default_rng(21)
     m, k, gs = 100, 2300, 128
     _, mat = random_layer(rng, m, k, 4, perm="random")

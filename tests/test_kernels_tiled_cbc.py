@@ -392,9 +392,9 @@ def test_gpu_spmspv_copy_paths(defines, tmp_path, monkeypatch):
     src = tmp_path / "variant.cu"
     kernel = Path(__file__).resolve().parents[1] / "kernels" / "tiled_cbc_spmspv.cu"
     src.write_text(defines + "\n" + kernel.read_text())
-    from unionsparse.kernels import tiled_cbc_spmspv
+    from unionsparse.kernels import study, tiled_cbc_spmspv
 
-    monkeypatch.setattr(tiled_cbc_spmspv, "_study_source", str(src))
+    monkeypatch.setitem(study._builds, tiled_cbc_spmspv.KERNEL, study.Build(source=str(src)))
     rng = np.random.default_rng(17)
     for bits in (16, 4):
         if bits == 16:

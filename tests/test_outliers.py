@@ -209,7 +209,7 @@ def test_outlier_check_catches_a_wrong_side_matrix():
 @pytest.mark.parametrize("flags, words", [
     (("--keep-outliers", "-1"), "non-negative"),
     (("--keep-outliers", "many"), "auto or a non-negative integer"),
-    (("--keep-outliers", "16", "--quant", "w4a16"), "w4a4 or w2a4"),
+    (("--keep-outliers", "16", "--quant", "w4a16"), "w4a4, w2a4, w4a8 or w2a8"),
     (("--keep-outliers", "16", "--format", "tiled-cbc"), "ie-bme"),
     (("--keep-outliers", "128"), "need N < K"),
 ])

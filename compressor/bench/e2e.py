@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..artifact.store import Artifact
 from ..errors import UserError
 from ..files import atomic_write, environment_errors
 from .e2e_models import GPU_SPECS, GROUP_MEMBERS, GROUPS, SPECS, ModelSpec, build_model, clear_groups, install_group
@@ -823,14 +824,15 @@ def write_results(res: dict, out_dir: str | Path) -> Path:
 # ------------------------------------------------------------------------------------------- the command
 
 
-def e2e_command(artifact: str | None = None, specs: str | None = None, batches: str | None = None,
+def e2e_command(artifact: str | Artifact | None = None, specs: str | None = None, batches: str | None = None,
                 contexts: str | None = None, kinds: str | None = None, steps: int | None = None,
                 device: str = "cuda", out_dir: str | None = None, time_budget: float | None = None,
                 hf_generate: bool = True, checks: bool = True, seed: int = 0, record: bool = False,
                 log: Callable[[str], None] | None = None, verify: bool = True) -> dict:
-    """What `unionsparse bench --e2e` runs; returns the result (see the module docstring). ``record``: keep the
-    artifact's time per token beside it (``OUT.zarr.figures.json``, shown by ``inspect``; GPU only). ``verify``:
-    the artifact's files are checked against its manifest as they are read."""
+    """What `unionsparse bench --e2e` runs; returns the result (see the module docstring). ``artifact``: a path, or
+    the Artifact the command opened (used as it is: opened once). ``record``: keep the artifact's time per token
+    beside it (``OUT.zarr.figures.json``, shown by ``inspect``; GPU only). ``verify``: the artifact's files are
+    checked against its manifest as they are read (a path only)."""
     if device not in ("cuda", "cpu"):
         raise UserError(f"--device: unknown value {device!r} (choose from cuda, cpu)")
     if record and artifact is None:
@@ -872,8 +874,8 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
         "machine": machine_info(dev), "peak_bw": PEAK_BW,
         "settings": {"batches": batch_list, "contexts": context_list, "steps": steps, "repeats": repeats,
                      "seed": seed, "time_budget_s": time_budget, "group_size": GROUP_SIZE},
-        "kinds": [ARTIFACT_KIND, *BASELINES] if artifact else list(kind_list),
-        "kind_labels": {k: KINDS[k].as_dict() for k in (BASELINES if artifact else kind_list)},
+        "kinds": [ARTIFACT_KIND, *BASELINES] if artifact is not None else list(kind_list),
+        "kind_labels": {k: KINDS[k].as_dict() for k in (BASELINES if artifact is not None else kind_list)},
         "models": [], "rows": [], "hf_generate": [], "checks": [], "errors": [], "skipped": [],
     }
     partial = None
@@ -914,7 +916,7 @@ def e2e_command(artifact: str | None = None, specs: str | None = None, batches: 
     res["wall_s"] = time.perf_counter() - t_start
     res.pop("_save", None)
     if record:
-        res["recorded_to"] = str(record_speed(artifact, res))
+        res["recorded_to"] = str(record_speed(str(getattr(artifact, "path", artifact)), res))
     if out_dir is not None:
         res["written_to"] = str(write_results(res, out_dir))
         partial.unlink(missing_ok=True)
@@ -1128,8 +1130,8 @@ def artifact_spec(model: nn.Module, name: str) -> ModelSpec:
 def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_generate, seed, deadline,
                   say, verify: bool = True) -> None:
     """The artifact's own model (its stored layers as the runtime runs them: one launch per stored linear), then
-    fp16 and W4A16 peers built from its decoded layers (Q/K/V and gate/up stacked)."""
-    from ..artifact.store import Artifact
+    fp16 and W4A16 peers built from its decoded layers (Q/K/V and gate/up stacked). ``path``: a path or an opened
+    Artifact."""
     from ..model.rebuild import layer_weight
     from ..runtime import load
     from ..runtime.decoder import StaticDecoder
@@ -1138,7 +1140,8 @@ def _run_artifact(res, path, dev, batch_list, context_list, steps, repeats, hf_g
     from .e2e_models import snapshot_linears
 
     t0 = time.perf_counter()
-    art = Artifact(path, verify=verify)
+    art = path if isinstance(path, Artifact) else Artifact(path, verify=verify)
+    path = art.path
     rt = load(art, device=dev.type, fuse=True)  # Q/K/V and gate/up stacked, as for every peer
     model = rt.model
     why = StaticDecoder.unsupported(model)

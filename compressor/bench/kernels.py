@@ -9,7 +9,6 @@ time is the IE-BME kernel's bytes over ``PEAK_BW``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 
@@ -34,45 +33,6 @@ MODELS = {  # (hidden, intermediate, kv width) -> projections (M, K)
     "qwen2-7b": (3584, 18944, 512),
     "llama3-8b": (4096, 14336, 1024),
 }
-
-
-# study variant keys -> LaunchSettings fields (the keys the UNIONSPARSE_IEBME_* variables of earlier studies had)
-OVERRIDE_FIELDS = {"NSTAGE": "nstage", "WARPS": "warps", "ILP": "ilp", "MINB": "minb", "XBYTES": "x_bytes",
-                   "CLUSTER": "cluster", "PDL": "pdl", "TMA": "tma", "TRACE": "trace", "SOURCE": "source"}
-
-
-def parse_overrides(text: str) -> list[dict[str, str]]:
-    """Launch variants for the IE-BME studies: ``"WARPS=8,MINB=5;"`` -> [{"WARPS": "8", "MINB": "5"}, {}]
-    (an empty item is the shipped default); each key names a ``LaunchSettings`` field (``OVERRIDE_FIELDS``)."""
-    out = []
-    for item in text.split(";"):
-        kv = [p.split("=", 1) for p in item.split(",") if p.strip()]
-        if any(len(p) != 2 for p in kv):
-            raise argparse.ArgumentTypeError(f"a variant is KEY=VALUE[,KEY=VALUE...], got {item!r}")
-        variant = {k.strip().upper(): v.strip() for k, v in kv}
-        unknown = sorted(set(variant) - set(OVERRIDE_FIELDS))
-        if unknown:
-            raise argparse.ArgumentTypeError(
-                f"unknown launch setting {unknown[0]} (known: {', '.join(OVERRIDE_FIELDS)})")
-        out.append(variant)
-    return out
-
-
-def apply_overrides(variant: dict[str, str], keep: tuple[str, ...] = ()) -> str:
-    """Put the IE-BME launch settings of ``variant`` in force (fields named in ``keep`` keep their current value,
-    every other field its default); returns the variant's label."""
-    from dataclasses import fields
-
-    from ...kernels import iebme_spmm
-
-    current = iebme_spmm.settings()
-    values = {OVERRIDE_FIELDS[k]: getattr(current, OVERRIDE_FIELDS[k]) for k in keep}
-    for key, val in variant.items():
-        name = OVERRIDE_FIELDS[key]
-        typ = {f.name: f.type for f in fields(iebme_spmm.LaunchSettings)}[name]
-        values[name] = val if "str" in str(typ) else int(val)
-    iebme_spmm.use_settings(iebme_spmm.LaunchSettings(**values))
-    return ",".join(f"{key}={val}" for key, val in variant.items()) or "default"
 
 
 def spinfer_shapes() -> list[tuple[str, int, int]]:

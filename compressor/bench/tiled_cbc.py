@@ -19,6 +19,7 @@ library code only). ``bench_rows`` is the entry point for ``unionsparse bench --
 
 from __future__ import annotations
 
+import contextlib
 import math
 import platform
 import subprocess
@@ -223,9 +224,10 @@ def spmspv_candidates(bits: int = 16, full: bool = True) -> list[dict]:
 def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=float("inf"), reps=5, bits=16,
                  group=128):
     """spMspV rows beside cuBLAS fp16 GEMV on the same shape: fp16 values (``bits`` 16) or random nonzero b-bit
-    codes with fp16 scales per ``group`` inputs (the kernel's W4A16 / W2A16 path)."""
+    codes with fp16 scales per ``group`` inputs (the kernel's W4A16 / W2A16 path). A candidate's ``within``, if
+    given, makes the context it is checked and timed in (a study's kernel build, ``kernels/study.py``)."""
     from ...kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device
-    from ...kernels.tiled_cbc_spmspv import bytes_read, spmspv, use_source, v2_default_chunk, v2_default_config
+    from ...kernels.tiled_cbc_spmspv import bytes_read, spmspv, v2_default_chunk, v2_default_config
     from ..activation_sparsity.thresholds import tau_from_samples
 
     candidates = spmspv_candidates(bits) if candidates is None else candidates
@@ -287,16 +289,15 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
                 tag = {False: "", True: "/sk", None: "/auto"}[sk] + cand.get("tag", "")  # split-K, stream-K, rule
                 key = f"w{w}/d{st}/c{chunk}/m{md}{tag}"
                 kw = dict(chunk=chunk or None, stages=st, warps=w, mode=md, streamk=sk, scale=cand["scale"])
-                saved = use_source(cand.get("source"))  # e.g. another revision of the .cu
-                yc = cp.full(M, cp.nan, dtype=cp.float32)
-                spmspv(dev0, x, tau, out=yc, **kw)
-                rc = float(cp.linalg.norm(yc - ref) / cp.linalg.norm(ref))
+                with cand.get("within", contextlib.nullcontext)():  # a study's: e.g. another revision of the .cu
+                    yc = cp.full(M, cp.nan, dtype=cp.float32)
+                    spmspv(dev0, x, tau, out=yc, **kw)
+                    rc = float(cp.linalg.norm(yc - ref) / cp.linalg.norm(ref))
 
-                def run(i, kw=kw, devs=devs, x=x, tau=tau, out=out):
-                    return spmspv(devs[i % len(devs)], x, tau, out=out, **kw)
+                    def run(i, kw=kw, devs=devs, x=x, tau=tau, out=out):
+                        return spmspv(devs[i % len(devs)], x, tau, out=out, **kw)
 
-                t = time_graph_cupy(cp, run, L, reps) if rc < 1e-4 else None  # a wrong result is never timed
-                use_source(saved)
+                    t = time_graph_cupy(cp, run, L, reps) if rc < 1e-4 else None  # a wrong result is never timed
                 if t is None:  # (the strict bound is in gpu_check)
                     bad[key] = rc
                     log(f"  candidate {key}: rel err {rc:.1e}, skipped")
