@@ -182,8 +182,9 @@ struct Hdr {
 
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
-// MODE 0: per set bit one predicated 2-byte LDS or code (8 per lane and column). MODE 2 (fp16): two 16-byte LDS
-// per lane and column + register shifts (fewer shared-memory wavefronts, more ALU). MODE 3 (fp16): as MODE 0 but two columns per pass, a half-warp per column and 16 rows per lane.
+// MODE 0: per set bit one predicated 2-byte LDS or code (8 per lane and column). MODE 3 (fp16): as MODE 0 but
+// two columns per pass, a half-warp per column and 16 rows per lane. (MODE 2, a wide decode of two 16-byte LDS and
+// register shifts, was slower and is gone: docs/kernels.md, "Tried and rejected".)
 template <int BITS, int NW, int D, int MODE = 0>
 __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
     const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
@@ -388,36 +389,7 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 const u32 w32 = *reinterpret_cast<const u32*>(bm + e.y);
                 const int rank = (int)__byte_perm(pc, 0u, bsel) + __popc(w32 & below);
                 const u32 byte = (w32 >> sh) & 0xFFu;
-                if (BITS == 16 && MODE == 2) {
-                    // wide decode: two conflict-free LDS.128 hold the lane's <= 8 values (16 halves from the
-                    // aligned chunk of its first value), a 3-stage shifter aligns them, and each set bit
-                    // consumes the lowest half of a shift register (only the registers still needed shift).
-                    const int s = (int)(e.w >> 1) + rank;
-                    const uint4* vc = reinterpret_cast<const uint4*>(slot + H::VOFF) + (s >> 3);
-                    const uint4 A = vc[0], B = vc[1];
-                    const int o = s & 7;
-                    const u32 R[8] = {A.x, A.y, A.z, A.w, B.x, B.y, B.z, B.w};
-                    u32 S[6], T[5], Q[4];
-#pragma unroll
-                    for (int t = 0; t < 6; ++t) S[t] = (o & 4) ? R[t + 2] : R[t];
-#pragma unroll
-                    for (int t = 0; t < 5; ++t) T[t] = (o & 2) ? S[t + 1] : S[t];
-                    const u32 fs = (u32)(o & 1) * 16u;
-#pragma unroll
-                    for (int t = 0; t < 4; ++t) Q[t] = __funnelshift_r(T[t], T[t + 1], fs);
-#pragma unroll
-                    for (int r = 0; r < 8; ++r) {
-                        if (byte & (1u << r)) {
-                            acc[r] = fmaf(h2f((u16)(Q[0] & 0xFFFFu)), xk, acc[r]);
-                            const int need = 7 - r;  // halves rows r+1..7 can still take (positions 0..need-1)
-#pragma unroll
-                            for (int t = 0; t < 4; ++t) {
-                                if (t < 3 && 2 * t + 1 < need) Q[t] = __funnelshift_r(Q[t], Q[t < 3 ? t + 1 : 3], 16);
-                                else if (2 * t < need) Q[t] >>= 16;
-                            }
-                        }
-                    }
-                } else if (BITS == 16) {
+                if (BITS == 16) {
                     const u16* v = reinterpret_cast<const u16*>(slot + H::VOFF + e.w) + rank;
 #pragma unroll
                     for (int r = 0; r < 8; ++r) {
@@ -485,11 +457,8 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                                                          const u16*, float, const u16*, int, int, int, int, int,    \
                                                          int, int, int, float*, u32*, void*, int);
 TCBC2(16, 4, 2, 0)
-TCBC2(16, 4, 2, 2)
 TCBC2(16, 4, 3, 0)
-TCBC2(16, 4, 3, 2)
 TCBC2(16, 8, 2, 0)
-TCBC2(16, 8, 2, 2)
 TCBC2(16, 4, 2, 3)
 TCBC2(16, 4, 3, 3)
 TCBC2(16, 8, 2, 3)

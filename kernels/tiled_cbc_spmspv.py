@@ -19,15 +19,14 @@ from .tiled_cbc_device import TILE, DeviceTiledCBC
 BITS = (16, 4, 2)
 # v2 instantiations (bits, warps, stages), as in the .cu file; the first of each bits is its default
 V2_CONFIGS = ((16, 4, 2), (16, 4, 3), (16, 8, 2), (4, 4, 3), (2, 4, 3))
-MODES = {16: (0, 2, 3), 4: (0,), 2: (0,)}  # v2 value decodes built per value type (see DEFAULT_MODES)
+MODES = {16: (0, 3), 4: (0,), 2: (0,)}  # v2 value decodes built per value type (see DEFAULT_MODES)
 _EXPR = (
     tuple(f"tcbc_spmspv2<{b}, {w}, {s}>" for b, w, s in V2_CONFIGS)
     + tuple(f"tcbc_spmspv2<{b}, {w}, {s}, {m}>" for b, w, s in V2_CONFIGS for m in MODES[b] if m)
 )
 # value decode of v2: 0 = a lane's 8 rows of each active column, one predicated 2-byte LDS (fp16) or code per
 # set bit (b-bit codes: their decode); fp16 only: 3 = two columns per
-# pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200), 2 = two 16-byte LDS +
-# register shifts (slower)
+# pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200)
 DEFAULT_MODES = {16: 3, 4: 0, 2: 0}  # the launcher's decode per value type
 _SMEM_SET: dict[tuple[study.Build, str], int] = {}
 SMEM_PER_SM = 227 * 1024
