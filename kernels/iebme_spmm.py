@@ -413,11 +413,11 @@ def _side_args(layer: DeviceLayer, side: Side | None, n0: int) -> tuple:
 
 
 def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=None, stream=None,
-           trace=None, side: Side | None = None) -> None:
+           side: Side | None = None) -> None:
     """Launch on prepared inputs (``prepare_x``); writes y fp16 [N, M] or, with ``partial``, int32 sums.
-    ``side``: the outlier side product added before the rounding. ``trace`` (uint64 [CTAs, 5], N <= 32): the
-    buffer a study build with ``IEBME_TRACE=1`` (``kernels/study.py``) writes per CTA %globaltimer at entry, after
-    the prologue, after warp 0's loop, at exit, and the SM id to, in the slot of ``partial``."""
+    ``side``: the outlier side product added before the rounding. (A study build with ``IEBME_TRACE=1``,
+    ``kernels/study.py``, writes per-CTA timestamps to the ``partial`` slot, which holds ``layer.dummy`` when
+    ``partial`` is None: ``benchmarks/trace_iebme.py`` puts its buffer there.)"""
     n = x.shape[0]
     m, _ = layer.shape
     debug = partial is not None
@@ -429,7 +429,7 @@ def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=N
         grid = p.grid
         fn = _kernel(layer.bits, nt, layer.pinv is not None, debug, p.nstage, p.warps, p.ilp, p.minb)
         yp = y[n0:] if not debug else layer.dummy
-        pp = partial[n0:] if debug else (layer.dummy if trace is None else trace)
+        pp = partial[n0:] if debug else layer.dummy
         side_ptrs, side_sizes = _side_args(layer, None if debug else side, n0)
         args = (layer.values, layer.bitmaps, layer.offsets, null, layer.wsT, xs[n0:], x[n0:], layer.ws_acc,
                 layer.counters, yp, pp, *side_ptrs, np.int32(nn), np.int32(m), np.int32(layer.n_groups),
