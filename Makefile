@@ -32,7 +32,7 @@ DEMO_PROMPT ?= The capital of France is
 demo: $(STAMP)
 	mkdir -p $(OUT)
 	$(BIN)/unionsparse compress $(DEMO_MODEL) -o $(OUT)/smollm2-iebme.zarr --prune wanda --sparsity 0.5 \
-		--quant w4a4 --keep-outliers auto --format ie-bme --reorder auto $(DEMO_CALIB) --overwrite
+		--quant w4a8 --keep-outliers auto --format ie-bme --reorder auto $(DEMO_CALIB) --overwrite
 	$(BIN)/unionsparse inspect $(OUT)/smollm2-iebme.zarr --compare --html $(OUT)/smollm2-iebme.html >/dev/null
 	@echo "per-layer table and baselines: $(OUT)/smollm2-iebme.html (or $(BIN)/unionsparse inspect $(OUT)/smollm2-iebme.zarr --compare)"
 	$(BIN)/unionsparse verify $(OUT)/smollm2-iebme.zarr --n 1,8
