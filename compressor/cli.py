@@ -54,27 +54,16 @@ def _export_targets() -> tuple[str, ...]:
     return TARGETS
 
 
-class ShownChoice(click.ParamType):
+class ShownChoice(LiveChoice):
     """A ``compress`` option's choices in ``--help`` and shell completion, not checked here: the configuration
     checks them (``CompressConfig.validate_options``), once, whether the value came from a flag, the environment,
     a recipe or Python. ``choices``: a tuple, or a callable giving it (the registered formats)."""
 
-    name = "choice"
-
     def __init__(self, choices) -> None:
-        self._choices = choices
+        super().__init__(choices if callable(choices) else lambda: choices)
 
-    @property
-    def choices(self) -> tuple[str, ...]:
-        return tuple(self._choices() if callable(self._choices) else self._choices)
-
-    def get_metavar(self, *_args, **_kwargs) -> str:
-        return "[" + "|".join(self.choices) + "]"
-
-    def shell_complete(self, ctx, param, incomplete):
-        from click.shell_completion import CompletionItem
-
-        return [CompletionItem(c) for c in self.choices if c.startswith(incomplete)]
+    def convert(self, value, param, ctx):
+        return value
 
 
 def config_options(command):
