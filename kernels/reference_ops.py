@@ -96,10 +96,10 @@ class ReferenceKernels:
                               None if group_size is None else int(group_size))
 
     def spmspv(self, layer: ReferenceLayer, x: torch.Tensor, tau: float | None) -> torch.Tensor:
-        from .tiled_cbc_reference import spmspv_reference
+        from .tiled_cbc_reference import spmspv_reference, spmspv_rows_reference
 
-        y = spmspv_reference(layer.m, _numpy(x.half().float()), tau, layer.scales, self._group(layer),
-                             out_dtype=np.float16)
+        ref = spmspv_rows_reference if x.ndim == 2 else spmspv_reference
+        y = ref(layer.m, _numpy(x.half().float()), tau, layer.scales, self._group(layer), out_dtype=np.float16)
         return torch.from_numpy(y).to(x.device)
 
     def tcbc_spmm(self, layer: ReferenceLayer, x: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,8 @@ class RuntimeKernels(Protocol):
         """The Tiled-CBC layer made ready for :meth:`spmspv` and :meth:`tcbc_spmm` (its ``bits``)."""
 
     def spmspv(self, layer: Any, x: torch.Tensor, tau: float | None) -> torch.Tensor:
-        """float16 [M]: the sum over inputs k with ``|fp16(x_k)| > tau`` (tau None: all) of W[:, k] x_k, float32."""
+        """float16 [M]: the sum over inputs k with ``|fp16(x_k)| > tau`` (tau None: all) of W[:, k] x_k, float32;
+        ``x`` [N, K] gives [N, M], each row its own (the several-row kernel on a GPU: a batched decode step)."""
 
     def tcbc_spmm(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """float16 [N, M] = fp16(x) @ W^T, every input active, float32 sums."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..formats.tiled_cbc import TiledCBCMatrix
 from .errors import KernelError
-from .tiled_cbc_reference import dense_weights_f64, spmm_reference, spmspv_reference
+from .tiled_cbc_reference import dense_weights_f64, spmm_reference, spmspv_reference, spmspv_rows_reference
 
 U32 = 2.0**-24
 
@@ -65,7 +65,8 @@ def check_tiled_cbc_layer(
     backend: str = "cpu",
     rng=None,
 ) -> list[str]:
-    """Run spMspV with dynamic pruning on (``tau``) and off, and SpMM for every n > 1 in ``ns``.
+    """Run spMspV with dynamic pruning on (``tau``) and off, and for every n > 1 in ``ns`` the SpMM and the
+    several-row spMspV (a batched decode step: each row its own threshold mask, so rows' active columns differ).
 
     Returns failure messages, empty when every check holds. backend: "cupy" (GPU kernels and the
     reference) or "cpu" (reference only). The GPU SpMM takes float16 layers only: for b-bit layers only
@@ -116,6 +117,20 @@ def check_tiled_cbc_layer(
         truth = X64 @ w64.T
         Y = spmm_reference(m, X, w_scales, group_size)
         fails += _compare(f"spmm reference n={n}", Y, truth, tolerance(w64, X64, 1.0, fp16_out=True))
+        for label, t in dp_modes:  # the several-row spMspV: rows of different scales, so masks differ by row
+            Xs = (X.astype(np.float32) * np.linspace(0.5, 2.0, n, dtype=np.float32)[:, None]).astype(np.float16)
+            Xe = Xs.astype(np.float64)
+            if t is not None:
+                Xe = np.where(np.abs(Xs.astype(np.float32)) > np.float32(t), Xe, 0.0)
+            truth_r, tol_r = Xe @ w64.T, tolerance(w64, Xe, 1.0)
+            fails += _compare(f"spmspv rows reference n={n} {label}",
+                              spmspv_rows_reference(m, Xs, t, w_scales, group_size), truth_r, tol_r)
+            if dev is not None:
+                from .tiled_cbc_spmspv import spmspv
+
+                out = cp.full((n, M), cp.nan, dtype=cp.float32)
+                spmspv(dev, cp.asarray(Xs), t, out=out)
+                fails += _compare(f"spmspv rows gpu n={n} {label}", cp.asnumpy(out), truth_r, tol_r)
         if dev is not None and m.bits is None:
             from .tiled_cbc_spmm import spmm
 

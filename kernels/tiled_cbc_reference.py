@@ -162,6 +162,16 @@ def spmspv_reference(
     return y.astype(out_dtype)
 
 
+def spmspv_rows_reference(
+    m: TiledCBCMatrix, X: np.ndarray, tau: float | None, w_scales=None, group_size=None, out_dtype=np.float32
+) -> np.ndarray:
+    """Y[N, M]: each row of X [N, K] its own :func:`spmspv_reference` (what the several-row kernel computes)."""
+    X = np.asarray(X)
+    if X.ndim != 2:
+        raise KernelError(f"X must have shape (N, {m.geometry.shape[1]}), got {X.shape}")
+    return np.stack([spmspv_reference(m, x, tau, w_scales, group_size, out_dtype) for x in X])
+
+
 def spmm_reference(
     m: TiledCBCMatrix, X: np.ndarray, w_scales=None, group_size=None, out_dtype=np.float16
 ) -> np.ndarray:

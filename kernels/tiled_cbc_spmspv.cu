@@ -101,32 +101,37 @@ __device__ __forceinline__ constexpr u32 code_flip() {
     return BITS == 4 ? 0x88888888u : 0xAAAAAAAAu;
 }
 
-// The reduction: the NW warps' accumulators (lane l: rows 8l..8l+7 of GTile row tr) are summed
-// through `red` (shared, NW * TILE_M floats, free to reuse: the caller has synchronized the block). When the
-// block is the row's only part it writes the output directly; otherwise it writes its fp32 partial row as
-// part `part` of `nparts`, and the last part to finish (atomic ticket, `last_s` a __shared__ int) sums the
-// partials in part order (deterministic), writes the output and resets its ticket for the next launch.
-template <int NW>
-__device__ __forceinline__ void reduce_store(const float (&acc)[8], float* red, int& last_s, int M, int Mp,
+// The reduction: the NW warps' accumulators (lane l: rows 8l..8l+7 of GTile row tr, for each of the NR input
+// rows) are summed through `red` (shared, NR * NW * TILE_M floats, free to reuse: the caller has synchronized the
+// block). When the block is the row's only part it writes the output [NR, M] directly; otherwise it writes its fp32
+// partial rows as part `part` of `nparts` (partial [nparts][NR][Mp]), and the last part to finish (atomic ticket,
+// `last_s` a __shared__ int) sums the partials in part order (deterministic), writes the output and resets its
+// ticket for the next launch. Input rows n >= nrows are not written.
+template <int NW, int NR>
+__device__ __forceinline__ void reduce_store(const float (&acc)[NR][8], float* red, int& last_s, int M, int Mp,
                                              float* __restrict__ partial, u32* __restrict__ tickets,
-                                             void* __restrict__ out, int out_f32, int tr, int part, int nparts) {
+                                             void* __restrict__ out, int out_f32, int tr, int part, int nparts,
+                                             int nrows) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) red[warp * TILE_M + lane * 8 + r] = acc[r];
+    for (int n = 0; n < NR; ++n)
+#pragma unroll
+        for (int r = 0; r < 8; ++r) red[(n * NW + warp) * TILE_M + lane * 8 + r] = acc[n][r];
     __syncthreads();
     const bool single = nparts == 1;
-    for (int r = tid; r < TILE_M; r += NW * 32) {
+    for (int i = tid; i < NR * TILE_M; i += NW * 32) {
+        const int n = (int)((unsigned)i / TILE_M), r = i - n * TILE_M;  // i >= 0: a shift
         float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) v += red[w * TILE_M + r];
+        for (int w = 0; w < NW; ++w) v += red[(n * NW + w) * TILE_M + r];
         const int row = tr * TILE_M + r;
         if (single) {
-            if (row < M) {
-                if (out_f32) reinterpret_cast<float*>(out)[row] = v;
-                else reinterpret_cast<u16*>(out)[row] = f2h(v);
+            if (row < M && (NR == 1 || n < nrows)) {
+                if (out_f32) reinterpret_cast<float*>(out)[(size_t)n * M + row] = v;
+                else reinterpret_cast<u16*>(out)[(size_t)n * M + row] = f2h(v);
             }
         } else {
-            partial[(size_t)part * Mp + row] = v;
+            partial[((size_t)part * NR + n) * Mp + row] = v;
         }
     }
     if (single) return;
@@ -136,13 +141,14 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[8], float* red, 
     __syncthreads();
     if (!last_s) return;
     __threadfence();
-    for (int r = tid; r < TILE_M; r += NW * 32) {
+    for (int i = tid; i < NR * TILE_M; i += NW * 32) {
+        const int n = (int)((unsigned)i / TILE_M), r = i - n * TILE_M;  // i >= 0: a shift
         const int row = tr * TILE_M + r;
         float v = 0.f;
-        for (int s = 0; s < nparts; ++s) v += ld_cg(partial + (size_t)s * Mp + row);
-        if (row < M) {
-            if (out_f32) reinterpret_cast<float*>(out)[row] = v;
-            else reinterpret_cast<u16*>(out)[row] = f2h(v);
+        for (int s = 0; s < nparts; ++s) v += ld_cg(partial + ((size_t)s * NR + n) * Mp + row);
+        if (row < M && (NR == 1 || n < nrows)) {
+            if (out_f32) reinterpret_cast<float*>(out)[(size_t)n * M + row] = v;
+            else reinterpret_cast<u16*>(out)[(size_t)n * M + row] = f2h(v);
         }
     }
     if (tid == 0) tickets[tr] = 0u;
@@ -172,11 +178,12 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[8], float* red, 
 // packs the column's prefix popcounts of u32 words 4h..4h+3 into one register (bytes); per active column
 // a lane then needs one shuffle (prefix of its bitmap word) + one LDS.32 (its word) + one popcount for
 // its rank, then <= 8 predicated value loads + FMA. No division in the loops; no block barrier until the end.
-template <int BITS>
+template <int BITS, int NR = 1>
 struct Hdr {
     static constexpr int LIST = 512;
     static constexpr int SCL = 768;
-    static constexpr int VOFF = BITS == 16 ? 768 : 1280;
+    static constexpr int XL = BITS == 16 ? 768 : 1280;      // NR > 1: each list entry's NR masked inputs (floats)
+    static constexpr int VOFF = XL + (NR > 1 ? 64 * NR : 0);  // mirrors v2_slot_bytes() in tiled_cbc_spmspv.py
     static constexpr int MAXCH = 2 * BITS;  // 16-byte chunks of a full 256-row column
 };
 
@@ -185,13 +192,22 @@ __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cas
 // MODE 0: per set bit one predicated 2-byte LDS or code (8 per lane and column). MODE 3 (fp16): as MODE 0 but
 // two columns per pass, a half-warp per column and 16 rows per lane. (MODE 2, a wide decode of two 16-byte LDS and
 // register shifts, was slower and is gone: docs/kernels.md, "Tried and rejected".)
-template <int BITS, int NW, int D, int MODE = 0>
+//
+// NR > 1 (MODE 0): nrows <= NR input rows at once (x [nrows, ldx], out [nrows, M]; a batched decode step), each
+// with its own threshold rule: row n's input k counts iff |x_nk| > tau. A column is read once if it is active in
+// ANY row (the union), and each row multiplies it by its own masked input (0 where |x_nk| <= tau), so row n's sums
+// are those of its own spMspV. The list entry of an active column is followed (region XL) by its NR masked inputs;
+// b-bit codes are scaled per value (code * scale, as the CPU reference forms its weights) instead of per GTile,
+// which keeps one accumulator per (row, input row) instead of two.
+template <int BITS, int NW, int D, int MODE = 0, int NR = 1>
 __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
     const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
     const unsigned char* __restrict__ values, const u16* __restrict__ x, float tau,
     const u16* __restrict__ scales_t, int group, int grid_c, int M, int K, int Mp, int chunk, int slot_bytes,
-    int streamk, float* __restrict__ partial, u32* __restrict__ tickets, void* __restrict__ out, int out_f32) {
-    using H = Hdr<BITS>;
+    int streamk, float* __restrict__ partial, u32* __restrict__ tickets, void* __restrict__ out, int out_f32,
+    int nrows, int ldx) {
+    static_assert(NR == 1 || MODE == 0, "several input rows: MODE 0 only");
+    using H = Hdr<BITS, NR>;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int nact[NW][D];
     __shared__ int last_s;
@@ -238,7 +254,9 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
 
         // metadata of the next GTile to issue (registers, loaded one GTile ahead)
         u32 m_ci = 0u, m_toff = 0u;
-        u16 m_x = 0;
+        u16 m_x[NR];
+#pragma unroll
+        for (int n = 0; n < NR; ++n) m_x[n] = 0;
         uint4 m_sc = make_uint4(0u, 0u, 0u, 0u);
         auto load_meta = [&](int j) {
             m_ci = 0u;
@@ -247,7 +265,8 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 if (lane < TILE_K) {
                     const int k = gtc * TILE_K + lane;
                     m_ci = colinfo[gt * TILE_K + lane];
-                    m_x = k < K ? x[k] : (u16)0;
+#pragma unroll
+                    for (int n = 0; n < NR; ++n) m_x[n] = k < K && (NR == 1 || n < nrows) ? x[(size_t)n * ldx + k] : (u16)0;
                 } else if (lane == TILE_K) {
                     m_toff = tile_offset[gt];
                 }
@@ -259,16 +278,29 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
             if (j < mine) {
                 unsigned char* slot = ring + (j % D) * slot_bytes;
                 const int gt = tr * grid_c + c0 + warp + j * NW;
-                const float xf = h2f(m_x);
+                float xm[NR];  // the masked inputs: x where |x| > tau, else 0 (one row: x, the column is active)
+                bool any = false;
+#pragma unroll
+                for (int n = 0; n < NR; ++n) {
+                    const float xf = h2f(m_x[n]);
+                    const bool on = fabsf(xf) > tau;
+                    any |= on;
+                    xm[n] = NR == 1 || on ? xf : 0.f;
+                }
                 const u32 nnz = m_ci & 0xFFFFu;
-                const bool act = lane < TILE_K && nnz != 0u && fabsf(xf) > tau;
+                const bool act = lane < TILE_K && nnz != 0u && any;
                 const u32 b = __ballot_sync(0xFFFFFFFFu, act);
                 const u32 toff = __shfl_sync(0xFFFFFFFFu, m_toff, TILE_K);
                 if (act) {
                     const int p = __popc(b & ((1u << lane) - 1u));
                     const u32 start = m_ci >> 16, c32 = 32u * (u32)lane;
                     *reinterpret_cast<uint4*>(slot + H::LIST + 16 * p) =
-                        make_uint4(__float_as_uint(xf), c32, c32 | ((nnz * BITS + 127u) >> 7) << 16, start * BITS / 8);
+                        make_uint4(__float_as_uint(xm[0]), c32, c32 | ((nnz * BITS + 127u) >> 7) << 16, start * BITS / 8);
+                    if (NR > 1) {
+                        float* xl = reinterpret_cast<float*>(slot + H::XL) + NR * p;
+#pragma unroll
+                        for (int n = 0; n < NR; ++n) xl[n] = xm[n];
+                    }
                 }
                 if (BITS != 16) *reinterpret_cast<uint4*>(slot + H::SCL + 16 * lane) = m_sc;
                 if (lane == 0) nact[warp][j % D] = __popc(b);
@@ -310,9 +342,11 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
 #endif
         };
 
-        float acc[8], acc16[16];  // acc16: MODE 3's 16 rows per lane
+        float acc[NR][8], acc16[16];  // acc16: MODE 3's 16 rows per lane
 #pragma unroll
-        for (int r = 0; r < 8; ++r) acc[r] = 0.f;
+        for (int n = 0; n < NR; ++n)
+#pragma unroll
+            for (int r = 0; r < 8; ++r) acc[n][r] = 0.f;
 #pragma unroll
         for (int r = 0; r < 16; ++r) acc16[r] = 0.f;
         // per lane: rows 8 lane .. 8 lane + 7 = byte lane & 3 of u32 word lane >> 2 of a column's bitmap, whose
@@ -380,10 +414,37 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                 __syncwarp();
                 continue;  // next GTile
             }
+            float sc[8];  // NR > 1, b-bit codes: the lane's 8 rows' group scales, applied per value
+            if (NR > 1 && BITS != 16) {
+                const uint4 s4 = lds128(slot + H::SCL + 16 * lane);
+                const u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    sc[2 * t] = h2f((u16)(sw[t] & 0xFFFFu));
+                    sc[2 * t + 1] = h2f((u16)(sw[t] >> 16));
+                }
+            }
 #pragma unroll 1
             for (int o = 0; o < 16 * n; o += 16) {
                 const uint4 e = lds128(list + o);
-                const float xk = __uint_as_float(e.x);
+                float xk[NR];  // the column's (masked) input of each input row
+                if constexpr (NR == 1) {
+                    xk[0] = __uint_as_float(e.x);
+                } else if constexpr (NR % 4 == 0) {
+                    const float4* xl = reinterpret_cast<const float4*>(slot + H::XL) + (NR / 4) * (o >> 4);
+#pragma unroll
+                    for (int i = 0; i < NR / 4; ++i) {
+                        const float4 f4 = xl[i];
+                        xk[4 * i] = f4.x;
+                        xk[4 * i + 1] = f4.y;
+                        xk[4 * i + 2] = f4.z;
+                        xk[4 * i + 3] = f4.w;
+                    }
+                } else {
+                    const float* xl = reinterpret_cast<const float*>(slot + H::XL) + NR * (o >> 4);
+#pragma unroll
+                    for (int i = 0; i < NR; ++i) xk[i] = xl[i];
+                }
                 // e.z >> 4 = 2 c | chunks << 12: shfl.idx reads the source lane from bits 4:0 alone (PTX ISA)
                 const u32 pc = __shfl_sync(0xFFFFFFFFu, P, (int)((e.z >> 4) + (u32)src_h));
                 const u32 w32 = *reinterpret_cast<const u32*>(bm + e.y);
@@ -394,7 +455,9 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
 #pragma unroll
                     for (int r = 0; r < 8; ++r) {
                         if (byte & (1u << r)) {
-                            acc[r] = fmaf(h2f(*v), xk, acc[r]);
+                            const float w = h2f(*v);
+#pragma unroll
+                            for (int i = 0; i < NR; ++i) acc[i][r] = fmaf(w, xk[i], acc[i][r]);
                             ++v;
                         }
                     }
@@ -413,19 +476,25 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
 #pragma unroll
                     for (int r = 7; r >= 0; --r) {
                         if (byte & (1u << r)) {
-                            accq[r] = fmaf(top_code_to_float<BITS>(win), xk, accq[r]);
+                            if constexpr (NR == 1) {
+                                accq[r] = fmaf(top_code_to_float<BITS>(win), xk[0], accq[r]);
+                            } else {
+                                const float w = top_code_to_float<BITS>(win) * sc[r];  // exact: b-bit code x fp16
+#pragma unroll
+                                for (int i = 0; i < NR; ++i) acc[i][r] = fmaf(w, xk[i], acc[i][r]);
+                            }
                             win <<= BITS;
                         }
                     }
                 }
             }
-            if (BITS != 16 && MODE == 0) {  // the lane's 8 rows' group scales
+            if (NR == 1 && BITS != 16 && MODE == 0) {  // the lane's 8 rows' group scales
                 const uint4 s4 = lds128(slot + H::SCL + 16 * lane);
                 const u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
 #pragma unroll
                 for (int t = 0; t < 4; ++t) {
-                    acc[2 * t] = fmaf(accq[2 * t], h2f((u16)(sw[t] & 0xFFFFu)), acc[2 * t]);
-                    acc[2 * t + 1] = fmaf(accq[2 * t + 1], h2f((u16)(sw[t] >> 16)), acc[2 * t + 1]);
+                    acc[0][2 * t] = fmaf(accq[2 * t], h2f((u16)(sw[t] & 0xFFFFu)), acc[0][2 * t]);
+                    acc[0][2 * t + 1] = fmaf(accq[2 * t + 1], h2f((u16)(sw[t] >> 16)), acc[0][2 * t + 1]);
                 }
             }
             __syncwarp();  // all lanes are done with this slot before a later issue overwrites it
@@ -440,22 +509,24 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
             for (int r = 0; r < 8; ++r) {
                 const float lo = __shfl_sync(0xFFFFFFFFu, acc16[r], lane >> 1);
                 const float hi = __shfl_sync(0xFFFFFFFFu, acc16[8 + r], lane >> 1);
-                acc[r] = (lane & 1) ? hi : lo;
+                acc[0][r] = (lane & 1) ? hi : lo;
             }
         }
         __syncthreads();
 
-        // reduce warps, then the row's parts (the host sizes smem for the NW * 256-float reduction)
-        reduce_store<NW>(acc, reinterpret_cast<float*>(smem), last_s, M, Mp, partial, tickets, out, out_f32, tr, part,
-                         nparts);
+        // reduce warps, then the row's parts (the host sizes smem for the NR * NW * 256-float reduction)
+        reduce_store<NW, NR>(acc, reinterpret_cast<float*>(smem), last_s, M, Mp, partial, tickets, out, out_f32, tr,
+                             part, nparts, nrows);
     }  // segments
 }
 
 // explicit instantiations (compile checks with nvcc; CuPy uses name_expressions)
-#define TCBC2(B, W, S, MODE)                                                                                    \
-    template __global__ void tcbc_spmspv2<B, W, S, MODE>(const u64*, const u32*, const u32*, const unsigned char*, \
-                                                         const u16*, float, const u16*, int, int, int, int, int,    \
-                                                         int, int, int, float*, u32*, void*, int);
+#define TCBC2R(B, W, S, MODE, NR)                                                                               \
+    template __global__ void tcbc_spmspv2<B, W, S, MODE, NR>(const u64*, const u32*, const u32*,                   \
+                                                             const unsigned char*, const u16*, float, const u16*,  \
+                                                             int, int, int, int, int, int, int, int, float*,       \
+                                                             u32*, void*, int, int, int);
+#define TCBC2(B, W, S, MODE) TCBC2R(B, W, S, MODE, 1)
 TCBC2(16, 4, 2, 0)
 TCBC2(16, 4, 3, 0)
 TCBC2(16, 8, 2, 0)
@@ -464,3 +535,13 @@ TCBC2(16, 4, 3, 3)
 TCBC2(16, 8, 2, 3)
 TCBC2(4, 4, 3, 0)
 TCBC2(2, 4, 3, 0)
+// several input rows (a batched decode step): 2, 4 and 8 rows with each value type's default (warps, stages)
+TCBC2R(16, 4, 2, 0, 2)
+TCBC2R(16, 4, 2, 0, 4)
+TCBC2R(16, 4, 2, 0, 8)
+TCBC2R(4, 4, 3, 0, 2)
+TCBC2R(4, 4, 3, 0, 4)
+TCBC2R(4, 4, 3, 0, 8)
+TCBC2R(2, 4, 3, 0, 2)
+TCBC2R(2, 4, 3, 0, 4)
+TCBC2R(2, 4, 3, 0, 8)

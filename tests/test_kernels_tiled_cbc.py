@@ -147,7 +147,63 @@ def test_gpu_quantized_layer(bits, g, shape):
     rng = np.random.default_rng(bits + g)
     q, s = _int_layer(rng, *shape, 0.5, bits, g)
     m = tiled_cbc.encode(q, bits=bits)
-    assert check_tiled_cbc_layer(m, s, g, tau=0.5, ns=(1,), backend="cupy", rng=rng) == []
+    assert check_tiled_cbc_layer(m, s, g, tau=0.5, ns=(1, 3, 8), backend="cupy", rng=rng) == []
+
+
+def _rows_case(bits, rng, M=768, K=1040):
+    """A layer of ``bits``-bit codes (None: fp16 values) and its float64 weights."""
+    if bits is None:
+        W = _fp16_layer(rng, M, K, 0.5)
+        return tiled_cbc.encode(W), None, None, W.astype(np.float64)
+    q, s = _int_layer(rng, M, K, 0.5, bits, 16)
+    m = tiled_cbc.encode(q, bits=bits)
+    return m, s, 16, dense_weights_f64(m, s, 16)
+
+
+def test_spmspv_rows_reference_is_each_row_alone():
+    """The several-row spMspV's definition: row n of X with its own mask, as one spMspV of that row."""
+    from unionsparse.kernels.tiled_cbc_reference import spmspv_rows_reference
+
+    rng = np.random.default_rng(12)
+    for bits in (None, 4):
+        m, s, g, w64 = _rows_case(bits, rng, 300, 70)
+        X = (rng.standard_normal((5, 70)) * np.linspace(0.3, 3, 5)[:, None]).astype(np.float16)
+        Y = spmspv_rows_reference(m, X, 0.8, s, g)
+        assert np.array_equal(Y, np.stack([spmspv_reference(m, x, 0.8, s, g) for x in X]))
+        masks = np.abs(X.astype(np.float32)) > 0.8
+        assert len({mk.tobytes() for mk in masks}) == 5  # the rows' active sets differ
+        Xe = np.where(masks, X.astype(np.float64), 0)
+        assert (np.abs(Y - Xe @ w64.T) <= tolerance(w64, Xe)).all()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [None, 4, 2])
+def test_gpu_spmspv_rows_every_launch(bits):
+    """The several-row kernel (a batched decode step): 2 to 11 rows (launches of 8), each row's own threshold
+    mask (rows of different scales), split-K chunks and stream-K, two launches each (tickets reset), every output
+    written (NaN-poisoned), within the float32 bound of each row's own spMspV; fp16 output too."""
+    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
+    from unionsparse.kernels.tiled_cbc_spmspv import spmspv
+
+    rng = np.random.default_rng(21 if bits is None else bits)
+    m, s, g, w64 = _rows_case(bits, rng)
+    dev = DeviceTiledCBC(m, s, g)
+    M, K = w64.shape
+    for n in (2, 3, 4, 5, 8, 11):
+        X = (rng.standard_normal((n, K)) * np.linspace(0.5, 2.0, n)[:, None]).astype(np.float16)
+        for tau in (0.6, None):
+            Xe = X.astype(np.float64) if tau is None else np.where(np.abs(X.astype(np.float32)) > tau,
+                                                                    X.astype(np.float64), 0)
+            truth, tol = Xe @ w64.T, tolerance(w64, Xe)
+            for kw in [dict(chunk=c) for c in (1, 3, 16, 65, None)] + [dict(streamk=True, blocks=b)
+                                                                       for b in (1, 7, 48, None)]:
+                for _ in range(2):
+                    out = cp.full((n, M), cp.nan, cp.float32)
+                    y = cp.asnumpy(spmspv(dev, cp.asarray(X), tau, out=out, **kw))
+                    assert (np.abs(y - truth) <= tol).all(), (n, tau, kw)
+            y16 = cp.asnumpy(spmspv(dev, cp.asarray(X), tau)).astype(np.float64)
+            assert (np.abs(y16 - truth) <= tolerance(w64, Xe, 1.0, fp16_out=True)).all(), (n, tau, "fp16 out")
 
 
 @gpu
@@ -502,7 +558,11 @@ def test_spmspv_launch_names_match_the_kernels_instantiations():
     assert built == named
     assert all(k.DEFAULT_MODES[b] in k.MODES[b] and 0 in k.MODES[b] for b in k.BITS)
     exprs = {e for e in k._EXPR if e.startswith("tcbc_spmspv2<")}
-    assert exprs == {f"tcbc_spmspv2<{b}, {w}, {s}" + (">" if m == 0 else f", {m}>") for b, w, s, m in named}
+    rows = {tuple(int(v) for v in m) for m in re.findall(r"^TCBC2R\((\d+), (\d+), (\d+), 0, (\d+)\)", src, re.M)}
+    named_rows = {(b, *k.v2_default_config_bits(b), r) for b in k.BITS for r in k.ROWS}
+    assert rows == named_rows  # the several-row kernels: each value type's default config, mode 0
+    assert exprs == ({f"tcbc_spmspv2<{b}, {w}, {s}" + (">" if m == 0 else f", {m}>") for b, w, s, m in named}
+                     | {f"tcbc_spmspv2<{b}, {w}, {s}, 0, {r}>" for b, w, s, r in rows})
 
 
 def test_benchmark_checks_arguments_and_reports_int_codes_without_a_gpu(tmp_path):

@@ -496,10 +496,11 @@ def test_gpu_one_launch_activation_quantization_equals_the_torch_path(artifacts,
     assert torch.equal(kernel, torch_path)
 
 
-@pytest.mark.parametrize("case, dp", [("w4a16", True), ("w4a4-outliers", True), ("cbc-dp", False)])
+@pytest.mark.parametrize("case, dp", [("w4a16", True), ("w4a4-outliers", True), ("cbc-dp", True),
+                                      ("cbc4-dp", True), ("cbc-dp", False)])
 def test_batched_generation_equals_one_prompt_at_a_time(case, dp, loaded):
     """Three prompts of different lengths as one batch (left padding): each row's greedy tokens equal its
-    generation alone (Tiled-CBC: thresholds off, since a step of several rows runs the SpMM, which skips none)."""
+    generation alone; Tiled-CBC's thresholds apply to every row of a batched decode step as to a step alone."""
     rt = loaded(case, dynamic_pruning=dp)
     prompts = [PROMPT, [9, 4], PROMPT[:4] + [200, 201, 3, 17, 60]]
     batch = rt.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)

@@ -165,14 +165,19 @@ _TILED_CBC = KernelOp._tiled_cbc  # the op's own logic, for the calls a fault le
 
 
 def _decode_only(fn):
-    return lambda op, x: fn(op, x)[None] if x.shape[0] == 1 else _TILED_CBC(op, x)
+    return lambda op, x, prune: fn(op, x)[None] if x.shape[0] == 1 else _TILED_CBC(op, x, prune)
 
 
 FAULTS = {  # name: (case, what a logic fault of the CUDA op's Python path would do to one of its steps)
     "threshold ignored at decode": ("cbc-dp", _decode_only(lambda op, x: op.kernels.spmspv(op.layer, x[0], None))),
-    "threshold applied at prefill": ("cbc-dp", lambda op, x: torch.stack(
+    "threshold applied at prefill": ("cbc-dp", lambda op, x, prune: torch.stack(
         [op.kernels.spmspv(op.layer, x[i], op.plan.tau) for i in range(x.shape[0])])),
     "threshold doubled": ("cbc4-dp", _decode_only(lambda op, x: op.kernels.spmspv(op.layer, x[0], 2 * op.plan.tau))),
+    # the rule before 2026-12-07: thresholds at N = 1 only, so a batched decode step skipped nothing
+    "threshold ignored at a batched decode step": ("cbc-dp", lambda op, x, prune: _TILED_CBC(
+        op, x, prune and x.shape[0] == 1)),
+    "int codes: threshold ignored at a batched decode step": ("cbc4-dp", lambda op, x, prune: _TILED_CBC(
+        op, x, prune and x.shape[0] == 1)),
 }
 
 

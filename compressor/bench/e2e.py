@@ -228,6 +228,20 @@ def recording(model: nn.Module, n_layers: int, store: dict):
             h.remove()
 
 
+def union_inactive(x: torch.Tensor, tau: float, mod: nn.Module) -> float:
+    """Fraction of a Tiled-CBC layer's weight columns the spMspV of one decode step leaves unread: the inputs with
+    |x| <= tau in every row of a launch (8 rows a launch; none above ``KernelOp.SPMSPV_ROWS`` rows of fp16 values,
+    where the SpMM runs)."""
+    from ..runtime.kernel_op import KernelOp
+
+    x2 = x.reshape(-1, x.shape[-1]).abs().float() <= tau
+    recs = getattr(mod, "_bench_records", None) or []
+    fp16 = all(rec.attrs.get("bits") is None for rec in recs)
+    if x2.shape[0] > KernelOp.SPMSPV_ROWS and fp16:
+        return 0.0
+    return float(torch.stack([x2[i : i + 8].all(0) for i in range(0, x2.shape[0], 8)]).float().mean())
+
+
 def module_read_bytes(mod: nn.Module, inactive: float = 0.0) -> int:
     """Bytes one call of a linear must read: its weights as stored (a runtime layer: its record's arrays)."""
     recs = getattr(mod, "_bench_records", None)
@@ -449,8 +463,8 @@ def run_case(model: nn.Module, spec: ModelSpec, kind: str, dec, start_tokens: to
         for mod, x in calls:
             tau = layer_tau(mod)
             inactive = 0.0
-            if tau is not None and batch == 1:  # the spMspV kernel skips inputs with |x| <= tau (N = 1 only)
-                inactive = float((x.abs().float() <= tau).float().mean())
+            if tau is not None:  # the spMspV kernel skips inputs with |x| <= tau in every row of a launch
+                inactive = union_inactive(x, tau, mod)
                 skipped.append(inactive)
             read[g] += module_read_bytes(mod, inactive)
         if skipped:

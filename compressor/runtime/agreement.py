@@ -76,8 +76,9 @@ class Agreement:
                 f"{r.kind})" for r in self.ops.values() if not r.ok]
 
 
-def tolerance(op: CpuOp, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 reference output [N, M], tolerance [N, M]) of CPU op ``op`` on input ``x2``.
+def tolerance(op: CpuOp, x2: torch.Tensor, steps: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 reference output [N, M], tolerance [N, M]) of CPU op ``op`` on input ``x2`` (``steps``: its rows are
+    decode steps, as the op was called).
 
     Both sides compute float32 sums of the same exact products (integer group sums times scales, or weight times
     input) and round to float16; they may differ in the order of the float32 additions (split-K, summation trees),
@@ -89,9 +90,9 @@ def tolerance(op: CpuOp, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sum there."""
     impl = op.impl
     x = x2.detach().float().cpu()
-    y = op(x).float()
-    if hasattr(impl, "tau"):  # Tiled-CBC: the active inputs, as the op at this row count sees them
-        xa = sparsify_input(x, impl.tau_t if impl.tau is not None and x.shape[0] == 1 else None)
+    y = op(x, steps).float()
+    if hasattr(impl, "tau"):  # Tiled-CBC: the active inputs, as the op sees them in this call
+        xa = sparsify_input(x, impl.tau_t if op.plan.prunes(x, steps) else None)
         mag = xa.abs() @ impl.weight.abs().T
         delta = (impl.in_features + 2) * F32_EPS * mag
     elif impl.act_bits == 16:  # W4A16: the decoded weight, one dense product
@@ -128,8 +129,9 @@ def op_agreement(rt, cpu_rt, prompts: Sequence[Sequence[int]], new_ids: Sequence
         raise UserError(f"the reference runtime has no op named {missing[0]} (load both with the same fusion)")
     out = Agreement({name: OpReport(name) for name in ops})
 
-    def check(name: str, x2: torch.Tensor, y: torch.Tensor) -> None:
-        want, tol = tolerance(ref_ops[name], x2)
+    def check(name: str, args: tuple, y: torch.Tensor) -> None:
+        x2 = args[0]
+        want, tol = tolerance(ref_ops[name], x2, args[1] if len(args) > 1 else None)
         err = (y.detach().float().cpu() - want).abs()
         ratio = err / tol
         i = int(torch.argmax(ratio))
@@ -141,7 +143,7 @@ def op_agreement(rt, cpu_rt, prompts: Sequence[Sequence[int]], new_ids: Sequence
             r.worst_ratio = float(ratio.view(-1)[i])
             r.max_err, r.tol_at_max = float(err.view(-1)[i]), float(tol.view(-1)[i])
 
-    hooks = [op.register_forward_hook(lambda _m, args, y, name=name: check(name, args[0], y))
+    hooks = [op.register_forward_hook(lambda _m, args, y, name=name: check(name, args, y))
              for name, op in ops.items()]
     saved = rt.graphs
     rt.graphs = False

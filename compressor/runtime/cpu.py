@@ -2,8 +2,8 @@
 
 Quantized activations: :class:`~unionsparse.formats.arithmetic.linears.FakeQuantLinear` (bit-identical to the IE-BME
 reference, outlier side product included). Activation-sparse formats: :class:`~unionsparse.formats.arithmetic.
-sparse_inputs.TiledCBCLinear` with the threshold applied at N = 1 only (summation order is its only difference from
-``spmspv_reference`` / ``spmm_reference``). Other fp16-activation layers (IE-BME W4A16): ``FakeQuantLinear``
+sparse_inputs.TiledCBCLinear` with the threshold applied to decode rows only (summation order is its only difference
+from ``spmspv_reference`` / ``spmm_reference``). Other fp16-activation layers (IE-BME W4A16): ``FakeQuantLinear``
 with fp16 activations.
 """
 
@@ -48,15 +48,16 @@ class CpuOp(QuantizingOp):
                          int(act.get("outlier_bits", 8)), f.side_group if side else None,
                          float(act.get("outlier_clip", 1.0)))
 
-    def forward(self, x2: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.impl, TiledCBCLinear):  # spMspV with tau at N = 1, the SpMM above
-            return self.impl.matmul_2d(x2, prune=x2.shape[0] == 1 or self.plan.every_row)
+    def forward(self, x2: torch.Tensor, steps: bool | None = None) -> torch.Tensor:
+        """float16 [N, M]; ``steps``: every row is a decode step (None: only when N == 1)."""
+        if isinstance(self.impl, TiledCBCLinear):  # spMspV with tau at decode steps, the SpMM at prefill
+            return self.impl.matmul_2d(x2, prune=self.plan.prunes(x2, steps))
         if self.plan.act_bits != 16 and (q := self.take(x2)) is not None:
             return self.impl.matmul_quantized(*q)
         return self.impl.matmul_2d(x2)
 
     def decode_sparsity(self) -> tuple[int, int] | None:
-        """(inputs skipped, inputs seen) over the N = 1 calls so far; None without a threshold."""
+        """(inputs skipped, inputs seen) over the decode calls so far; None without a threshold."""
         if not isinstance(self.impl, TiledCBCLinear) or self.impl.tau is None:
             return None
         return int(self.impl.skipped), int(self.impl.seen)

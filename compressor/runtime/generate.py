@@ -4,8 +4,8 @@ A generation is one sequence (batch 1): the prompt runs as one prefill forward, 
 step. LLaMA-family models run on :class:`~.decoder.StaticDecoder` (a static KV cache; on a GPU every step is
 one replay of a captured CUDA graph and the token is chosen on the device); other architectures run the
 model's own forward with transformers' ``DynamicCache``. Every compressed linear runs its kernel's arithmetic
-(:mod:`.linear`), so Tiled-CBC thresholds apply at the decode steps (N = 1) and not at prefill, as the
-spMspV and SpMM kernels do. Text in and out goes through the tokenizer stored in the artifact; token ids
+(:mod:`.linear`), so Tiled-CBC thresholds apply at the decode steps (every row of a batched step too) and not
+at prefill. Text in and out goes through the tokenizer stored in the artifact; token ids
 work without one.
 """
 

@@ -11,8 +11,11 @@ ready once (uploaded as they are on a GPU). Per call:
   IE-BME product with the 8-bit outlier side product added in float32 in its epilogue before the one float16
   rounding, as the ``cpu`` backend does (side widths the epilogue does not take, and ``side_kernel`` "kernel" or
   "torch": the product rounded, then the side product added by a second launch and rounded again);
-* activation-sparse layers (Tiled-CBC): N = 1 is the spMspV with the stored threshold; more rows are the SpMM
-  for fp16 values and one spMspV per row without threshold for int codes (no int-code SpMM);
+* activation-sparse layers (Tiled-CBC): decode steps (``steps``, any batch) apply the stored threshold to every
+  row; a prompt of several tokens runs every input active. Up to ``SPMSPV_ROWS`` rows (a decode step of up to
+  8 sequences) are the spMspV, whose several-row kernel reads a weight column once for all the rows it is
+  active in; more rows are the SpMM (fp16 values; of the rows' active inputs under a threshold) or the spMspV
+  in launches of 8 rows (int codes: no int-code SpMM);
 * IE-BME W4A16 (no kernel): the decoded weight in fp16 and one dense product (cuBLAS on a GPU).
 
 ``act_quant`` ("kernel" or "torch") and ``side_kernel`` ("fused", "kernel" or "torch") choose the one-launch
@@ -38,6 +41,7 @@ class KernelOp(QuantizingOp):
     """``x2 [N, K] -> float16 [N, M]`` of one stored layer through ``kernels`` (see the module docstring)."""
 
     act_quant = "kernel"    # IE-BME inputs: "kernel" (one launch) or "torch" (the formats' torch functions)
+    SPMSPV_ROWS = 8         # Tiled-CBC fp16 values: the spMspV up to this many rows (one launch), the SpMM above
     side_kernel = "fused"  # the 8-bit outlier side product: "fused" (in the IE-BME kernel's epilogue, one rounding),
     #                        "kernel" (a second launch) or "torch" (grouped products); both of these round twice
 
@@ -92,12 +96,13 @@ class KernelOp(QuantizingOp):
     def input_rule(self):
         return self.rule if self.kind == "iebme" else None
 
-    def forward(self, x2: torch.Tensor) -> torch.Tensor:
+    def forward(self, x2: torch.Tensor, steps: bool | None = None) -> torch.Tensor:
+        """float16 [N, M]; ``steps``: every row is a decode step (None: only when N == 1)."""
         if self.kind == "dense":
             return self.kernels.dense(x2, self.weight)
         if self.kind == "iebme":
             return self._iebme(x2 if x2.dtype in (torch.float16, torch.float32) else x2.float())
-        return self._tiled_cbc(x2.half().contiguous())
+        return self._tiled_cbc(x2.half().contiguous(), self.plan.prunes(x2, steps))
 
     def _quantize(self, x: torch.Tensor) -> tuple:
         offered = self.take(x)
@@ -121,12 +126,11 @@ class KernelOp(QuantizingOp):
         return grouped_int_matmul(oq, osx, self.side_codes.float(), self.side_scales, self.side_group,
                                   out=y.float()).half()
 
-    def _tiled_cbc(self, xh: torch.Tensor) -> torch.Tensor:
-        tau = self.plan.tau
-        if xh.shape[0] == 1:  # decode: spMspV with the stored threshold
+    def _tiled_cbc(self, xh: torch.Tensor, prune: bool) -> torch.Tensor:
+        tau = self.plan.tau if prune else None  # prune: decode steps (or every row, eval); else every input active
+        if xh.shape[0] == 1:
             return self.kernels.spmspv(self.layer, xh[0], tau)[None]
-        if not self.plan.every_row:  # prefill: every input active
-            tau = None
-        if self.layer.bits is None:  # the SpMM; with a threshold on every row, of the rows' active inputs
-            return self.kernels.tcbc_spmm(self.layer, xh if tau is None else sparsify_input(xh, tau).half())
-        return torch.stack([self.kernels.spmspv(self.layer, xh[i], tau) for i in range(xh.shape[0])])
+        if xh.shape[0] <= self.SPMSPV_ROWS or self.layer.bits is not None:
+            return self.kernels.spmspv(self.layer, xh, tau)
+        # the SpMM; with a threshold, of the rows' active inputs
+        return self.kernels.tcbc_spmm(self.layer, xh if tau is None else sparsify_input(xh, tau).half())

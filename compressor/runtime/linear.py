@@ -6,9 +6,10 @@ What a layer computes follows from how it was stored (:func:`layer_plan`):
   quantized per token and per group (``formats.arithmetic.activations``), the product is the IE-BME SpMM's
   (exact integer group sums, float32 scaling in group order, one float16 rounding), plus the 8-bit outlier side product
   where the layer has one;
-* fp16 activations on a format whose decode kernel skips inputs (Tiled-CBC, fp16 values or int codes): a
-  single token row (N = 1, decode) is one spMspV call with the stored threshold tau (input k active iff
-  ``|fp16(x_k)| > tau``); more rows (prefill) are the SpMM, every input active;
+* fp16 activations on a format whose decode kernel skips inputs (Tiled-CBC, fp16 values or int codes): at a
+  decode step (every sequence of the call brings one token: input ``[B, 1, K]``, or ``[1, K]``) each row is an
+  spMspV with the stored threshold tau (input k active iff ``|fp16(x_k)| > tau``), at any batch size B; a
+  prompt of several tokens (prefill) is the SpMM, every input active;
 * fp16 activations otherwise (IE-BME W4A16, which has no kernel of its own): the decoded weight,
   ``fp16(fp16(x) @ W^T)`` with float32 sums.
 
@@ -49,6 +50,12 @@ def make_op(rec: LayerRecord, plan: LayerPlan, backend: str, device: torch.devic
     return KernelOp(rec, plan, backend_kernels(backend), device or ("cuda" if backend == "cuda" else "cpu"))
 
 
+def decode_rows(x: torch.Tensor) -> bool:
+    """Whether the rows of a linear's input ``x`` are decode steps: one token per sequence (``[..., 1, K]``),
+    which is when activation-sparsity thresholds apply (docs/runtime.md, "What a compressed linear computes")."""
+    return x.ndim < 2 or x.shape[-2] == 1
+
+
 class CompressedLinear(RowwiseLinear):
     """Drop-in for the ``nn.Linear`` a stored layer came from, running the layer's kernel arithmetic."""
 
@@ -61,8 +68,18 @@ class CompressedLinear(RowwiseLinear):
         self.op = make_op(rec, self.plan, backend, device)
         self.register_buffer("bias", None if bias is None else bias.detach().float().to(device or "cpu"))
 
-    def matmul_2d(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x)
+    def matmul_2d(self, x: torch.Tensor, steps: bool | None = None) -> torch.Tensor:
+        """float16 [N, M] of the token rows ``x`` [N, K]; ``steps``: every row is a sequence's decode step
+        (None: only when N == 1)."""
+        return self.op(x, steps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., T, K] (or [N, K]: one sequence's tokens); T == 1 is a decode step of every sequence."""
+        steps = decode_rows(x)
+        y = self.matmul_2d(x.reshape(-1, self.in_features), steps).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def input_rule(self):
         """How this layer quantizes its input (None: it does not); see :class:`QuantizingOp`."""

@@ -79,7 +79,7 @@ def build_model(art: Artifact, backend: str = "cpu", device: str | torch.device 
 
 
 def thresholds_on_every_row(model: nn.Module) -> nn.Module:
-    """Apply every stored activation-sparsity threshold to every token row, not only at decode (N = 1): what
+    """Apply every stored activation-sparsity threshold to every token row, not only at decode steps: what
     ``eval`` measures (TEAL's protocol, each row as one decode step). Returns ``model``."""
     from dataclasses import replace
 

@@ -26,16 +26,23 @@ class LayerPlan:
     shape: tuple[int, int]
     bits: int | None               # weight code bits, None for fp16 values
     act_bits: int                  # 16: fp16 activations
-    sparse_inputs: bool            # the format's decode kernel skips inputs under tau (N = 1)
+    sparse_inputs: bool            # the format's decode kernel skips inputs under tau (decode steps)
     tau: float | None              # the stored threshold (None: every input active)
     outliers: int                  # 8-bit outlier input channels (0: none)
-    every_row: bool = False        # the threshold applies to every row (eval, as TEAL measures), not only N = 1
+    every_row: bool = False        # the threshold applies to every row (eval, as TEAL measures), not only decode
+
+    def prunes(self, x2: torch.Tensor, steps: bool | None) -> bool:
+        """Whether the stored threshold applies to the rows ``x2`` [N, K]: at decode steps (``steps``; None: N ==
+        1), at any batch size, or on every row with ``every_row``; never at a prompt of several tokens."""
+        if self.tau is None:
+            return False
+        return self.every_row or (x2.shape[0] == 1 if steps is None else bool(steps))
 
     @property
     def label(self) -> str:
         w = "fp16" if self.bits is None else f"W{self.bits}A{self.act_bits}"
         extra = f", {self.outliers} outliers" if self.outliers else ""
-        extra += f", tau {self.tau:.4g} at N = 1" if self.tau is not None else ""
+        extra += f", tau {self.tau:.4g} at decode" if self.tau is not None else ""
         return f"{self.format} {w}{extra}"
 
 
