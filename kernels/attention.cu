@@ -7,6 +7,9 @@
 // counter, reset by that block, so a CUDA graph replays it) combines the chunks into the output, rounded to
 // float16 once. Chunks past pos read nothing and take no ticket (the grid covers the allocated length, so a graph
 // replays it at any pos).
+// With `codes` set, the combining block also writes o_proj's quantized input for its G heads (act_quant.cu's rule,
+// bit for bit, on the float16 outputs): the host passes it only when those G * D channels are whole quantization
+// groups (gm divides G * D) and no channel is permuted (no outlier side), so one launch replaces the act_quant one.
 // Memory-level parallelism is the point at batch 1 (a layer's K and V are a few MB): each lane loads its D/32
 // halves of K and V of all SLOTS slots of its warp before using any (vector loads, one slot's row per warp load).
 #include "fp16.cuh"
@@ -40,6 +43,15 @@ __device__ __forceinline__ float slot_sums(const float* a, int lane) {
     return d;
 }
 
+// o_proj's input rule for the combine's quantized output (codes == nullptr: none): codes int8 [B, Kp] (Kp >= H * D,
+// the padding zeroed by KV head 0's block), scales float32 [B, H * D / gm]; bits, clip, grid_max, tiny as act_quant.cu.
+struct OutQuant {
+    signed char* codes;
+    float* scales;
+    int Kp, gm, bits;
+    float clip, grid, tiny;
+};
+
 // q [B, H, 1, D]; caches [B, Hkv, L, D]; part_o [B, H, chunks, D] and part_ml [B, H, chunks, 2] (float32);
 // ticket [B * Hkv] int32, zero between launches; out [B, 1, H * D]. Dynamic shared memory: WARPS * G * D floats.
 template <int PER>
@@ -47,7 +59,8 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
                                        const u16* __restrict__ v_cache, const long long* __restrict__ pos,
                                        const long long* __restrict__ offset, int H, int Hkv, int L, float scale,
                                        float* __restrict__ part_o, float* __restrict__ part_ml,
-                                       int* __restrict__ ticket, u16* __restrict__ out, float* red) {
+                                       int* __restrict__ ticket, u16* __restrict__ out, float* red,
+                                       const OutQuant& oq) {
     constexpr int D = PER * 32;
     __shared__ float sc[MAX_G][CHUNK];
     __shared__ float cm[MAX_G], cl[MAX_G];
@@ -180,23 +193,47 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
             const float mk = __ldcg(ml + 2 * k);
             if (mk != NEG_INF) o = fmaf(__ldcg(po + (long long)k * D), expf(mk - cm[g]), o);
         }
-        out[(head0 + g) * D + d] = f2h(o / cl[g]);
+        const u16 h = f2h(o / cl[g]);
+        out[(head0 + g) * D + d] = h;
+        red[e] = h2f(h);  // red is free here (the partial sums went to part_o)
     }
     if (threadIdx.x == 0) ticket[(long long)b * Hkv + hk] = 0;
+    if (oq.codes == nullptr) return;
+    // o_proj's quantized input: this block's channels [hk G D, (hk + 1) G D) of row b are whole groups of gm
+    __syncthreads();
+    const int HD = H * D, ng = G * D / oq.gm;
+    const int lo = -(1 << (oq.bits - 1)), hi = (1 << (oq.bits - 1)) - 1;
+    for (int gi = warp; gi < ng; gi += WARPS) {
+        const float* v = red + gi * oq.gm;
+        float amax = 0.f;
+        for (int i = lane; i < oq.gm; i += 32) amax = fmaxf(amax, fabsf(v[i]));
+        amax = warp_max(amax);
+        float s = __fdiv_rn(__fmul_rn(amax, oq.clip), oq.grid);
+        s = fmaxf(h2f(f2h(fmaxf(s, oq.tiny))), oq.tiny);
+        const int c0 = hk * G * D + gi * oq.gm;  // first channel of the group in the row
+        for (int i = lane; i < oq.gm; i += 32)
+            oq.codes[(long long)b * oq.Kp + c0 + i] = (signed char)min(max(__float2int_rn(__fdiv_rn(v[i], s)), lo), hi);
+        if (lane == 0) oq.scales[(long long)b * (HD / oq.gm) + c0 / oq.gm] = s;
+    }
+    if (hk == 0)
+        for (int p = HD + threadIdx.x; p < oq.Kp; p += blockDim.x) oq.codes[(long long)b * oq.Kp + p] = 0;
 }
 
 #define DECODE_ARGS                                                                                             \
     const u16 *__restrict__ q, const u16 *__restrict__ k_cache, const u16 *__restrict__ v_cache,              \
         const long long *__restrict__ pos, const long long *__restrict__ offset, int H, int Hkv, int L, int D, \
         float scale, float *__restrict__ part_o, float *__restrict__ part_ml, int *__restrict__ ticket,         \
-        u16 *__restrict__ out  // D: unused (the kernel's PER * 32), kept so every kernel takes the same arguments
+        u16 *__restrict__ out, signed char *__restrict__ codes, float *__restrict__ scales, int Kp, int gm,      \
+        int bits, float clip, float grid, float tiny  // D: unused (the kernel's PER * 32), kept so every kernel \
+                                                      // takes the same arguments
 
 // one kernel per head dimension (attention_decode_<D / 32>), so each gets the registers it needs
 #define KERNEL(PER)                                                                                               \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_decode_##PER(DECODE_ARGS) {               \
         pdl_enter();                                                                                           \
         extern __shared__ float red[];                                                                          \
-        decode<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, part_o, part_ml, ticket, out, red);     \
+        const OutQuant oq{codes, scales, Kp, gm, bits, clip, grid, tiny};                                      \
+        decode<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, part_o, part_ml, ticket, out, red, oq); \
     }
 KERNEL(1)
 KERNEL(2)

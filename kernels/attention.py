@@ -2,7 +2,9 @@
 
 ``decode_attention_reference`` is what the decoder computed before the kernel existed (torch's SDPA over the
 allocated cache with a visibility mask), on any device; ``decode_attention`` is the split-along-the-sequence
-kernel (one launch), on torch float16 CUDA tensors and torch's current stream.
+kernel (one launch), on torch float16 CUDA tensors and torch's current stream. With an o_proj input rule it
+may fuse (:func:`quant_fusable`) and also return o_proj's quantized input from the same launch
+(``decode_attention_quant``; its reference: the attention reference, then the rule's quantization).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..formats.arithmetic.weights import FP16_TINY, grid_max
 from .cluster_launch import launch
 from .errors import KernelError
 
@@ -41,6 +44,28 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 @cache
+def quant_fusable(rule, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the attention launch can write o_proj's quantized input (``rule``, an ``InputRule``): no outlier
+    side or channel permutation, and each KV head's ``heads / kv_heads * head_dim`` output channels whole
+    quantization groups (LLaMA-2-7B: one group of 128 per head; Llama-3-8B: four heads, four groups). The same
+    answer on every backend, so the reference backend takes the CUDA path's decisions."""
+    if rule is None or rule.perm is not None or rule.n_side:
+        return False
+    hd = heads * head_dim
+    gm = min(rule.group, hd)
+    return heads % kv_heads == 0 and (heads // kv_heads * head_dim) % gm == 0 and rule.kp >= hd
+
+
+def decode_attention_quant_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     pos: torch.Tensor, offset: torch.Tensor, scale: float, rule):
+    """(:func:`decode_attention_reference`, o_proj's quantized input of it by the formats' functions), or None
+    where the kernel would not fuse (:func:`shape_supported`, :func:`quant_fusable`): the CUDA path's decision."""
+    if not (shape_supported(q, k_cache) and quant_fusable(rule, q.shape[1], k_cache.shape[1], q.shape[3])):
+        return None
+    o = decode_attention_reference(q, k_cache, v_cache, pos, offset, scale)
+    return o, rule.reference(o.reshape(-1, o.shape[-1]))
+
+
 def _function(per: int):
     from .loader import load_module
 
@@ -64,12 +89,16 @@ def _ticket(device: torch.device, n: int) -> torch.Tensor:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes this case: one query token, float16 CUDA tensors, head dim a multiple of 32 up to
-    256, at most 8 query heads per KV head."""
+    """Whether the kernel takes this case: float16 CUDA tensors of a shape it takes (:func:`shape_supported`)."""
+    return (q.is_cuda and q.dtype == torch.float16 and k_cache.dtype == torch.float16
+            and shape_supported(q, k_cache))
+
+
+def shape_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """One query token, head dim a multiple of 32 up to 256, at most 8 query heads per KV head."""
     b, h, t, d = q.shape
     hkv = k_cache.shape[1]
-    return (t == 1 and q.is_cuda and q.dtype == torch.float16 and k_cache.dtype == torch.float16
-            and d % 32 == 0 and d <= MAX_D and h % hkv == 0 and h // hkv <= MAX_G)
+    return t == 1 and d % 32 == 0 and d <= MAX_D and h % hkv == 0 and h // hkv <= MAX_G
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -81,6 +110,19 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      offset: torch.Tensor, scale: float) -> torch.Tensor:
     """:func:`decode_attention_reference` for T = 1 in one launch, reading only the slots <= pos."""
+    return _decode(q, k_cache, v_cache, pos, offset, scale, None)[0]
+
+
+def decode_attention_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                           offset: torch.Tensor, scale: float, rule):
+    """:func:`decode_attention_quant_reference` in one launch (None where the kernel or the rule does not fuse):
+    the attention output and o_proj's quantized input, act_quant.cu's codes and scales bit for bit."""
+    if not (supports(q, k_cache) and quant_fusable(rule, q.shape[1], k_cache.shape[1], q.shape[3])):
+        return None
+    return _decode(q, k_cache, v_cache, pos, offset, scale, rule)
+
+
+def _decode(q, k_cache, v_cache, pos, offset, scale, rule):
     import cupy as cp
 
     if not supports(q, k_cache):
@@ -100,8 +142,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     offset = offset.to(torch.int64).contiguous()
     ticket = _ticket(q.device, b * hkv)
     ptr = [np.uint64(t.data_ptr()) for t in (q, k_cache, v_cache, pos, offset, part_o, part_ml, ticket, out)]
+    quantized, qargs = None, (np.uint64(0), np.uint64(0), np.int32(0), np.int32(1), np.int32(8), np.float32(1),
+                              np.float32(1), np.float32(FP16_TINY))
+    if rule is not None:
+        gm = min(rule.group, h * d)
+        codes = torch.empty(b, rule.kp, dtype=torch.int8, device=q.device)
+        scales = torch.empty(b, h * d // gm, dtype=torch.float32, device=q.device)
+        quantized = (codes, scales, None, None)
+        qargs = (np.uint64(codes.data_ptr()), np.uint64(scales.data_ptr()), np.int32(rule.kp), np.int32(gm),
+                 np.int32(rule.bits), np.float32(rule.clip), np.float32(grid_max(rule.bits)), np.float32(FP16_TINY))
     with cp.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream):
         launch(_function(d // 32), (chunks, hkv, b), (WARPS * 32,),
-               (*ptr[:5], np.int32(h), np.int32(hkv), np.int32(length), np.int32(d), np.float32(scale), *ptr[5:]),
+               (*ptr[:5], np.int32(h), np.int32(hkv), np.int32(length), np.int32(d), np.float32(scale), *ptr[5:],
+                *qargs),
                shared_mem=WARPS * (h // hkv) * d * 4)
-    return out
+    return out, quantized

@@ -75,6 +75,7 @@ class CudaKernels:
         if attention.supports(q, k_cache):
             return attention.decode_attention(q, k_cache, v_cache, pos, offset, scale)
         return attention.decode_attention_reference(q, k_cache, v_cache, pos, offset, scale)
+    decode_attention_quant = staticmethod(attention.decode_attention_quant)
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant)
     add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant)

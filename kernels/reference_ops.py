@@ -54,6 +54,7 @@ class ReferenceKernels:
     silu_mul = staticmethod(glue.silu_mul_reference)
     rotary_cache = staticmethod(glue.rotary_cache_reference)
     decode_attention = staticmethod(attention.decode_attention_reference)
+    decode_attention_quant = staticmethod(attention.decode_attention_quant_reference)
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant_reference)
     add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant_reference)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant_reference)

@@ -41,6 +41,11 @@ class RuntimeKernels(Protocol):
                      v_cache: torch.Tensor) -> torch.Tensor: ...
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                          offset: torch.Tensor, scale: float) -> torch.Tensor: ...
+    def decode_attention_quant(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               pos: torch.Tensor, offset: torch.Tensor, scale: float,
+                               rule: InputRule) -> tuple[torch.Tensor, QuantizedInput] | None:
+        """(decode attention, o_proj's quantized input of it) from one launch, or None where it does not fuse
+        (``attention.quant_fusable``, or no kernel for the case): then attention and the linear run as usual."""
     def rms_norm_quant(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                        rule: InputRule) -> tuple[torch.Tensor, QuantizedInput]: ...
     def add_rms_norm_quant(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,

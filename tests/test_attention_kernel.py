@@ -98,3 +98,58 @@ def test_kernel_replays_in_a_cuda_graph_at_each_position():
         ref = attention.decode_attention_reference(q, kc, vc, p, off, scale).double().cpu()
         err, ref_err = (out.double().cpu() - want).abs().max(), (ref - want).abs().max()
         assert err <= max(2 * ref_err, 2 ** -10 * want.abs().max()), (pos, err, ref_err)
+
+
+def _rule(bits, group, kp, perm=None, n_side=0):
+    from unionsparse.kernels.norm_quant import InputRule
+
+    return InputRule(bits, group, 1.0, kp, perm, n_side)
+
+
+def test_o_proj_input_fuses_only_where_each_kv_head_holds_whole_groups():
+    """The decision both backends take (the reference backend runs the CUDA path's logic on the CPU)."""
+    perm = torch.arange(4096, dtype=torch.int32)
+    assert attention.quant_fusable(_rule(4, 128, 4096), 32, 32, 128)      # LLaMA-2-7B: a group a head
+    assert attention.quant_fusable(_rule(8, 128, 4096), 32, 8, 128)       # Llama-3-8B: four heads, four groups
+    assert not attention.quant_fusable(_rule(4, 128, 576), 9, 3, 64)      # SmolLM2: 192 channels a KV head
+    assert not attention.quant_fusable(_rule(4, 128, 4096, perm, 128), 32, 32, 128)  # outlier channels
+    assert not attention.quant_fusable(_rule(4, 128, 4000), 32, 32, 128)  # codes narrower than the input
+    assert not attention.quant_fusable(None, 32, 32, 128)
+
+
+def test_fused_reference_is_attention_then_the_rule():
+    q, kc, vc = _case(3, 4, 2, 128, 40, 3)
+    pos, offset = torch.tensor([33]), torch.tensor([0, 4, 30])
+    rule = _rule(4, 128, 640)  # codes padded past the 512 inputs
+    o, (codes, scales, oq, osx) = attention.decode_attention_quant_reference(q, kc, vc, pos, offset, 0.1, rule)
+    assert torch.equal(o, attention.decode_attention_reference(q, kc, vc, pos, offset, 0.1))
+    want = rule.reference(o.reshape(3, 512))
+    assert torch.equal(codes, want[0]) and torch.equal(scales, want[1]) and oq is None and osx is None
+    assert codes.shape == (3, 640) and not codes[:, 512:].any() and scales.shape == (3, 4)
+    q9, kc9, vc9 = _case(1, 9, 3, 64, 40, 3)
+    assert attention.decode_attention_quant_reference(q9, kc9, vc9, pos, offset[:1], 0.1, _rule(4, 128, 576)) is None
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("b, h, hkv, d, bits, kp", [
+    (1, 32, 32, 128, 4, 4096),   # LLaMA-2-7B W4A4
+    (1, 32, 8, 128, 8, 4096),    # Llama-3-8B W4A8
+    (3, 8, 2, 128, 4, 1088),     # a padded batch of 3, codes padded past the 1024 inputs
+    (2, 4, 4, 64, 8, 256),       # head dim 64, group 64
+])
+def test_kernel_writes_o_proj_input_as_act_quant_does(b, h, hkv, d, bits, kp):
+    """One launch gives the attention output of decode_attention and act_quant.cu's codes and scales of it, bit for
+    bit (the same rule on the same float16 outputs)."""
+    from unionsparse.kernels.runtime_ops import get
+
+    q, kc, vc = _case(b, h, hkv, d, 300, 7, torch.float16, "cuda")
+    pos = torch.tensor([250], device="cuda")
+    offset = torch.tensor([0, 17, 200][:b], device="cuda")
+    rule = _rule(bits, min(128, d), kp)
+    o, (codes, scales, _, _) = attention.decode_attention_quant(q, kc, vc, pos, offset, 0.088, rule)
+    plain = attention.decode_attention(q, kc, vc, pos, offset, 0.088)
+    want = get("cuda").act_quant(plain.reshape(b, h * d), rule)  # act_quant.cu
+    assert torch.equal(o, plain)
+    assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
+    assert codes.abs().max() > 0 and not codes[:, h * d:].any()

@@ -242,6 +242,77 @@ def test_runtime_model_with_thresholds_on_every_row_is_what_eval_measures(case, 
         assert np.abs(np.subtract(plain, want)).min() > 10 * np.abs(np.subtract(got, want)).max()
 
 
+@pytest.fixture(scope="module")
+def head128(tmp_path_factory):
+    """A random 2-block LLaMA with head dim 128 and two query heads per KV head (hidden 256): the shapes where
+    attention writes o_proj's quantized input (``attention.quant_fusable``: a KV head's 256 channels, two groups).
+    ``head128(case)`` -> the artifact of that compress case (compressed once)."""
+    from test_runtime import WORDS, _tokenizer
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from unionsparse.compressor.cli import main
+
+    root = tmp_path_factory.mktemp("head128")
+    torch.manual_seed(2)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=256, max_position_embeddings=512)
+    LlamaForCausalLM(cfg).eval().save_pretrained(root / "model")
+    _tokenizer().save_pretrained(root / "model")
+    GenerationConfig(bos_token_id=2, eos_token_id=1).save_pretrained(root / "model")
+    rng = np.random.default_rng(0)
+    (root / "calib.jsonl").write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS, 200))}) + "\n"
+                                              for _ in range(8)))
+    made: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in made:
+            out = root / f"{case}.zarr"
+            flags = [str(root / "calib.jsonl") if f == "CALIB" else f for f in CASES[case]]
+            with pytest.raises(SystemExit) as e:
+                main(["compress", str(root / "model"), "-o", str(out), "--quiet", *flags])
+            assert e.value.code == 0
+            made[case] = out
+        return made[case]
+
+    return get
+
+
+def _o_proj_offers(rt) -> list[int]:
+    return [m.op.offers_used for n, m in rt.model.named_modules()
+            if n.endswith("o_proj") and isinstance(m, runtime.CompressedLinear)]
+
+
+@pytest.mark.parametrize("case", ["w4a8", "w4a4"])
+def test_attention_hands_o_proj_its_quantized_input(case, head128):
+    """Head dim 128: at every decode step attention also writes o_proj's quantized input (one launch on a GPU), and
+    the ops still agree with the CPU path; with outlier channels (a permutation) it does not fuse."""
+    a = head128(case)
+    cpu, ref = runtime.load(a, fuse=True), runtime.load(a, backend="reference", fuse=True)
+    for run in ("batch3", "prefill1"):
+        _check(ref, cpu, run)
+    offers = _o_proj_offers(ref)
+    assert len(offers) == 2 and all(n > 0 for n in offers)  # every block's o_proj took attention's input
+    out = runtime.load(head128("w4a4-outliers"), backend="reference", fuse=True)
+    out.generate(PROMPT, max_new_tokens=3, ignore_eos=True)
+    assert _o_proj_offers(out) == [0, 0]
+
+
+def test_a_wrong_o_proj_input_from_attention_fails_the_check(head128, monkeypatch):
+    """Planted: attention's quantized output with a clip of 0.5 (codes of another scale) moves o_proj's output far
+    outside the tolerance, so the agreement check sees a fault of the fused producer."""
+    from dataclasses import replace
+
+    from unionsparse.kernels import attention
+    from unionsparse.kernels.reference_ops import ReferenceKernels
+
+    def wrong(q, kc, vc, pos, offset, scale, rule):
+        return attention.decode_attention_quant_reference(q, kc, vc, pos, offset, scale, replace(rule, clip=0.5))
+
+    monkeypatch.setattr(ReferenceKernels, "decode_attention_quant", staticmethod(wrong))
+    a = head128("w4a8")
+    ag = _agree(runtime.load(a, backend="reference", fuse=True), runtime.load(a, fuse=True), "prefill1")
+    assert not ag.ok and ag.worst.name.endswith("o_proj") and ag.worst.worst_ratio > 4, ag.worst
+
+
 # --------------------------------------------------------------------------------------------- on a GPU
 
 
@@ -316,6 +387,23 @@ def test_gpu_agrees_on_smollm2_shapes(case, smol_shaped, tmp_path):
         _record({"case": f"SmolLM2-shaped {case}", "fuse": True, "run": run, "ops": len(ag.ops), "worst_op": w.name,
                  "max_err": w.max_err, "tol": w.tol_at_max, "ratio": w.worst_ratio, "ok": ag.ok})
         assert ag.ok, "\n".join(ag.failures())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", ["w4a8", "w4a4"])
+def test_gpu_agrees_with_attention_writing_o_proj_input(case, head128):
+    """Head dim 128: attention.cu writes o_proj's quantized input at every decode step; every op agrees with the
+    CPU path (prefill of 200, a padded batch of 3), and the o_proj ops took it."""
+    a = head128(case)
+    cpu, gpu = runtime.load(a, fuse=True), runtime.load(a, device="cuda", fuse=True)
+    for run in ("prefill200", "batch3"):
+        ag = _agree(gpu, cpu, run)
+        w = ag.worst
+        _record({"case": f"head-128 {case}", "fuse": True, "run": run, "ops": len(ag.ops), "worst_op": w.name,
+                 "max_err": w.max_err, "tol": w.tol_at_max, "ratio": w.worst_ratio, "ok": ag.ok})
+        assert ag.ok, "\n".join(ag.failures())
+    assert all(n > 0 for n in _o_proj_offers(gpu))
 
 
 @pytest.mark.gpu

@@ -49,6 +49,7 @@ class _ReferenceProducers:
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant_reference)
     add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant_reference)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant_reference)
+    decode_attention_quant = staticmethod(attention_ops.decode_attention_quant_reference)
 
 
 class StaticDecoder(nn.Module):
@@ -120,10 +121,10 @@ class StaticDecoder(nn.Module):
 
     @property
     def prequant(self) -> bool:
-        """Quantizing producers: the RMSNorms before quantized-input linears (Q/K/V, gate/up) and the SiLU·mul
-        before down_proj also write that linear's quantized input and hand it over, so the linear does not
-        quantize (``kernels/norm_quant.cu`` with the glue kernels; their torch references otherwise, as tests
-        use)."""
+        """Quantizing producers: the RMSNorms before quantized-input linears (Q/K/V, gate/up), the SiLU·mul
+        before down_proj and, at a decode step, attention before o_proj (where its rule fuses) also write that
+        linear's quantized input and hand it over, so the linear does not quantize (``kernels/norm_quant.cu``
+        and ``kernels/attention.cu`` with the glue kernels; their torch references otherwise, as tests use)."""
         return self._prequant
 
     @prequant.setter
@@ -202,7 +203,7 @@ class StaticDecoder(nn.Module):
             v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim)
             q = glue.rotary_cache(q, k, v, self.cos, self.sin, pos, rpos, self.k_cache[i], self.v_cache[i])
             if t == 1:  # a decode step: over the cache's valid length (attention.cu with the kernels)
-                o = glue.decode_attention(q, self.k_cache[i], self.v_cache[i], pos, self.offset, attn.scaling)
+                o = self._attend(attn, q, i, pos)
             else:
                 o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
                                                    scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads)
@@ -212,6 +213,20 @@ class StaticDecoder(nn.Module):
             pending = self._mlp(layer.mlp, h)
         _, x = self._norm(inner.norm, x[:, -1], None if pending is None else pending[:, -1])
         return self.model.lm_head(x).float()
+
+    def _attend(self, attn: nn.Module, q: torch.Tensor, i: int, pos: torch.Tensor) -> torch.Tensor:
+        """Decode attention of block ``i``; with quantizing producers and an o_proj that takes a quantized input,
+        that input from the same launch where its rule fuses (``attention.quant_fusable``), handed to o_proj."""
+        k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+        consumer = self._consumer(attn.o_proj)
+        if consumer is not None:
+            done = self._producers.decode_attention_quant(q, k_cache, v_cache, pos, self.offset, attn.scaling,
+                                                          consumer.input_rule())
+            if done is not None:
+                o, quantized = done
+                consumer.offer(o.reshape(-1, o.shape[-1]), quantized)
+                return o
+        return self._glue.decode_attention(q, k_cache, v_cache, pos, self.offset, attn.scaling)
 
     def _consumer(self, linear: nn.Module):
         """The op that quantizes what ``linear`` reads (a fused member's stacked op), when quantizing producers
