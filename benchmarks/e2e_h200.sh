@@ -24,13 +24,7 @@ set -o pipefail
 DEST="${OUT:-benchmarks/results}"
 BUDGET="${E2E_BUDGET:-460}"            # seconds of cases started; the last case, analysis and writes follow
 LIMIT="${E2E_TIMEOUT:-$((BUDGET + 110))}"  # hard stop (the rows so far stay in e2e-partial.json)
-mkdir -p "$DEST"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
-fi
-mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh || exit 1
 if ! python3 -c "import zarr, zarr.codecs, numcodecs, crc32c, cupy, transformers" 2>/dev/null; then
   echo "e2e_h200.sh: missing Python packages (carry .whl: see the header of this script)" >&2
   python3 -c "import zarr, zarr.codecs, numcodecs, crc32c, cupy, transformers" 2>&1 | tail -1 >&2

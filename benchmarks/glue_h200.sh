@@ -17,14 +17,7 @@
 # programmatic dependent launch off and on (benchmarks/step_pdl_ab.py).
 set -o pipefail
 MODE="${1:-full}"
-DEST="${OUT:-benchmarks/results}"
-mkdir -p "$DEST"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-for part in part00 part01; do [ -f .gguf/$part ] && cp .gguf/$part /tmp/gguf-$part; done
-mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
-export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source benchmarks/device_env.sh || exit 1
 if [ "$MODE" = quick ]; then
   timeout 300 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
     tests/test_glue_kernels.py tests/test_attention_kernel.py \

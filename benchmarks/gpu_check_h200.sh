@@ -17,15 +17,9 @@
 # benchmarks/results); benchmarks/agreement_table.py prints the rows of several calls as one table.
 set -o pipefail
 STAGE="${1:-runtime}"
-DEST="${OUT:-benchmarks/results}"
-mkdir -p "$DEST"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
-export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OUT="$DEST"
+source benchmarks/device_env.sh || exit 1
+export OUT="$DEST"
 export UNIONSPARSE_C4_SAMPLE="$PWD/.gpudata/c4_sample.jsonl"
-for part in part00 part01; do [ -f .gguf/$part ] && cp .gguf/$part /tmp/gguf-$part; done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$DEST/machine.txt"
 python3 -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'transformers', transformers.__version__)" | tee -a "$DEST/machine.txt"
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning"

@@ -3,9 +3,7 @@
 # after the Tiled-CBC GPU tests. Results under $OUT (default /tmp/out): ceilings_h200.{json,md}, logs.
 #   bash benchmarks/run_h200_ceilings.sh [--only iebme,cbc,spmm] [--quick]
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader

@@ -5,13 +5,7 @@
 #   --quick    correctness sweep + the first 6 SpInfer shapes
 # Results land in $OUT (through the device tool) or benchmarks/results.
 set -o pipefail
-DEST="${OUT:-benchmarks/results}"
-mkdir -p "$DEST"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 case "$1" in
   --tune)

@@ -7,9 +7,7 @@
 # (`split -b 49181216` here, `cat` there), see BENCHMARKS.md. Results go straight to $OUT as each
 # configuration finishes (quant.{json,md}, dp_quality.{json,md}), so a call cut short keeps them.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/logs
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader

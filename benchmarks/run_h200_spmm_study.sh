@@ -3,9 +3,7 @@
 # cuBLAS (benchmarks/study_spmm_wgmma.py). Results under $OUT: pytest_wgmma.log, spmm_wgmma_study.json, study.log.
 # (v5 and its parts study are gone from the tree; their results stay in benchmarks/results/.)
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}
 if [ -z "${SKIP_TESTS:-}" ]; then
     timeout 240 python3 -m pytest tests/test_kernels_tiled_cbc.py -m gpu -p no:cacheprovider -x -k "wgmma or names" \

@@ -4,9 +4,7 @@
 # cuBLAS. Results under $OUT (default /tmp/out): tiled_cbc_gpu_check.json, tiled_cbc_h200.{json,md}, logs.
 #   bash benchmarks/run_h200_tiled_cbc.sh [SPMSPV_SECONDS] [SPMM_SECONDS]
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 T1=${1:-90}

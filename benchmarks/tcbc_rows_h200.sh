@@ -13,13 +13,7 @@
 #   any CUDA machine with the package installed:  bash benchmarks/tcbc_rows_h200.sh   (writes benchmarks/results/)
 # .whl: bash benchmarks/h200_wheels.sh, once, here (the image lacks zarr and its codecs).
 set -o pipefail
-DEST="${OUT:-benchmarks/results}"
-mkdir -p "$DEST"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-mkdir -p /tmp/shim/unionsparse && for d in compressor solvers formats kernels; do ln -sfn "$PWD/$d" /tmp/shim/unionsparse/$d; done
-export PYTHONPATH=/tmp/shim:/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source benchmarks/device_env.sh || exit 1
 timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
   tests/test_kernels_tiled_cbc.py -k "rows or quantized_layer or fp16_layer or agrees or attention" \
   "tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op[cbc-dp-fused]" \

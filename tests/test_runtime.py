@@ -45,14 +45,12 @@ def _tokenizer():
     return t
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    """A tiny LLaMA folder (256 tokens) with a word-level tokenizer, a chat template, a generation config (eos 1)
-    and a calibration file beside it."""
+def make_source(root: Path, model) -> Path:
+    """``root/model``: ``model`` saved with the word-level tokenizer (chat template) and a generation config (eos
+    1); ``root/calib.jsonl`` beside it (8 texts of the vocabulary's words). Returns ``root``."""
     from transformers import GenerationConfig
 
-    root = tmp_path_factory.mktemp("runtime_src")
-    tiny_model("llama", hidden=128, vocab=256).save_pretrained(root / "model")
+    model.save_pretrained(root / "model")
     _tokenizer().save_pretrained(root / "model")
     GenerationConfig(bos_token_id=2, eos_token_id=1).save_pretrained(root / "model")
     rng = np.random.default_rng(0)
@@ -61,25 +59,37 @@ def source(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def artifacts(source, tmp_path_factory):
-    """Compress each case once, on first use: ``artifacts(name)`` -> path."""
+def compress_once(src: Path, out_dir: Path, cases: dict[str, list[str]]):
+    """``get(name)``: ``src/model`` compressed with ``cases[name]``'s flags (CALIB: ``src/calib.jsonl``) into
+    ``out_dir/name.zarr``, once; returns the artifact's path."""
     from unionsparse.compressor.cli import main
 
     made: dict[str, Path] = {}
-    out_dir = tmp_path_factory.mktemp("runtime_art")
 
     def get(name: str) -> Path:
         if name not in made:
             out = out_dir / f"{name}.zarr"
-            flags = [str(source / "calib.jsonl") if f == "CALIB" else f for f in CASES[name]]
+            flags = [str(src / "calib.jsonl") if f == "CALIB" else f for f in cases[name]]
             with pytest.raises(SystemExit) as e:
-                main(["compress", str(source / "model"), "-o", str(out), "--quiet", *flags])
+                main(["compress", str(src / "model"), "-o", str(out), "--quiet", *flags])
             assert e.value.code == 0
             made[name] = out
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A tiny LLaMA folder (256 tokens) with a word-level tokenizer, a chat template, a generation config (eos 1)
+    and a calibration file beside it."""
+    return make_source(tmp_path_factory.mktemp("runtime_src"), tiny_model("llama", hidden=128, vocab=256))
+
+
+@pytest.fixture(scope="module")
+def artifacts(source, tmp_path_factory):
+    """Compress each case once, on first use: ``artifacts(name)`` -> path."""
+    return compress_once(source, tmp_path_factory.mktemp("runtime_art"), CASES)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_runtime import PROMPT, _smollm2_gguf, source  # noqa: F401  (module fixture)
+from test_runtime import PROMPT, _smollm2_gguf, compress_once, make_source, source  # noqa: F401  (module fixture)
 from unionsparse.compressor import runtime
 from unionsparse.compressor.runtime.agreement import op_agreement, tolerance
 from unionsparse.compressor.runtime.decoder import StaticDecoder
@@ -54,22 +54,7 @@ RUNS = {  # (prompts, new tokens per prompt): one token of prefill, 200 tokens, 
 
 @pytest.fixture(scope="module")
 def artifacts(source, tmp_path_factory):  # noqa: F811
-    from unionsparse.compressor.cli import main
-
-    made: dict[str, object] = {}
-    out_dir = tmp_path_factory.mktemp("agreement_art")
-
-    def get(name: str):
-        if name not in made:
-            out = out_dir / f"{name}.zarr"
-            flags = [str(source / "calib.jsonl") if f == "CALIB" else f for f in CASES[name]]
-            with pytest.raises(SystemExit) as e:
-                main(["compress", str(source / "model"), "-o", str(out), "--quiet", *flags])
-            assert e.value.code == 0
-            made[name] = out
-        return made[name]
-
-    return get
+    return compress_once(source, tmp_path_factory.mktemp("agreement_art"), CASES)
 
 
 def _path(cpu, prompts, n) -> list[list[int]]:
@@ -242,38 +227,24 @@ def test_runtime_model_with_thresholds_on_every_row_is_what_eval_measures(case, 
         assert np.abs(np.subtract(plain, want)).min() > 10 * np.abs(np.subtract(got, want)).max()
 
 
+def _random_llama(seed: int, **cfg):
+    """A random 2-block LLaMA (256 tokens) of the given shapes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, vocab_size=256, max_position_embeddings=512,
+                                        **cfg)).eval()
+
+
 @pytest.fixture(scope="module")
 def head128(tmp_path_factory):
     """A random 2-block LLaMA with head dim 128 and two query heads per KV head (hidden 256): the shapes where
     attention writes o_proj's quantized input (``attention.quant_fusable``: a KV head's 256 channels, two groups).
     ``head128(case)`` -> the artifact of that compress case (compressed once)."""
-    from test_runtime import WORDS, _tokenizer
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    from unionsparse.compressor.cli import main
-
     root = tmp_path_factory.mktemp("head128")
-    torch.manual_seed(2)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=256, max_position_embeddings=512)
-    LlamaForCausalLM(cfg).eval().save_pretrained(root / "model")
-    _tokenizer().save_pretrained(root / "model")
-    GenerationConfig(bos_token_id=2, eos_token_id=1).save_pretrained(root / "model")
-    rng = np.random.default_rng(0)
-    (root / "calib.jsonl").write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS, 200))}) + "\n"
-                                              for _ in range(8)))
-    made: dict[str, Path] = {}
-
-    def get(case: str) -> Path:
-        if case not in made:
-            out = root / f"{case}.zarr"
-            flags = [str(root / "calib.jsonl") if f == "CALIB" else f for f in CASES[case]]
-            with pytest.raises(SystemExit) as e:
-                main(["compress", str(root / "model"), "-o", str(out), "--quiet", *flags])
-            assert e.value.code == 0
-            made[case] = out
-        return made[case]
-
-    return get
+    make_source(root, _random_llama(2, hidden_size=256, intermediate_size=512, num_attention_heads=2,
+                                    num_key_value_heads=1))
+    return compress_once(root, root, CASES)
 
 
 def _o_proj_offers(rt) -> list[int]:
@@ -352,20 +323,9 @@ def test_gpu_agrees_with_the_cpu_path_op_by_op(case, fuse, artifacts):
 def smol_shaped(tmp_path_factory):
     """A random 2-block LLaMA of SmolLM2-135M's shapes (hidden 576, intermediate 1536, 9 / 3 heads): the kernels'
     launch rules (split-K, stream-K, wide CTAs) take other paths than on the tiny model."""
-    from test_runtime import WORDS, _tokenizer
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    root = tmp_path_factory.mktemp("smol_shaped")
-    torch.manual_seed(1)
-    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
-                      num_key_value_heads=3, vocab_size=256, max_position_embeddings=512)
-    LlamaForCausalLM(cfg).eval().save_pretrained(root / "model")
-    _tokenizer().save_pretrained(root / "model")
-    GenerationConfig(bos_token_id=2, eos_token_id=1).save_pretrained(root / "model")
-    rng = np.random.default_rng(0)
-    (root / "calib.jsonl").write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS, 200))}) + "\n"
-                                              for _ in range(8)))
-    return root
+    return make_source(tmp_path_factory.mktemp("smol_shaped"),
+                       _random_llama(1, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                                     num_key_value_heads=3))
 
 
 @pytest.mark.gpu
