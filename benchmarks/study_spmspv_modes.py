@@ -11,6 +11,8 @@ random nonzero codes with fp16 scales per 128 inputs). Settings are ``warps/stag
 plus ``/sk`` (stream-K launch) or ``/auto`` (the shipped rule, ``use_streamk``); see
 ``kernels/tiled_cbc_spmspv.cu`` for the modes; scale < 1 makes several waves of smaller blocks. Edit
 SETTINGS (or the kernel's instantiations) to compare other variants; docs/kernels.md lists what was tried.
+A ``--baseline`` file must have the current kernel's template parameters and arguments (since 2026-12-07 the
+input-row count NR and the ``nrows, ldx`` arguments): the launcher names those instantiations.
 """
 
 from __future__ import annotations
