@@ -393,7 +393,7 @@ def test_gpu_eval_runs_the_runtime_and_matches_the_cpu_perplexity(case, artifact
     gpu = evaluate_source(artifacts(case), text, seqlen=64, max_windows=8, device="cuda")
     assert gpu["runtime"].startswith("cuda") and gpu["windows"] == cpu["windows"] == 8
     _record({"case": f"tiny {case}", "run": "eval ppl", "cpu_ppl": cpu["ppl"], "gpu_ppl": gpu["ppl"]})
-    assert abs(gpu["ppl"] / cpu["ppl"] - 1) < 0.005
+    assert abs(gpu["ppl"] / cpu["ppl"] - 1) < 1e-3  # float32 dense parts on both: only summation orders differ
 
 
 SMOL_CASES = {  # the configurations that keep quality (README), calibrated on real text where shared data is

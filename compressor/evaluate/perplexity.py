@@ -170,16 +170,18 @@ def load_for_eval(source: str | Path, dtype: torch.dtype = torch.float32, dynami
 
 def load_artifact_on_gpu(source: str | Path, dynamic_pruning: bool = True, tokenizer: str | Path | None = None,
                          verify: bool = True):
-    """``(model, tokenizer, "artifact")``: the artifact as ``generate --device cuda`` runs it (its CuPy kernels,
-    fused Q/K/V and gate/up, float16 dense parts), with the stored thresholds applied to every token as the CPU
-    path's eval does (docs/runtime.md, "eval on a GPU")."""
+    """``(model, tokenizer, "artifact")``: the artifact's compressed linears as ``generate --device cuda`` runs them
+    (its CuPy kernels, fused Q/K/V and gate/up), with float32 dense parts as the CPU path's eval has, so that a
+    perplexity does not depend on the device (W4A4 moves by about 1% between float16 and float32 dense parts on
+    SmolLM2), and the stored thresholds applied to every token as the CPU path's eval does (docs/runtime.md,
+    "Evaluating on a GPU")."""
     from ..runtime.cuda import require_cuda
     from ..runtime.model import build_model, thresholds_on_every_row
 
     require_cuda()
     art = open_artifact(source, verify)
     tok = load_artifact_tokenizer(art, tokenizer)  # before the slow build
-    model = build_model(art, "cuda", "cuda", dynamic_pruning=dynamic_pruning, fuse=True)
+    model = build_model(art, "cuda", "cuda", dtype=torch.float32, dynamic_pruning=dynamic_pruning, fuse=True)
     return thresholds_on_every_row(model), tok, "artifact"
 
 
@@ -220,7 +222,7 @@ def evaluate_source(
     with Reporter(quiet=quiet) as rep:
         what = "rebuilding the artifact" if is_artifact(source) else f"loading {Path(source_name(source)).name}"
         with rep.stage(what, total=None):
-            if device == "cuda" and is_artifact(source):  # the runtime users run: the artifact's kernels, float16
+            if device == "cuda" and is_artifact(source):  # the artifact's kernels, float32 dense parts
                 model, tok, kind = load_artifact_on_gpu(source, dynamic_pruning, tokenizer, verify)
             else:
                 model, tok, kind = load_for_eval(source, dynamic_pruning=dynamic_pruning, tokenizer=tokenizer,
@@ -238,7 +240,7 @@ def evaluate_source(
         "source": source_name(source),
         "kind": kind,
         "device": device,
-        "runtime": "cuda kernels, float16" if device == "cuda" and kind == "artifact" else "torch, float32",
+        "runtime": "cuda kernels, float32 dense parts" if device == "cuda" and kind == "artifact" else "torch, float32",
         "text": str(text_path),
         "seqlen": seqlen,
         "windows": len(nlls),
