@@ -112,6 +112,12 @@ class CudaKernels:
                            side=fused)
             return torch.from_dlpack(y)  # inside the context (see act_quant)
 
+    def iebme_spmm16(self, layer, x: torch.Tensor) -> torch.Tensor:
+        from .iebme_spmm import spmm_iebme16
+
+        with _on(x.device) as cp:
+            return torch.from_dlpack(spmm_iebme16(layer, cp.from_dlpack(x.half().contiguous()), poison=False))
+
     @staticmethod
     def side_fusable(oq: torch.Tensor, wq: torch.Tensor, group: int) -> bool:
         from .iebme_spmm import side_fusable

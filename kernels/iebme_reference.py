@@ -137,3 +137,26 @@ def iebme_spmm_reference(m: IEBMEMatrix, w_scales: np.ndarray, x_codes: np.ndarr
     """(y fp16 [N, M], partial int32 [N, M, G]) of the W4A4 / W2A4 product (module docstring)."""
     partial = iebme_partial_sums(m, x_codes, group_size)
     return scale_partials(partial, w_scales, x_scales), partial
+
+
+def iebme_float_reference(m: IEBMEMatrix, w_scales: np.ndarray, x: np.ndarray, group_size: int) -> np.ndarray:
+    """fp16 Y [N, M] of W4A16 / W2A16 (float16 activations, the ``iebme_spmm`` kernel's AF16 variant): per group the
+    sum of code times fp16(x) (float64 here: exact for the kernel's float32 sums up to their rounding), times the
+    weight scale, summed over groups in float32 order, one float16 rounding. The codes are decoded from the stored
+    bitmaps, value streams and row permutations."""
+    g = m.geometry
+    mm, k = g.shape
+    xf = np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float64)
+    if xf.ndim != 2 or xf.shape[1] != k:
+        raise KernelError(f"x must be [N, {k}], got {xf.shape}")
+    n_groups = check_group_size(k, group_size)
+    gs = min(group_size, k)
+    ws = np.asarray(w_scales, dtype=np.float32)
+    if ws.shape != (mm, n_groups):
+        raise KernelError(f"w_scales must be [{mm}, {n_groups}], got {ws.shape}")
+    codes = m.decode().astype(np.float64)
+    y = np.zeros((xf.shape[0], mm), dtype=np.float32)
+    for j in range(n_groups):
+        part = (xf[:, j * gs:(j + 1) * gs] @ codes[:, j * gs:(j + 1) * gs].T).astype(np.float32)
+        y = y + part * ws[:, j][None, :]
+    return y.astype(np.float16)

@@ -37,6 +37,11 @@
 // outputs in a global workspace (atomics, the last CTA writes Y), or, when they form one thread-block
 // cluster (a launch attribute, sm_90), through distributed shared memory in split order. DEBUG writes the
 // exact int32 group partial sums instead (atomicAdd, exact).
+// AF16 (W4A16 / W2A16: float16 activations, no activation quantization): X is staged as float16 [N, Kp], a lane's
+// 8 decoded int8 codes become four exact half2 (offset binary into the low byte of 1024 + u, one sub.f16x2), and
+// each 32-column half of a tile is two m16n8k16 f16 mma (float32 accumulators) instead of one s8 mma, with the
+// same segment order (code i of a lane's segment in k-slots 2t, 2t+1, 2t+8, 2t+9 of steps 0 and 1, as X is read);
+// a group's float32 sum is scaled by the weight scale times 2^-SHIFT (exact) alone. No outlier side, no DEBUG.
 // NVRTC (CuPy's run-time compiler) ships no C library headers: fixed-width types by hand
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
@@ -191,6 +196,23 @@ DEVI uint64_t gtimer() {
 DEVI float h2f(uint16_t h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 DEVI uint16_t f2h(float f) { uint16_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 
+DEVI void mma_f16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Four signed bytes v_i (a code times 2^SHIFT) as two half2 (v0, v1) and (v2, v3), exactly: the offset-binary byte
+// u = v + 128 in the low byte of the half 1024 + u (0x64 in the high byte), minus 1152.
+DEVI void to_half2(uint32_t w, uint32_t& h01, uint32_t& h23) {
+  const uint32_t u = w ^ 0x80808080u;
+  const uint32_t a = prmt(u, 0x64646464u, 0x4140u), b = prmt(u, 0x64646464u, 0x4342u);
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(h01) : "r"(a), "r"(0x64806480u));
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(h23) : "r"(b), "r"(0x64806480u));
+}
+
 DEVI void mma_s8(int c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
   asm(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -297,10 +319,12 @@ DEVI void count_masks(int n, uint32_t& me, uint32_t& mo) {
   }
 }
 
-template <int BITS, int NT, bool PERM, bool DEBUG>
+template <int BITS, int NT, bool PERM, bool DEBUG, bool AF16 = false>
 DEVI void spmm(const Args& a) {
+  static_assert(!(AF16 && DEBUG), "float16 activations have no integer partial sums");
   using R = Ring<BITS>;
   constexpr int SHIFT = 8 - BITS;           // codes sit in the high bits of each int8
+  constexpr int XB = AF16 ? 2 : 1;          // bytes of one activation in X
   extern __shared__ __align__(16) uint8_t smem[];
   // per mask byte: byte-permute selectors of output codes 0-3 and 4-7, even / odd code masks (count_masks)
   __shared__ uint4 tab[256];
@@ -332,7 +356,7 @@ DEVI void spmm(const Args& a) {
   const int ngc = (k1 - 1) / a.gs_tiles - ga0 + 1;       // groups touched by the chunk
   // X row stride: whole batches (the last batch's padding columns are zeroed), and = 32 mod 128 bytes so
   // the 8-byte fragment loads are conflict-free; the same formula as x_stride() in iebme_spmm.py
-  const int xs_stride = nb * BT * 64 + 32;
+  const int xs_stride = (nb * BT * 64 + 32) * XB;  // x_stride() in iebme_spmm.py
   int8_t* xsm = reinterpret_cast<int8_t*>(smem + R::BYTES);
   float* sxs = reinterpret_cast<float*>(smem + R::BYTES + a.N * xs_stride);  // 8-byte aligned
   const uint32_t* smw = reinterpret_cast<const uint32_t*>(smem);               // the ring, as words
@@ -350,7 +374,7 @@ DEVI void spmm(const Args& a) {
   // activation scales [group][NT * 8] times 2^-SHIFT (see the group end), zero past N: XS_REG per thread
   // into registers now, stored to shared memory after the table (the rest, rare, synchronously there)
   constexpr int XS_REG = 4, NTHR = WARPS * 32;
-  const int nxs = DEBUG ? 0 : ngc * NT * 8;
+  const int nxs = DEBUG || AF16 ? 0 : ngc * NT * 8;
   float xsv[XS_REG];
   auto load_xs = [&]() {
 #pragma unroll
@@ -387,7 +411,7 @@ DEVI void spmm(const Args& a) {
   uint16_t sw0 = 0, sw1 = 0;
   if (!DEBUG && active) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }
   // the outlier side's weight codes of this warp's 16 rows, to L2 for the epilogue (lines of 128 bytes)
-  if (!DEBUG && a.ns > 0 && blockIdx.y == 0 && active)
+  if (!DEBUG && !AF16 && a.ns > 0 && blockIdx.y == 0 && active)
     for (int l = lane; l < 16 * ((a.ns + 127) >> 7); l += 32) {
       const int row = min(tr * 16 + (l & 15), a.M - 1);
       asm volatile("prefetch.global.L2 [%0];" ::"l"(a.side_w + static_cast<size_t>(row) * a.ns + (l >> 4) * 128));
@@ -404,20 +428,20 @@ DEVI void spmm(const Args& a) {
   auto copy_x = [&]() {
   if (TMA) {
     if (warp == 0) {
-      const uint32_t rowb = static_cast<uint32_t>(nk) * 64;
+      const uint32_t rowb = static_cast<uint32_t>(nk) * 64 * XB;
       if (lane == 0)
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
                      ::"r"(xbar_s), "r"(rowb * static_cast<uint32_t>(a.N)) : "memory");
       __syncwarp();
       if (lane < a.N)
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                     ::"r"(sptr(xsm + lane * xs_stride)), "l"(a.x + static_cast<size_t>(lane) * a.Kp + k0 * 64),
+                     ::"r"(sptr(xsm + lane * xs_stride)), "l"(a.x + (static_cast<size_t>(lane) * a.Kp + k0 * 64) * XB),
                      "r"(rowb), "r"(xbar_s) : "memory");
     }
   } else {
     for (int n = 0; n < a.N; ++n)
-      for (int c = tid; c < nk * 4; c += NTHR)
-        cp16(xsm + n * xs_stride + 16 * c, a.x + static_cast<size_t>(n) * a.Kp + k0 * 64 + 16 * c);
+      for (int c = tid; c < nk * 4 * XB; c += NTHR)
+        cp16(xsm + n * xs_stride + 16 * c, a.x + (static_cast<size_t>(n) * a.Kp + k0 * 64) * XB + 16 * c);
     cp_commit();
   }
   };
@@ -460,9 +484,9 @@ DEVI void spmm(const Args& a) {
     copy_x();
   }
   {  // zero the X columns of the last batch's missing tiles: their mma (A decoded as zeros) adds exact zeros
-    const int pad = (nb * BT - nk) * 4;  // 16-byte chunks per row
+    const int pad = (nb * BT - nk) * 4 * XB;  // 16-byte chunks per row
     for (int i = tid; i < a.N * pad; i += NTHR) {
-      const int n = i / pad, c = nk * 4 + (i - n * pad);
+      const int n = i / pad, c = nk * 4 * XB + (i - n * pad);
       *reinterpret_cast<uint4*>(xsm + n * xs_stride + 16 * c) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
@@ -494,11 +518,12 @@ DEVI void spmm(const Args& a) {
 
   // ---------------- main loop: every warp streams its own tile row ----------------
   int acc[NT][4];
+  float facc[NT][4];  // AF16: the group's float32 sums
   float yv[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) { acc[j][i] = 0; yv[j][i] = 0.f; }
+    for (int i = 0; i < 4; ++i) { acc[j][i] = 0; facc[j][i] = 0.f; yv[j][i] = 0.f; }
   uint32_t himask = ~((1u << (8 * t)) - 1u);  // bits of the mask word from this lane's segment on
   uint32_t tab_s = sptr(tab);                // the selector table's shared address
   uint32_t bytesel = 0x4440u | t;            // prmt selector: byte t of a word, zero-extended
@@ -506,7 +531,7 @@ DEVI void spmm(const Args& a) {
   // advanced by one batch of columns per batch
   const int8_t* xl[NT];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) xl[nt] = xsm + min(nt * 8 + g, a.N - 1) * xs_stride + 8 * t;
+  for (int nt = 0; nt < NT; ++nt) xl[nt] = xsm + min(nt * 8 + g, a.N - 1) * xs_stride + 8 * t * XB;
   const float* sxp = sxs + 2 * t;             // this group's activation scales (times 2^-SHIFT)
   // tile indices relative to the current batch's first tile: the chunk's last tile, and the next tile that
   // ends a group or the chunk (never a padding tile past the chunk: gend <= jlast always)
@@ -592,10 +617,25 @@ DEVI void spmm(const Args& a) {
         const int j = j0 + u;
 #pragma unroll
         for (int cs = 0; cs < 2; ++cs) {
+          if constexpr (AF16) {
+            // rows g (fr 0, 2) and g + 8 (fr 1, 3): codes 0-3 and 4-7 of the lane's segment as half2 pairs
+            uint32_t hg[4], hh[4];
+            to_half2(fr[u][cs][0], hg[0], hg[1]);
+            to_half2(fr[u][cs][2], hg[2], hg[3]);
+            to_half2(fr[u][cs][1], hh[0], hh[1]);
+            to_half2(fr[u][cs][3], hh[2], hh[3]);
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint2 bx = *reinterpret_cast<const uint2*>(xl[nt] + j * 64 + cs * 32);
-            mma_s8(acc[nt], fr[u][cs][0], fr[u][cs][1], fr[u][cs][2], fr[u][cs][3], bx.x, bx.y);
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint4 bx = *reinterpret_cast<const uint4*>(xl[nt] + j * 128 + cs * 64);  // columns 8t..8t+7
+              mma_f16(facc[nt], hg[0], hh[0], hg[1], hh[1], bx.x, bx.y);
+              mma_f16(facc[nt], hg[2], hh[2], hg[3], hh[3], bx.z, bx.w);
+            }
+          } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint2 bx = *reinterpret_cast<const uint2*>(xl[nt] + j * 64 + cs * 32);
+              mma_s8(acc[nt], fr[u][cs][0], fr[u][cs][1], fr[u][cs][2], fr[u][cs][3], bx.x, bx.y);
+            }
           }
         }
         if (gend == j) {
@@ -606,16 +646,27 @@ DEVI void spmm(const Args& a) {
             const float w0 = h2f(sw0), w1 = h2f(sw1);
             wsp += a.Mp;
             if (j != jlast) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }  // a next group in this chunk
+            if constexpr (AF16) {  // the float32 group sums of codes times 2^SHIFT: the scale times 2^-SHIFT, exact
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              const float2 sx = *reinterpret_cast<const float2*>(sxp + nt * 8);
+              for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                const float s = __fmul_rn(i >> 1 ? w1 : w0, i & 1 ? sx.y : sx.x);
-                yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, static_cast<float>(acc[nt][i])));
+                for (int i = 0; i < 4; ++i) {
+                  const float s = __fmul_rn(i >> 1 ? w1 : w0, 1.f / (1 << SHIFT));
+                  yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, facc[nt][i]));
+                  facc[nt][i] = 0.f;
+                }
+            } else {
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                const float2 sx = *reinterpret_cast<const float2*>(sxp + nt * 8);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const float s = __fmul_rn(i >> 1 ? w1 : w0, i & 1 ? sx.y : sx.x);
+                  yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, static_cast<float>(acc[nt][i])));
+                }
               }
+              sxp += NT * 8;
             }
-            sxp += NT * 8;
           } else {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
@@ -632,7 +683,7 @@ DEVI void spmm(const Args& a) {
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xl[nt] += BT * 64;
+    for (int nt = 0; nt < NT; ++nt) xl[nt] += BT * 64 * XB;
     gend -= BT;
     jlast -= BT;
   }
@@ -644,7 +695,7 @@ DEVI void spmm(const Args& a) {
   // float16 rounding: without split-K the CPU reference's arithmetic bit for bit. One side group (the default):
   // the warp's 16 x N dots, two lanes a dot (its rows' codes prefetched to L2 in the prologue), handed to the
   // fragment owners through the warp's idle ring; several groups: per output.
-  if (a.ns > 0 && blockIdx.y == 0 && active) {
+  if (!AF16 && a.ns > 0 && blockIdx.y == 0 && active) {
     if (a.sgs >= a.ns) {
       int* sd = reinterpret_cast<int*>(smem + ring_off);  // [16][NT * 8]; every copy into the ring has landed
       const int r = lane & 15, row = min(tr * 16 + r, a.M - 1);  // lanes r and r + 16: the two halves of a dot
@@ -757,15 +808,19 @@ DEVI void spmm(const Args& a) {
 }  // namespace iebme
 
 // C entry points (one per variant, flat arguments) so CuPy can launch them by plain name.
-#define IEBME_ENTRY(B, NT, P, D)                                                                          \
-  extern "C" __global__ void __launch_bounds__(IEBME_WARPS * 32, IEBME_MINB) iebme_spmm_w##B##_nt##NT##_p##P##_d##D(  \
+#define IEBME_ENTRY_AS(NAME, B, NT, P, D, A)                                                                \
+  extern "C" __global__ void __launch_bounds__(IEBME_WARPS * 32, IEBME_MINB) NAME(                         \
       const uint8_t* values, const uint8_t* bitmaps, const uint32_t* offsets, const uint8_t* pinv,       \
       const uint16_t* wsT, const float* xs, const int8_t* x, float* ws_acc, int* counters, uint16_t* y,  \
       int* partial, const int8_t* side_x, const float* side_xs, const int8_t* side_w, const float* side_ws, \
       int N, int M, int G, int Kp, int Mp, int TR, int TC, int gs_tiles, int chunk, int ns, int sgs) {     \
     const iebme::Args a{values, bitmaps, offsets, pinv, wsT, xs, x, ws_acc, counters, y, partial,        \
                         side_x, side_xs, side_w, side_ws, N, M, G, Kp, Mp, TR, TC, gs_tiles, chunk, ns, sgs}; \
-    iebme::spmm<B, NT, P, D>(a);                                                                          \
+    iebme::spmm<B, NT, P, D, A>(a);                                                                       \
   }
+#define IEBME_ENTRY(B, NT, P, D) IEBME_ENTRY_AS(iebme_spmm_w##B##_nt##NT##_p##P##_d##D, B, NT, P, D, false)
+// float16 activations (x: float16 [N, Kp] passed as bytes; xs and the side unused)
+#define IEBME_ENTRY_A16(B, NT, P) IEBME_ENTRY_AS(iebme_spmm_w##B##_nt##NT##_p##P##_a16, B, NT, P, false, true)
 
-// Instantiations are appended by iebme_spmm.py (one per compiled variant), e.g. IEBME_ENTRY(4, 1, 0, 0)
+// Instantiations are appended by iebme_spmm.py (one per compiled variant), e.g. IEBME_ENTRY(4, 1, 0, 0) or
+// IEBME_ENTRY_A16(4, 1, 0)

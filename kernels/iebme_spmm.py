@@ -5,6 +5,7 @@ Usage::
     layer = prepare_layer(m, w_scales, group_size)       # upload once (arrays exactly as stored)
     y = spmm_iebme(layer, x_codes, x_scales)             # fp16 [N, M] on the GPU
     p = spmm_iebme(layer, x_codes, x_scales, debug_partials=True)   # int32 [N, M, G], exact
+    y = spmm_iebme16(layer, x_fp16)                      # W4A16 / W2A16: float16 activations, no quantization
 
 Only the default geometry (tile 16x64, areas 2x2) and 4- or 2-bit codes have a kernel. Two derived
 arrays are made once at upload: the weight scales transposed to [G, Mp] (a group's 16 row scales of a
@@ -109,26 +110,33 @@ def ring_bytes(bits: int, perm: bool, nstage: int, warps: int) -> int:
     return warps * nstage * slot
 
 
-def x_stride(nk: int) -> int:
-    """Row stride (bytes) of a chunk's X codes in shared memory: whole batches of tiles (the kernel zeroes
-    the last batch's missing columns), and 32 mod 128 so the 8-byte fragment loads are conflict-free."""
-    return -(-nk // BT) * BT * 64 + 32
+def x_stride(nk: int, xb: int = 1) -> int:
+    """Row stride (bytes) of a chunk's X in shared memory, ``xb`` bytes an activation (1: int8 codes, 2: float16):
+    whole batches of tiles (the kernel zeroes the last batch's missing columns), and 32·xb mod 128 so the
+    8-byte (16-byte) fragment loads are conflict-free."""
+    return (-(-nk // BT) * BT * 64 + 32) * xb
 
 
-def smem_bytes(bits: int, perm: bool, n: int, chunk: int, n_groups_chunk: int, warps: int | None = None) -> int:
-    """Dynamic shared memory of one CTA for ``n`` activation rows and a chunk of ``chunk`` tiles."""
+def smem_bytes(bits: int, perm: bool, n: int, chunk: int, n_groups_chunk: int, warps: int | None = None,
+               xb: int = 1) -> int:
+    """Dynamic shared memory of one CTA for ``n`` activation rows and a chunk of ``chunk`` tiles (``xb``: bytes an
+    activation; float16 activations have no activation scales)."""
     ring = ring_bytes(bits, perm, *config(n, warps)[:2])
-    return ring + n * x_stride(chunk) + 4 * 8 * -(-n // 8) * n_groups_chunk
+    scales = 4 * 8 * -(-n // 8) * n_groups_chunk if xb == 1 else 0
+    return ring + n * x_stride(chunk, xb) + scales
 
 
-def kernel_name(bits: int, nt: int, perm: bool, debug: bool) -> str:
+def kernel_name(bits: int, nt: int, perm: bool, debug: bool, af16: bool = False) -> str:
+    if af16:
+        return f"iebme_spmm_w{bits}_nt{nt}_p{int(perm)}_a16"
     return f"iebme_spmm_w{bits}_nt{nt}_p{int(perm)}_d{int(debug)}"
 
 
-def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int = 0):
+def _kernel(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int = 0,
+            af16: bool = False):
     """The compiled kernel of one variant, of the build in force (``study.build``: the shipped one unless a study
-    set another)."""
-    return _compiled(bits, nt, perm, debug, nstage, warps, ilp, minb, study.build(KERNEL), programmatic())
+    set another); ``af16``: float16 activations (W4A16 / W2A16)."""
+    return _compiled(bits, nt, perm, debug, nstage, warps, ilp, minb, study.build(KERNEL), programmatic(), af16)
 
 
 def programmatic() -> bool:
@@ -141,9 +149,11 @@ def programmatic() -> bool:
 
 @cache
 def _compiled(bits: int, nt: int, perm: bool, debug: bool, nstage: int, warps: int, ilp: int, minb: int,
-              build: study.Build = study.SHIPPED, pdl: bool = False):
-    name = kernel_name(bits, nt, perm, debug)
-    code = Path(build.source or SOURCE).read_text() + f"\nIEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})\n"
+              build: study.Build = study.SHIPPED, pdl: bool = False, af16: bool = False):
+    name = kernel_name(bits, nt, perm, debug, af16)
+    entry = f"IEBME_ENTRY_A16({bits}, {nt}, {int(perm)})" if af16 else \
+        f"IEBME_ENTRY({bits}, {nt}, {int(perm)}, {int(debug)})"
+    code = Path(build.source or SOURCE).read_text() + f"\n{entry}\n"
     opts = (f"-DIEBME_NSTAGE={nstage}", f"-DIEBME_WARPS={warps}", f"-DIEBME_ILP={ilp}",
             f"-DIEBME_MINB={minb}", f"-DIEBME_PDL={int(pdl)}") + build.options()
     fn = compile_source(code, opts).get_function(name)
@@ -214,14 +224,24 @@ def padded_rows(m: int) -> int:
     return max(-(-tr // w) * w for w in WARP_CHOICES) * 16
 
 
+def unsupported(m: IEBMEMatrix) -> str | None:
+    """Why the GPU kernel does not take this layer's geometry (one line), or None: tile 16x64, areas 2x2, 4- or
+    2-bit codes only. No GPU needed (the runtime's reference backend asks it too)."""
+    g = m.geometry
+    if tuple(g.tile) != (16, 64) or tuple(g.areas) != (2, 2):
+        return f"the GPU kernel supports tile 16x64 and areas 2x2, got {g.tile} and {g.areas}"
+    if g.bits not in (2, 4):
+        return f"the GPU kernel supports 4- and 2-bit codes, got {g.bits}"
+    return None
+
+
 def prepare_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> DeviceLayer:
     """Upload an encoded layer (arrays as stored) and its fp16 weight scales [M, G]."""
     cp = require_cupy()
     g = m.geometry
-    if g.tile != (16, 64) or g.areas != (2, 2):
-        raise KernelError(f"the GPU kernel supports tile 16x64 and areas 2x2, got {g.tile} and {g.areas}")
-    if g.bits not in (2, 4):
-        raise KernelError(f"the GPU kernel supports 4- and 2-bit codes, got {g.bits}")
+    why = unsupported(m)
+    if why is not None:
+        raise KernelError(why)
     mm, k = g.shape
     n_groups = check_group_size(k, group_size)
     ws = np.asarray(w_scales)
@@ -247,31 +267,31 @@ def x_budget(warps: int = 8) -> int:
     return settings().x_bytes or X_BUDGET * warps // 8
 
 
-def max_chunk(layer: DeviceLayer, n: int, warps: int | None = None) -> int:
-    """Largest chunk (tiles) allowed: batch boundaries in one register, the chunk's X within the X budget
-    (at least ``MIN_CHUNK`` tiles)."""
-    cap = min(MAX_BATCHES * BT, max(MIN_CHUNK, x_budget(config(n, warps)[1]) // (64 * max(n, 1))))
+def max_chunk(layer: DeviceLayer, n: int, warps: int | None = None, xb: int = 1) -> int:
+    """Largest chunk (tiles) allowed: batch boundaries in one register, the chunk's X (``xb`` bytes an activation)
+    within the X budget (at least ``MIN_CHUNK`` tiles)."""
+    cap = min(MAX_BATCHES * BT, max(MIN_CHUNK, x_budget(config(n, warps)[1]) // (64 * xb * max(n, 1))))
     gt = layer.gs_tiles
     if gt <= cap:
         cap = cap // gt * gt
     return max(1, cap)
 
 
-def ctas_per_sm(layer: DeviceLayer, n: int, chunk: int, warps: int | None = None) -> int:
+def ctas_per_sm(layer: DeviceLayer, n: int, chunk: int, warps: int | None = None, xb: int = 1) -> int:
     """CTAs of an ``n``-column launch with this chunk that fit on one SM: shared memory, warps, registers."""
     cfg = config(n, warps)
     ngc = -(-chunk // layer.gs_tiles) + 1
-    smem = smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps) + static_smem(*cfg[:2])
+    smem = smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps, xb) + static_smem(*cfg[:2])
     warps = cfg[1]
-    regs = _kernel(layer.bits, -(-n // 8), layer.pinv is not None, False, *cfg).num_regs
+    regs = _kernel(layer.bits, -(-n // 8), layer.pinv is not None, False, *cfg, af16=xb == 2).num_regs
     return max(1, min(SMEM_SM // (smem + 1024), 2048 // (warps * 32), 65536 // (-(-regs // 8) * 8 * 32 * warps)))
 
 
-def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int | None = None) -> int:
+def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int | None = None, xb: int = 1) -> int:
     """Tiles per CTA along K. With ``splits`` given: ceil(TC / splits) (whole groups, capped); otherwise
     the chunk that minimises (waves of CTAs) x (tiles per CTA), i.e. fills the GPU with the fewest
     partial waves."""
-    cap = max_chunk(layer, n, warps)
+    cap = max_chunk(layer, n, warps, xb)
     gt = layer.gs_tiles
 
     def rounded(c: int) -> int:
@@ -285,7 +305,7 @@ def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int 
     if splits is not None:
         return rounded(-(-layer.tc // max(1, splits)))
     grid_x = -(-layer.tr // config(n, warps)[1])
-    slots = sm_count() * ctas_per_sm(layer, n, cap, warps)
+    slots = sm_count() * ctas_per_sm(layer, n, cap, warps, xb)
     best, best_cost = cap, None
     for s in range(-(-layer.tc // cap), 4 * -(-layer.tc // cap) + 8):
         c = rounded(-(-layer.tc // s))
@@ -296,10 +316,10 @@ def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int 
     return best
 
 
-def waves(layer: DeviceLayer, n: int, chunk: int, warps: int) -> int:
+def waves(layer: DeviceLayer, n: int, chunk: int, warps: int, xb: int = 1) -> int:
     """Waves of CTAs a launch of this chunk and CTA size needs on this GPU."""
     ctas = -(-layer.tr // warps) * -(-layer.tc // chunk)
-    return -(-ctas // (sm_count() * ctas_per_sm(layer, n, chunk, warps)))
+    return -(-ctas // (sm_count() * ctas_per_sm(layer, n, chunk, warps, xb)))
 
 
 @dataclass(frozen=True)
@@ -315,7 +335,7 @@ class Plan:
     smem: int
 
 
-def plan(layer: DeviceLayer, n: int, splits: int | None = None) -> Plan:
+def plan(layer: DeviceLayer, n: int, splits: int | None = None, xb: int = 1) -> Plan:
     """The launch of ``n`` (<= ``MAX_N``) columns. Warps per CTA: the default (8), or ``WIDE_WARPS`` for
     ``WIDE_N`` widths when CTAs of that many tile rows, each staging X once for all of them (so a larger
     chunk fits the same X budget per warp), need fewer waves (H200, N = 8: 1.03-1.30x on the shapes where
@@ -326,21 +346,21 @@ def plan(layer: DeviceLayer, n: int, splits: int | None = None) -> Plan:
         choices.append(WIDE_WARPS)
     best = None
     for w in choices:  # the wide CTA only when strictly fewer waves
-        c = chunk_for(layer, n, splits, w)
-        wv = waves(layer, n, c, w)
+        c = chunk_for(layer, n, splits, w, xb)
+        wv = waves(layer, n, c, w, xb)
         if best is None or wv < best[0]:
             best = (wv, w, c)
     _, warps, chunk = best
     nstage, warps, ilp, minb = config(n, warps)
     ngc = -(-chunk // layer.gs_tiles) + 1
     return Plan(nstage, warps, ilp, minb, chunk, (-(-layer.tr // warps), -(-layer.tc // chunk)),
-                smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps))
+                smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps, xb))
 
 
-def single_chunk(layer: DeviceLayer, n: int, splits: int | None = None) -> bool:
+def single_chunk(layer: DeviceLayer, n: int, splits: int | None = None, xb: int = 1) -> bool:
     """True when every launch of an ``n``-column product covers the whole K in one CTA (no split-K), so the
     output is bit-identical to the CPU reference (split-K only changes the fp32 summation order)."""
-    return all(plan(layer, min(MAX_N, n - n0), splits).grid[1] == 1 for n0 in range(0, n, MAX_N))
+    return all(plan(layer, min(MAX_N, n - n0), splits, xb).grid[1] == 1 for n0 in range(0, n, MAX_N))
 
 
 def prepare_x(layer: DeviceLayer, x_codes, x_scales):
@@ -359,6 +379,21 @@ def prepare_x(layer: DeviceLayer, x_codes, x_scales):
     if xs.shape != (x.shape[0], layer.n_groups):
         raise KernelError(f"x_scales must be [{x.shape[0]}, {layer.n_groups}], got {xs.shape}")
     return x, xs
+
+
+def prepare_x16(layer: DeviceLayer, x):
+    """float16 [N, Kp] on the GPU, zero past K (the kernel reads whole tiles); no copy when already so."""
+    cp = require_cupy()
+    kp = layer.tc * 64
+    x = cp.asarray(x)
+    if x.dtype != cp.float16 or x.ndim != 2 or x.shape[1] not in (layer.shape[1], kp):
+        raise KernelError(f"x must be float16 [N, {layer.shape[1]}], got {x.dtype} {x.shape}")
+    if x.shape[1] != kp:
+        xp = cp.zeros((x.shape[0], kp), dtype=cp.float16)
+        xp[:, : x.shape[1]] = x
+        x = xp
+    x = cp.ascontiguousarray(x)
+    return x if x.data.ptr % 16 == 0 else x.copy()
 
 
 @cache
@@ -421,17 +456,21 @@ def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=N
     n = x.shape[0]
     m, _ = layer.shape
     debug = partial is not None
+    af16 = x.dtype.itemsize == 2  # float16 activations (prepare_x16): no scales, no side, no partial sums
+    if af16 and (debug or side is not None):
+        raise KernelError("float16 activations take no outlier side product and no integer partial sums")
     null = layer.dummy if layer.pinv is None else layer.pinv
     for n0 in range(0, n, MAX_N):
         nn = min(MAX_N, n - n0)
         nt = -(-nn // 8)
-        p = plan(layer, nn, splits)
+        p = plan(layer, nn, splits, 2 if af16 else 1)
         grid = p.grid
-        fn = _kernel(layer.bits, nt, layer.pinv is not None, debug, p.nstage, p.warps, p.ilp, p.minb)
+        fn = _kernel(layer.bits, nt, layer.pinv is not None, debug, p.nstage, p.warps, p.ilp, p.minb, af16)
         yp = y[n0:] if not debug else layer.dummy
         pp = partial[n0:] if debug else layer.dummy
         side_ptrs, side_sizes = _side_args(layer, None if debug else side, n0)
-        args = (layer.values, layer.bitmaps, layer.offsets, null, layer.wsT, xs[n0:], x[n0:], layer.ws_acc,
+        xsp = layer.dummy if af16 else xs[n0:]
+        args = (layer.values, layer.bitmaps, layer.offsets, null, layer.wsT, xsp, x[n0:], layer.ws_acc,
                 layer.counters, yp, pp, *side_ptrs, np.int32(nn), np.int32(m), np.int32(layer.n_groups),
                 np.int32(layer.tc * 64), np.int32(layer.mp), np.int32(layer.tr), np.int32(layer.tc),
                 np.int32(layer.gs_tiles), np.int32(p.chunk), *side_sizes)
@@ -467,4 +506,16 @@ def spmm_iebme(layer: DeviceLayer, x_codes, x_scales, *, splits: int | None = No
     if poison:
         y.fill(0x7E00)  # fp16 NaN: every element must be written
     launch(layer, x, xs, y, splits=splits, side=side)
+    return y.view(cp.float16)
+
+
+def spmm_iebme16(layer: DeviceLayer, x, *, splits: int | None = None, poison: bool = True):
+    """fp16 Y [N, M] (CuPy) of the layer on float16 activations [N, K] (W4A16 / W2A16): per group the float32 sum
+    of code times activation (tensor cores), times the weight scale, float32 over groups, one float16 rounding."""
+    cp = require_cupy()
+    x = prepare_x16(layer, x)
+    y = cp.empty((x.shape[0], layer.shape[0]), dtype=cp.uint16)
+    if poison:
+        y.fill(0x7E00)
+    launch(layer, x, None, y, splits=splits)
     return y.view(cp.float16)

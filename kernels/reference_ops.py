@@ -65,6 +65,12 @@ class ReferenceKernels:
     def iebme_layer(self, m: Any, scales: Any, group_size: int) -> ReferenceLayer:
         return ReferenceLayer(m, np.asarray(scales), int(group_size))
 
+    def iebme_spmm16(self, layer: ReferenceLayer, x: torch.Tensor) -> torch.Tensor:
+        from .iebme_reference import iebme_float_reference
+
+        y = iebme_float_reference(layer.m, layer.scales, _numpy(x.half().float()), int(layer.group_size))
+        return torch.from_numpy(y).to(x.device)
+
     def iebme_spmm(self, layer: ReferenceLayer, xq: torch.Tensor, sx: torch.Tensor,
                    side: tuple | None = None) -> torch.Tensor:
         from .iebme_reference import iebme_partial_sums, scale_partials

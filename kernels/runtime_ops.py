@@ -72,6 +72,10 @@ class RuntimeKernels(Protocol):
         """float16 [N, M]: ``y`` plus the 8-bit outlier side product (``formats.arithmetic.grouped``), rounded."""
 
     # ---- fp16 activations
+    def iebme_spmm16(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """float16 [N, M] of an IE-BME W4A16 / W2A16 layer (:meth:`iebme_layer`) on float16 activations: per group
+        the float32 sum of code times input, times the weight scale, float32 over groups, rounded once."""
+
     def dense(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """float16 [N, M] = fp16(x) @ weight^T (weight float16 [M, K]) with float32 sums."""
 

@@ -321,6 +321,60 @@ def test_gpu_partials_exact_and_output_close(bits, perm, m, k, gs, xbits):
             assert fp16_close(y, y_ref).all()
 
 
+def _float_bound(codes, ws, gs, x):
+    """|y - y_true| bound of the float16-activation product: float32 sums of the n-term group products
+    ((terms + 2) 2^-23 of the magnitude: tensor-core float32 accumulation need not round to nearest), then the
+    float16 rounding (half an ulp of the result, 2^-11 relative, plus the subnormal step)."""
+    k = codes.shape[1]
+    w = np.abs(codes.astype(np.float64)) * np.repeat(ws.astype(np.float64), gs, axis=1)[:, :k]
+    mag = np.abs(x.astype(np.float16).astype(np.float64)) @ w.T
+    truth = x.astype(np.float16).astype(np.float64) @ (codes * np.repeat(ws.astype(np.float64), gs, axis=1)[:, :k]).T
+    return truth, (k + 2) * 2.0**-23 * mag + 2.0**-11 * np.abs(truth) + 2.0**-24
+
+
+def test_float_reference_is_the_decoded_product():
+    """W4A16: the reference reads the stored arrays (row permutations included) and is code x scale x fp16(x)."""
+    from unionsparse.kernels.iebme_reference import iebme_float_reference
+
+    rng = np.random.default_rng(3)
+    for bits, perm, m, k, gs in ((4, "random", 100, 1000, 64), (2, "none", 64, 512, 128)):
+        codes, mat = random_layer(rng, m, k, bits, perm=perm)
+        ws = (rng.random((m, -(-k // gs))) + 0.5).astype(np.float16)
+        x = rng.standard_normal((3, k)).astype(np.float32)
+        truth, bound = _float_bound(codes, ws, gs, x)
+        y = iebme_float_reference(mat, ws, x, gs).astype(np.float64)
+        assert (np.abs(y - truth) <= bound).all()
+        wrong = iebme_float_reference(mat, np.roll(ws, 1, axis=1), x, gs).astype(np.float64)
+        assert (np.abs(wrong - truth) > bound).any()  # a scale of another group is caught
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("perm", ["none", "random"])
+@pytest.mark.parametrize("m,k,gs", [(64, 512, 128), (100, 1000, 64), (333, 4100, 4100), (48, 2048, 256)])
+def test_gpu_float16_activations(bits, perm, m, k, gs):
+    """W4A16 / W2A16: the kernel's float16-activation variant against the float64 product of the decoded codes,
+    within float32 summation and one float16 rounding, at N = 1 to 40 (two launches above 32), split-K (global and
+    cluster), every output written (NaN-poisoned), and equal to the CPU reference within the same bound."""
+    from unionsparse.kernels.iebme_reference import iebme_float_reference
+    from unionsparse.kernels.iebme_spmm import prepare_layer, spmm_iebme16
+
+    rng = np.random.default_rng(m + k + bits + 16)
+    codes, mat = random_layer(rng, m, k, bits, perm=perm)
+    ws = (rng.random((m, -(-k // gs))) + 0.5).astype(np.float16)
+    layer = prepare_layer(mat, ws, gs)
+    for n in (1, 5, 8, 13, 32, 40):
+        x = rng.standard_normal((n, k)).astype(np.float16)
+        truth, bound = _float_bound(codes, ws, gs, x)
+        ref = iebme_float_reference(mat, ws, x, gs).astype(np.float64)
+        assert (np.abs(ref - truth) <= bound).all()
+        for splits in (1, 2, 3, None):
+            y = spmm_iebme16(layer, x, splits=splits).get().astype(np.float64)
+            assert not np.isnan(y).any(), (n, splits)
+            assert (np.abs(y - truth) <= bound).all(), (n, splits, float(np.abs(y - truth).max()))
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits, perm, m, k, gs", [(4, "random", 100, 1000, 64), (2, "none", 64, 512, 128),

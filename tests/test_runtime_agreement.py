@@ -197,6 +197,27 @@ def test_a_planted_logic_fault_fails_the_check(fault, artifacts, monkeypatch):
     assert not ag.ok and ag.worst.worst_ratio > 4, ag.worst
 
 
+def test_w4a16_runs_the_float16_activation_kernel_and_a_wrong_scale_fails(artifacts, monkeypatch):
+    """IE-BME W4A16: the CUDA path's op is the float16-activation kernel on the stored arrays (not a decoded dense
+    weight), and the check sees a fault of it: the reference kernel reading the scales one row off."""
+    from unionsparse.kernels.reference_ops import ReferenceKernels
+
+    a = artifacts("w4a16")
+    ops = [m.op for m in runtime.load(a, backend="reference").model.modules()
+           if isinstance(m, runtime.CompressedLinear)]
+    assert ops and all(op.kind == "iebme16" for op in ops)
+    right = ReferenceKernels.iebme_spmm16
+
+    def wrong(self, layer, x):
+        from dataclasses import replace
+
+        return right(self, replace(layer, scales=np.roll(layer.scales, 1, axis=0)), x)
+
+    monkeypatch.setattr(ReferenceKernels, "iebme_spmm16", wrong)
+    ag = _agree(runtime.load(a, backend="reference"), runtime.load(a), "prefill1")
+    assert not ag.ok and ag.worst.worst_ratio > 4, ag.worst
+
+
 def test_tolerance_is_rounding_sized(artifacts):
     """The tolerance is a few float16 ulps of the outputs, not a blanket allowance."""
     cpu = runtime.load(artifacts("w4a4-outliers"))
@@ -330,7 +351,7 @@ def smol_shaped(tmp_path_factory):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("case", ["w4a4-outliers", "w2a4-outliers", "w4a8", "cbc-dp", "cbc4-dp"])
+@pytest.mark.parametrize("case", ["w4a4-outliers", "w2a4-outliers", "w4a8", "w4a16", "cbc-dp", "cbc4-dp"])
 def test_gpu_agrees_on_smollm2_shapes(case, smol_shaped, tmp_path):
     from unionsparse.compressor.cli import main
 

@@ -54,7 +54,7 @@ class Kind:
     runtime: bool = False            # built through the runtime's CompressedLinear
     bits: int | None = None          # weight code bits (IE-BME: 4 unless said; Tiled-CBC: fp16 values if None)
     outliers: int = 0                # IE-BME: input channels kept at 8 bits (Atom), min(this, K // 4) a layer
-    act_bits: int = 4                # IE-BME: bits of the per-token activation codes (4 or 8)
+    act_bits: int = 4                # IE-BME: bits of the per-token activation codes (4 or 8; 16: float16)
     reorder: bool = False            # IE-BME: rows reordered per tile by the exact DP (--reorder dp)
 
     def as_dict(self) -> dict:
@@ -77,6 +77,10 @@ KINDS = {k.name: k for k in (
     Kind("iebme-w4a8-50", "IE-BME W4A8, 50% sparse, no outlier channels: keeps quality with 4-bit weights "
          "(runtime CompressedLinear)", sparsity=0.5, runtime=True, act_bits=8),
     Kind("iebme-w4a8-0", "IE-BME W4A8, 0% sparse: the control (runtime CompressedLinear)", runtime=True, act_bits=8),
+    Kind("iebme-w4a16-50", "IE-BME W4A16, 50% sparse, float16 activations: no activation quantization (runtime "
+         "CompressedLinear)", sparsity=0.5, runtime=True, act_bits=16),
+    Kind("iebme-w4a16-0", "IE-BME W4A16, 0% sparse: the control (runtime CompressedLinear)", runtime=True,
+         act_bits=16),
     Kind("iebme-w4a4-70", "IE-BME W4A4, 70% sparse (runtime CompressedLinear)", sparsity=0.7, runtime=True),
     Kind("iebme-w4a4-90", "IE-BME W4A4, 90% sparse (runtime CompressedLinear)", sparsity=0.9, runtime=True),
     Kind("iebme-w2a4-50-o128", "IE-BME W2A4, 50% sparse, 128 outlier channels (runtime CompressedLinear)",
@@ -93,7 +97,7 @@ KINDS = {k.name: k for k in (
 BASELINES = ("fp16", "w4a16")
 CONTROLS = {"iebme-w4a4-50": "iebme-w4a4-0", "iebme-w4a4-70": "iebme-w4a4-0", "iebme-w4a4-90": "iebme-w4a4-0",
             "iebme-w4a4-50-o128": "iebme-w4a4-0-o128", "iebme-w4a4-50-o128-dp": "iebme-w4a4-0-o128",
-            "iebme-w4a8-50": "iebme-w4a8-0"}  # kind -> its 0%-sparsity control
+            "iebme-w4a8-50": "iebme-w4a8-0", "iebme-w4a16-50": "iebme-w4a16-0"}  # kind -> its 0%-sparsity control
 DEFAULT_KINDS = ("fp16", "w4a16", "iebme-w4a4-50-o128", "iebme-w4a4-0-o128", "iebme-w4a8-50", "iebme-w4a8-0",
                  "iebme-w4a4-50", "iebme-w4a4-0", "tcbc-fp16-30+30")  # what a run times unless --kinds says otherwise
 

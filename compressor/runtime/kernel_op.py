@@ -16,7 +16,9 @@ ready once (uploaded as they are on a GPU). Per call:
   8 sequences) are the spMspV, whose several-row kernel reads a weight column once for all the rows it is
   active in; more rows are the SpMM (fp16 values; of the rows' active inputs under a threshold) or the spMspV
   in launches of 8 rows (int codes: no int-code SpMM);
-* IE-BME W4A16 (no kernel): the decoded weight in fp16 and one dense product (cuBLAS on a GPU).
+* IE-BME W4A16 / W2A16 (float16 activations): the ``iebme_spmm`` kernel's float16-activation variant on the stored
+  arrays (no activation quantization), where the kernel takes the geometry; otherwise the decoded weight in fp16
+  and one dense product (cuBLAS on a GPU).
 
 ``act_quant`` ("kernel" or "torch") and ``side_kernel`` ("fused", "kernel" or "torch") choose the one-launch
 kernels or the formats' torch functions for those two steps ("torch" launches about ten and five kernels on a
@@ -60,8 +62,22 @@ class KernelOp(QuantizingOp):
             except ValueError as e:
                 raise UserError(f"layer {rec.name}: {e}") from None
             self.kind = "spmspv"
-        else:  # IE-BME W4A16 has no kernel: the decoded weight in fp16, one dense product
+        elif self._iebme16_takes(rec):  # IE-BME W4A16 / W2A16: the kernel on float16 activations
+            self.layer = kernels.iebme_layer(rec.encoding, rec.scales, int(gs))
+            self.kind = "iebme16"
+        else:  # no kernel for this layer: the decoded weight in fp16, one dense product
             self.register_buffer("weight", torch.from_numpy(layer_weight(rec)).half().to(self.device))
+
+    IEBME16 = True  # IE-BME W4A16 / W2A16 through the kernel (False: the decoded weight and cuBLAS, for comparison)
+
+    def _iebme16_takes(self, rec: LayerRecord) -> bool:
+        """Whether the float16-activation IE-BME kernel computes this stored layer (both backends decide alike)."""
+        from ...formats import registry
+        from ...kernels.iebme_spmm import unsupported
+
+        gs, k = rec.attrs.get("group_size"), int(rec.encoding.shape[1])
+        return (self.IEBME16 and "iebme_spmm" in registry.get(rec.format).kernel_ops and rec.scales is not None
+                and gs is not None and (int(gs) >= k or int(gs) % 64 == 0) and unsupported(rec.encoding) is None)
 
     def _init_iebme(self, rec: LayerRecord, group_size: int) -> None:
         from ...formats import registry
@@ -100,6 +116,8 @@ class KernelOp(QuantizingOp):
         """float16 [N, M]; ``steps``: every row is a decode step (None: only when N == 1)."""
         if self.kind == "dense":
             return self.kernels.dense(x2, self.weight)
+        if self.kind == "iebme16":
+            return self.kernels.iebme_spmm16(self.layer, x2)
         if self.kind == "iebme":
             return self._iebme(x2 if x2.dtype in (torch.float16, torch.float32) else x2.float())
         return self._tiled_cbc(x2.half().contiguous(), self.plan.prunes(x2, steps))
