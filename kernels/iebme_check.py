@@ -74,3 +74,44 @@ def check_iebme_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int, act
             out.append(f"{name}: GPU output differs from the reference beyond fp32 rounding at {bad} of "
                        f"{ok.size} elements (N={n})")
     return out
+
+
+def float_bound(codes: np.ndarray, w_scales: np.ndarray, group_size: int, x: np.ndarray) -> tuple[np.ndarray,
+                                                                                                    np.ndarray]:
+    """(float64 truth [N, M], bound) of the float16-activation product fp16(x) @ (code · scale)^T: float32 sums of
+    the K products ((K + 2) 2^-23 of the magnitude: tensor-core float32 accumulation need not round to nearest),
+    then one float16 rounding (2^-11 of the result, plus the subnormal step)."""
+    m, k = codes.shape
+    w = codes.astype(np.float64) * np.repeat(np.asarray(w_scales, np.float64), group_size, axis=1)[:, :k]
+    xf = np.asarray(x, np.float32).astype(np.float16).astype(np.float64)
+    truth = xf @ w.T
+    return truth, (k + 2) * 2.0**-23 * (np.abs(xf) @ np.abs(w).T) + 2.0**-11 * np.abs(truth) + 2.0**-24
+
+
+def check_iebme_float_layer(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int, ns, backend: str,
+                            rng: np.random.Generator, name: str = "layer") -> list[str]:
+    """W4A16 / W2A16 (float16 activations): the CPU reference (:func:`iebme_float_reference`, from the stored
+    arrays) and, with ``backend == "cupy"``, the kernel's float16-activation variant (every output written) against
+    the float64 product of the decoded codes, within :func:`float_bound`."""
+    from .iebme_reference import iebme_float_reference
+
+    out: list[str] = []
+    codes = m.decode()
+    gs = min(group_size, m.shape[1])
+    layer = None
+    for n in ns:
+        x = rng.standard_normal((n, m.shape[1])).astype(np.float16)
+        truth, bound = float_bound(codes, w_scales, gs, x)
+        runs = [("CPU reference", iebme_float_reference(m, w_scales, x, group_size))]
+        if backend == "cupy":
+            from .iebme_spmm import prepare_layer, spmm_iebme16
+
+            if layer is None:
+                layer = prepare_layer(m, w_scales, group_size)
+            runs.append(("GPU kernel (float16 activations)", spmm_iebme16(layer, x).get()))
+        for what, y in runs:
+            bad = ~(np.abs(y.astype(np.float64) - truth) <= bound)
+            if bad.any():
+                out.append(f"{name}: {what} differs from the decoded product beyond float32 sums and one float16 "
+                           f"rounding at {int(bad.sum())} of {bad.size} elements (N={n})")
+    return out

@@ -9,7 +9,13 @@ import pytest
 from unionsparse.formats import iebme
 from unionsparse.kernels import available
 from unionsparse.kernels.activations import quantize_activations
-from unionsparse.kernels.iebme_check import check_iebme_layer, dense_partials, fp16_close
+from unionsparse.kernels.iebme_check import (
+    check_iebme_float_layer,
+    check_iebme_layer,
+    dense_partials,
+    float_bound,
+    fp16_close,
+)
 from unionsparse.kernels.iebme_reference import iebme_spmm_reference, scale_partials
 
 
@@ -321,17 +327,6 @@ def test_gpu_partials_exact_and_output_close(bits, perm, m, k, gs, xbits):
             assert fp16_close(y, y_ref).all()
 
 
-def _float_bound(codes, ws, gs, x):
-    """|y - y_true| bound of the float16-activation product: float32 sums of the n-term group products
-    ((terms + 2) 2^-23 of the magnitude: tensor-core float32 accumulation need not round to nearest), then the
-    float16 rounding (half an ulp of the result, 2^-11 relative, plus the subnormal step)."""
-    k = codes.shape[1]
-    w = np.abs(codes.astype(np.float64)) * np.repeat(ws.astype(np.float64), gs, axis=1)[:, :k]
-    mag = np.abs(x.astype(np.float16).astype(np.float64)) @ w.T
-    truth = x.astype(np.float16).astype(np.float64) @ (codes * np.repeat(ws.astype(np.float64), gs, axis=1)[:, :k]).T
-    return truth, (k + 2) * 2.0**-23 * mag + 2.0**-11 * np.abs(truth) + 2.0**-24
-
-
 def test_float_reference_is_the_decoded_product():
     """W4A16: the reference reads the stored arrays (row permutations included) and is code x scale x fp16(x)."""
     from unionsparse.kernels.iebme_reference import iebme_float_reference
@@ -341,11 +336,26 @@ def test_float_reference_is_the_decoded_product():
         codes, mat = random_layer(rng, m, k, bits, perm=perm)
         ws = (rng.random((m, -(-k // gs))) + 0.5).astype(np.float16)
         x = rng.standard_normal((3, k)).astype(np.float32)
-        truth, bound = _float_bound(codes, ws, gs, x)
+        truth, bound = float_bound(codes, ws, gs, x)
         y = iebme_float_reference(mat, ws, x, gs).astype(np.float64)
         assert (np.abs(y - truth) <= bound).all()
         wrong = iebme_float_reference(mat, np.roll(ws, 1, axis=1), x, gs).astype(np.float64)
         assert (np.abs(wrong - truth) > bound).any()  # a scale of another group is caught
+        assert check_iebme_float_layer(mat, ws, gs, (1, 3), "cpu", rng) == []
+
+
+def test_verify_float_check_fails_on_a_wrong_reference(monkeypatch):
+    """verify's W4A16 check compares against the decoded codes: a reference reading the scales of another group
+    fails it."""
+    from unionsparse.kernels import iebme_reference
+
+    rng = np.random.default_rng(4)
+    _, mat = random_layer(rng, 64, 512, 4, perm="random")
+    ws = (rng.random((64, 4)) + 0.5).astype(np.float16)
+    right = iebme_reference.iebme_float_reference
+    monkeypatch.setattr(iebme_reference, "iebme_float_reference",
+                        lambda m, w, x, g: right(m, np.roll(w, 1, axis=1), x, g))
+    assert check_iebme_float_layer(mat, ws, 128, (2,), "cpu", rng)
 
 
 @gpu
@@ -366,7 +376,7 @@ def test_gpu_float16_activations(bits, perm, m, k, gs):
     layer = prepare_layer(mat, ws, gs)
     for n in (1, 5, 8, 13, 32, 40):
         x = rng.standard_normal((n, k)).astype(np.float16)
-        truth, bound = _float_bound(codes, ws, gs, x)
+        truth, bound = float_bound(codes, ws, gs, x)
         ref = iebme_float_reference(mat, ws, x, gs).astype(np.float64)
         assert (np.abs(ref - truth) <= bound).all()
         for splits in (1, 2, 3, None):

@@ -85,11 +85,15 @@ def _iebme_checks(rec: LayerRecord, rng: np.random.Generator, ns: list[int], bac
 
     e = rec.encoding
     act = rec.attrs.get("activations") or {}
-    # W4A16 layers have no integer kernel yet: their arrays are still checked through the W4A4 path
     gpu_geometry = (e.tile, e.areas) == ((16, 64), (2, 2))  # the GPU kernel's geometry
     be = backend if gpu_geometry else "cpu"
-    out = check_iebme_layer(e, rec.scales, int(rec.attrs["group_size"]), act.get("bits") or 4, ns, be, rng,
-                            rec.name)
+    bits = int(act.get("bits") or 4)
+    if bits == 16:  # W4A16 / W2A16: the float16-activation kernel (and the arrays through the integer path)
+        from ...kernels.iebme_check import check_iebme_float_layer
+
+        out = check_iebme_float_layer(e, rec.scales, int(rec.attrs["group_size"]), ns, be, rng, rec.name)
+        return out + check_iebme_layer(e, rec.scales, int(rec.attrs["group_size"]), 4, ns, "cpu", rng, rec.name)
+    out = check_iebme_layer(e, rec.scales, int(rec.attrs["group_size"]), bits, ns, be, rng, rec.name)
     if rec.outliers is not None and not out:  # Y = main IE-BME product + 8-bit side product, vs dense
         from ...kernels.outlier_check import check_outlier_layer
 
