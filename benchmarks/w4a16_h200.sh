@@ -15,6 +15,6 @@ timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -p no:cacheprovider -q -rs -W 
   tests/test_runtime_agreement.py::test_gpu_eval_runs_the_runtime_and_matches_the_cpu_perplexity \
   2>&1 | tee "$DEST/w4a16_gpu_tests.log" | tail -4
 E2E_BUDGET="${E2E_BUDGET:-110}" E2E_TIMEOUT="${E2E_TIMEOUT:-190}" OUT="$DEST" bash benchmarks/e2e_h200.sh \
-  --spec llama2-7b --batch 1,8 --context 512 --kinds fp16,w4a16,iebme-w4a16-50,iebme-w4a16-0,iebme-w4a8-50 \
+  --spec llama2-7b --batch "${BATCHES:-1,8}" --context 512 --kinds "${KINDS:-fp16,w4a16,iebme-w4a16-50,iebme-w4a16-0,iebme-w4a8-50}" \
   > "$DEST/w4a16_e2e.log" 2>&1
 for f in "$DEST"/e2e-*.md; do sed -n '/^spec/,/^linears/p' "$f"; done
