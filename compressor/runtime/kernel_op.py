@@ -44,6 +44,7 @@ class KernelOp(QuantizingOp):
 
     act_quant = "kernel"    # IE-BME inputs: "kernel" (one launch) or "torch" (the formats' torch functions)
     SPMSPV_ROWS = 8         # Tiled-CBC fp16 values: the spMspV up to this many rows (one launch), the SpMM above
+    IEBME16 = True          # IE-BME W4A16 / W2A16 through the kernel (False: the decoded weight and cuBLAS)
     side_kernel = "fused"  # the 8-bit outlier side product: "fused" (in the IE-BME kernel's epilogue, one rounding),
     #                        "kernel" (a second launch) or "torch" (grouped products); both of these round twice
 
@@ -67,8 +68,6 @@ class KernelOp(QuantizingOp):
             self.kind = "iebme16"
         else:  # no kernel for this layer: the decoded weight in fp16, one dense product
             self.register_buffer("weight", torch.from_numpy(layer_weight(rec)).half().to(self.device))
-
-    IEBME16 = True  # IE-BME W4A16 / W2A16 through the kernel (False: the decoded weight and cuBLAS, for comparison)
 
     def _iebme16_takes(self, rec: LayerRecord) -> bool:
         """Whether the float16-activation IE-BME kernel computes this stored layer (both backends decide alike)."""
