@@ -87,6 +87,12 @@ def config(n: int, warps: int | None = None) -> tuple[int, int, int, int]:
     return st.nstage, warps, st.ilp or (2 if n <= 16 else 4), st.minb
 
 
+#: The float16-activation variant (W4A16 / W2A16, ``spmm_iebme16``) in the runtime and in ``verify --backend cupy``.
+#: Off until its GPU tests have passed once (``bash benchmarks/w4a16_h200.sh``; written 2026-12-07 without a GPU):
+#: meanwhile the runtime decodes such layers to float16 for cuBLAS, as before. Tests and ``bench --e2e``'s
+#: ``iebme-w4a16-*`` kinds switch it on.
+FLOAT16_ACTIVATIONS = False
+
 MAX_N = 32            # columns per launch; larger N is cut into launches of 32
 MAX_BATCHES = 31      # per chunk: batch boundaries live in one register per lane
 X_BUDGET = 16 * 1024  # shared bytes for a chunk's X codes per 8 warps (LaunchSettings.x_bytes overrides)...

@@ -337,7 +337,7 @@ def test_the_other_kinds_step_on_the_cpu():
 
 def test_check_peers_pass_here_and_fail_one_by_one(monkeypatch):
     checks = e2e.check_peers(CPU)
-    assert len(checks) == 6 and all(c["ok"] for c in checks), checks
+    assert len(checks) == 8 and all(c["ok"] for c in checks), checks
 
     def broken(*_a, **_k):
         raise RuntimeError("no kernel")
@@ -346,7 +346,7 @@ def test_check_peers_pass_here_and_fail_one_by_one(monkeypatch):
     monkeypatch.setattr(W4A16Linear, "forward", lambda self, x: torch.zeros(x.shape[0], self.out_features).half())
     checks = {c["check"]: c for c in e2e.check_peers(CPU)}
     assert not checks["tcbc-fp16-30+30 N=1"]["ok"] and "RuntimeError: no kernel" in checks["tcbc-fp16-30+30 N=1"]["err"]
-    assert not checks["w4a16 N=4"]["ok"] and checks["iebme-w4a4-50 N=4"]["ok"]
+    assert not checks["w4a16 N=4"]["ok"] and checks["iebme-w4a4-50 N=4"]["ok"] and checks["iebme-w4a16-50 N=1"]["ok"]
 
 
 # ------------------------------------------------------------------------ the model and the step code

@@ -198,11 +198,16 @@ def test_a_planted_logic_fault_fails_the_check(fault, artifacts, monkeypatch):
 
 
 def test_w4a16_runs_the_float16_activation_kernel_and_a_wrong_scale_fails(artifacts, monkeypatch):
-    """IE-BME W4A16: the CUDA path's op is the float16-activation kernel on the stored arrays (not a decoded dense
-    weight), and the check sees a fault of it: the reference kernel reading the scales one row off."""
+    """IE-BME W4A16 with the float16-activation kernel on (off by default until its GPU tests pass): the CUDA
+    path's op is that kernel on the stored arrays (not a decoded dense weight), it agrees with the CPU op, and the
+    check sees a fault of it: the reference kernel reading the scales one row off."""
     from unionsparse.kernels.reference_ops import ReferenceKernels
 
+    assert runtime.load(artifacts("w4a16"), backend="reference").model.model.layers[0].self_attn.q_proj.op.kind \
+        == "dense"  # the default: the decoded weight and a dense product
+    monkeypatch.setattr(KernelOp, "IEBME16", True)
     a = artifacts("w4a16")
+    _check(runtime.load(a, backend="reference", fuse=True), runtime.load(a, fuse=True), "batch3")
     ops = [m.op for m in runtime.load(a, backend="reference").model.modules()
            if isinstance(m, runtime.CompressedLinear)]
     assert ops and all(op.kind == "iebme16" for op in ops)
@@ -385,6 +390,31 @@ def test_gpu_agrees_with_attention_writing_o_proj_input(case, head128):
                  "max_err": w.max_err, "tol": w.tol_at_max, "ratio": w.worst_ratio, "ok": ag.ok})
         assert ag.ok, "\n".join(ag.failures())
     assert all(n > 0 for n in _o_proj_offers(gpu))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_float16_activation_kernel_agrees(artifacts, smol_shaped, tmp_path, monkeypatch):
+    """IE-BME W4A16 through the float16-activation kernel (switched on; off by default until this passes): every op
+    agrees with the CPU op, tiny model (prefill 1 and 200, padded batch 3) and SmolLM2's shapes (split-K paths)."""
+    from unionsparse.compressor.cli import main
+
+    monkeypatch.setattr(KernelOp, "IEBME16", True)
+    a = artifacts("w4a16")
+    cpu, gpu = runtime.load(a, fuse=True), runtime.load(a, device="cuda", fuse=True)
+    assert all(m.op.kind == "iebme16" for m in gpu.model.modules() if isinstance(m, runtime.CompressedLinear))
+    for run in RUNS:
+        ag = _agree(gpu, cpu, run)
+        _record({"case": "tiny w4a16 float16 kernel", "fuse": True, "run": run, "ratio": ag.worst.worst_ratio,
+                 "ok": ag.ok})
+        assert ag.ok, "\n".join(ag.failures())
+    out = tmp_path / "s.zarr"
+    flags = [str(smol_shaped / "calib.jsonl") if f == "CALIB" else f for f in CASES["w4a16"]]
+    with pytest.raises(SystemExit) as e:
+        main(["compress", str(smol_shaped / "model"), "-o", str(out), "--quiet", *flags])
+    assert e.value.code == 0
+    ag = _agree(runtime.load(out, device="cuda", fuse=True), runtime.load(out, fuse=True), "prefill200")
+    assert ag.ok, "\n".join(ag.failures())
 
 
 @pytest.mark.gpu

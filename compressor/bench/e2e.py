@@ -278,6 +278,20 @@ def _free(device: torch.device) -> None:
             cp.get_default_memory_pool().free_all_blocks()
 
 
+@contextlib.contextmanager
+def float16_activation_kernel(on: bool):
+    """IE-BME W4A16 layers built inside run the float16-activation kernel (``on``) whatever the runtime's default
+    (``kernels.iebme_spmm.FLOAT16_ACTIVATIONS``)."""
+    from ..runtime.kernel_op import KernelOp
+
+    saved = KernelOp.IEBME16
+    KernelOp.IEBME16 = True if on else saved
+    try:
+        yield
+    finally:
+        KernelOp.IEBME16 = saved
+
+
 def _runtime_linear(rec, device: torch.device) -> nn.Module:
     from ..runtime.linear import CompressedLinear
 
@@ -335,9 +349,10 @@ def install_kind(model: nn.Module, spec: ModelSpec, kind: str, device: torch.dev
         info["encode_s"] = time.perf_counter() - te
         if log:
             log(f"  {kind}: encoded one block on the CPU in {info['encode_s']:.1f} s")
-        for layer in range(spec.layers):  # one upload per block: no block reads another's weights from L2
-            for g in groups:
-                install_group(model, layer, g, _runtime_linear(recs[g], device), splits[g])
+        with float16_activation_kernel(k.act_bits == 16):  # a W4A16 kind times the kernel, not the dense fallback
+            for layer in range(spec.layers):  # one upload per block: no block reads another's weights from L2
+                for g in groups:
+                    install_group(model, layer, g, _runtime_linear(recs[g], device), splits[g])
     elif kind.startswith("tcbc"):
         weights = {g: sparse_fp16(m, kk, k.sparsity, rng) for g, (m, kk) in groups.items()}
         te = time.perf_counter()
@@ -520,7 +535,8 @@ def hf_generate_ms(model: nn.Module, spec: ModelSpec, context: int, new: int, de
 # --------------------------------------------------------------------------------------------- checks
 
 
-def check_peers(device: torch.device, seed: int = 0, kinds: tuple[str, ...] = ("w4a16", "iebme", "tcbc")) -> list[dict]:
+def check_peers(device: torch.device, seed: int = 0,
+                kinds: tuple[str, ...] = ("w4a16", "iebme", "iebme16", "tcbc")) -> list[dict]:
     """Each kind's linear against the product of its own weights, on small shapes: W4A16 against its
     dequantized weights (bf16 activations); IE-BME through the runtime against quantized activations times the
     record's decoded weights; Tiled-CBC against the decoded weights with |x| <= tau zeroed at one row, every
@@ -547,6 +563,13 @@ def check_peers(device: torch.device, seed: int = 0, kinds: tuple[str, ...] = ("
         xd = torch.from_numpy(dequantize_activations(xq, sx, GROUP_SIZE))
         return _runtime_linear(rec, device)(x), (xd @ torch.from_numpy(layer_weight(rec)).t()).half(), 2e-3
 
+    def iebme16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        rec = iebme_record("check.iebme16", m, k, 0.5, rng, act_bits=16)
+        with float16_activation_kernel(True):
+            lin = _runtime_linear(rec, device)
+        ref = (x.float().cpu() @ torch.from_numpy(layer_weight(rec)).t()).half()
+        return lin(x), ref, 2e-3
+
     def tcbc(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         w = sparse_fp16(m, k, 0.3, rng)
         tau = float(np.quantile(np.abs(x[0].float().cpu().numpy()), 0.3))
@@ -556,8 +579,8 @@ def check_peers(device: torch.device, seed: int = 0, kinds: tuple[str, ...] = ("
         ref = (xr @ torch.from_numpy(w.astype(np.float32)).t()).half()
         return _runtime_linear(tcbc_record("check.tcbc", w, tau), device)(x), ref, 2e-3
 
-    names = {"w4a16": "w4a16", "iebme": "iebme-w4a4-50", "tcbc": "tcbc-fp16-30+30"}
-    fns = {"w4a16": w4a16, "iebme": iebme, "tcbc": tcbc}
+    names = {"w4a16": "w4a16", "iebme": "iebme-w4a4-50", "iebme16": "iebme-w4a16-50", "tcbc": "tcbc-fp16-30+30"}
+    fns = {"w4a16": w4a16, "iebme": iebme, "iebme16": iebme16, "tcbc": tcbc}
     for n in (1, 4):
         x = torch.randn(n, k, device=device, generator=gen).half()
         for key in kinds:

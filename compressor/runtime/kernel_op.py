@@ -16,9 +16,9 @@ ready once (uploaded as they are on a GPU). Per call:
   8 sequences) are the spMspV, whose several-row kernel reads a weight column once for all the rows it is
   active in; more rows are the SpMM (fp16 values; of the rows' active inputs under a threshold) or the spMspV
   in launches of 8 rows (int codes: no int-code SpMM);
-* IE-BME W4A16 / W2A16 (float16 activations): the ``iebme_spmm`` kernel's float16-activation variant on the stored
-  arrays (no activation quantization), where the kernel takes the geometry; otherwise the decoded weight in fp16
-  and one dense product (cuBLAS on a GPU).
+* IE-BME W4A16 / W2A16 (float16 activations): the decoded weight in fp16 and one dense product (cuBLAS on a GPU);
+  with the float16-activation kernel switched on (``IEBME16``, or ``kernels.iebme_spmm.FLOAT16_ACTIVATIONS``, off
+  until its GPU tests pass) that kernel on the stored arrays, where it takes the geometry.
 
 ``act_quant`` ("kernel" or "torch") and ``side_kernel`` ("fused", "kernel" or "torch") choose the one-launch
 kernels or the formats' torch functions for those two steps ("torch" launches about ten and five kernels on a
@@ -44,7 +44,8 @@ class KernelOp(QuantizingOp):
 
     act_quant = "kernel"    # IE-BME inputs: "kernel" (one launch) or "torch" (the formats' torch functions)
     SPMSPV_ROWS = 8         # Tiled-CBC fp16 values: the spMspV up to this many rows (one launch), the SpMM above
-    IEBME16 = True          # IE-BME W4A16 / W2A16 through the kernel (False: the decoded weight and cuBLAS)
+    IEBME16 = None          # IE-BME W4A16 / W2A16 through the kernel: True, False (the decoded weight and cuBLAS),
+    #                         None: kernels.iebme_spmm.FLOAT16_ACTIVATIONS (off until its GPU tests pass)
     side_kernel = "fused"  # the 8-bit outlier side product: "fused" (in the IE-BME kernel's epilogue, one rounding),
     #                        "kernel" (a second launch) or "torch" (grouped products); both of these round twice
 
@@ -72,10 +73,12 @@ class KernelOp(QuantizingOp):
     def _iebme16_takes(self, rec: LayerRecord) -> bool:
         """Whether the float16-activation IE-BME kernel computes this stored layer (both backends decide alike)."""
         from ...formats import registry
-        from ...kernels.iebme_spmm import unsupported
+        from ...kernels import iebme_spmm
 
+        on = iebme_spmm.FLOAT16_ACTIVATIONS if self.IEBME16 is None else self.IEBME16
         gs, k = rec.attrs.get("group_size"), int(rec.encoding.shape[1])
-        return (self.IEBME16 and "iebme_spmm" in registry.get(rec.format).kernel_ops and rec.scales is not None
+        unsupported = iebme_spmm.unsupported
+        return (on and "iebme_spmm" in registry.get(rec.format).kernel_ops and rec.scales is not None
                 and gs is not None and (int(gs) >= k or int(gs) % 64 == 0) and unsupported(rec.encoding) is None)
 
     def _init_iebme(self, rec: LayerRecord, group_size: int) -> None:

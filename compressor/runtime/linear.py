@@ -11,7 +11,8 @@ What a layer computes follows from how it was stored (:func:`layer_plan`):
   spMspV with the stored threshold tau (input k active iff ``|fp16(x_k)| > tau``), at any batch size B; a
   prompt of several tokens (prefill) is the SpMM, every input active;
 * fp16 activations otherwise (IE-BME W4A16 / W2A16): ``fp16(fp16(x) @ W^T)`` with float32 sums, W = code · scale
-  (on a GPU the IE-BME kernel's float16-activation variant on the stored arrays).
+  (the decoded weight, or with ``kernels.iebme_spmm.FLOAT16_ACTIVATIONS`` the IE-BME kernel's float16-activation
+  variant on the stored arrays).
 
 Backends (``backend``): ``"cpu"`` runs that arithmetic in torch (:mod:`.cpu`, the modules ``eval`` uses);
 ``"cuda"`` runs the artifact's CuPy kernels on torch's stream (:mod:`.kernel_op` with ``kernels/cuda_ops.py``; it

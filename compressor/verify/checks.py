@@ -89,9 +89,11 @@ def _iebme_checks(rec: LayerRecord, rng: np.random.Generator, ns: list[int], bac
     be = backend if gpu_geometry else "cpu"
     bits = int(act.get("bits") or 4)
     if bits == 16:  # W4A16 / W2A16: the float16-activation kernel (and the arrays through the integer path)
+        from ...kernels import iebme_spmm
         from ...kernels.iebme_check import check_iebme_float_layer
 
-        out = check_iebme_float_layer(e, rec.scales, int(rec.attrs["group_size"]), ns, be, rng, rec.name)
+        be16 = be if iebme_spmm.FLOAT16_ACTIVATIONS else "cpu"  # the GPU kernel only where the runtime uses it
+        out = check_iebme_float_layer(e, rec.scales, int(rec.attrs["group_size"]), ns, be16, rng, rec.name)
         return out + check_iebme_layer(e, rec.scales, int(rec.attrs["group_size"]), 4, ns, "cpu", rng, rec.name)
     out = check_iebme_layer(e, rec.scales, int(rec.attrs["group_size"]), bits, ns, be, rng, rec.name)
     if rec.outliers is not None and not out:  # Y = main IE-BME product + 8-bit side product, vs dense
