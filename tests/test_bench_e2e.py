@@ -79,10 +79,12 @@ def test_cli_tiny_runs_every_kind_end_to_end(tiny_run):
     assert lin["iebme-w4a4-50"] < lin["iebme-w4a4-50-o128"] < lin["iebme-w4a4-0-o128"]  # the side is counted
     assert rows[("iebme-w4a4-50-o128", 1)]["speedup_vs_control"] is not None
     assert lin["fp16"] / 4 < lin["w4a16"] < lin["fp16"] / 3.5
-    # Tiled-CBC's thresholds: measured at batch 1 on the step's own inputs (calibrated at 30%), none at batch 2
-    dyn = rows[("tcbc-fp16-30+30", 1)]["dynamic_sparsity_measured"]
-    assert set(dyn) == set(GROUPS) and all(0.05 < v < 0.7 for v in dyn.values())
-    assert "dynamic_sparsity_measured" not in rows[("tcbc-fp16-30+30", 2)]
+    # Tiled-CBC's thresholds apply to every row of a decode step (calibrated at 30% on the step's own inputs): a
+    # batch of 2 leaves unread only the columns inactive in both rows (one launch), so it skips less and reads more
+    dyn1 = rows[("tcbc-fp16-30+30", 1)]["dynamic_sparsity_measured"]
+    dyn2 = rows[("tcbc-fp16-30+30", 2)]["dynamic_sparsity_measured"]
+    assert set(dyn1) == set(dyn2) == set(GROUPS) and all(0.05 < v < 0.7 for v in dyn1.values())
+    assert all(v >= 0 for v in dyn2.values()) and sum(dyn2.values()) < sum(dyn1.values())
     assert rows[("tcbc-fp16-30+30", 1)]["bytes"]["linears_total"] < rows[("tcbc-fp16-30+30", 2)]["bytes"][
         "linears_total"]
     assert [h["label"] for h in res["hf_generate"]] == [e2e.HF_LABEL]
