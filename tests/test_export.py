@@ -60,7 +60,7 @@ def arts(source, llama_with_tokenizer, tmp_path_factory) -> dict[str, Path]:
     cal = ("--calib", str(calib), "--nsamples", "4", "--seqlen", "64")
     return {
         "w2": compress(root, "w2", model, "--prune", "magnitude", "--quant", "w2a4", "--group-size", "64",
-                       "--format", "ie-bme", "--reorder", "auto"),
+                       "--format", "ie-bme", "--reorder", "dp"),
         "w4cbc": compress(root, "w4cbc", model, "--prune", "magnitude", "--quant", "w4a16", "--format", "tiled-cbc"),
         # group 192: K=128 layers get one scale per row (clamped), K=256 layers a ragged last group
         "g192": compress(root, "g192", model, "--prune", "magnitude", "--quant", "w4a16", "--format", "tiled-cbc",

@@ -210,3 +210,35 @@ def test_reorder_matrix_bad_input():
         reorder_matrix(np.ones((64, 64), dtype=bool), tile=(64, 64), method="dp")
     with pytest.raises(SolverError, match="do not divide"):
         reorder_matrix(mask, tile=(16, 64), areas=(3, 2))
+
+
+def _interleaved_mask(m: int = 64, k: int = 256) -> np.ndarray:
+    """Rows active at even or at odd columns (pattern (r % 2) ^ (r // 8 % 2)): in the identity order row i and row
+    i + 8 of a tile (the same positions of the two row areas) have opposite patterns, so the union mask is full;
+    the DP pairs like rows (half of it)."""
+    r = np.arange(m)[:, None]
+    c = np.arange(k)[None, :]
+    return (c % 2) == ((r % 2) ^ (r // 8 % 2))
+
+
+def test_auto_keeps_row_permutations_only_where_they_pay_for_their_cost():
+    """``--reorder auto`` stores a layer's DP permutations only when they cut its union positions by at least
+    AUTO_MIN_GAIN (what applying them costs the GPU kernel); ``dp`` keeps what it finds; the report says both."""
+    from types import SimpleNamespace
+
+    from unionsparse.compressor.pipeline.encode import AUTO_MIN_GAIN, reorder_perms
+
+    def cfg(method):
+        return SimpleNamespace(reorder=method, tile_shape=(16, 64), area_grid=(2, 2))
+
+    rng = np.random.default_rng(0)
+    random50 = (rng.random((64, 256)) < 0.5).astype(np.int8)  # the DP saves a few percent here
+    perm, rep = reorder_perms(random50, cfg("auto"))
+    gain = 1 - rep["found_positions"] / rep["union_positions_before"]
+    assert 0 < gain < AUTO_MIN_GAIN and perm is None and not rep["kept"]
+    assert rep["union_positions_after"] == rep["union_positions_before"]  # the stored (identity) order's figure
+    perm, rep = reorder_perms(random50, cfg("dp"))
+    assert perm is not None and rep["kept"] and rep["union_positions_after"] == rep["found_positions"]
+    structured = _interleaved_mask().astype(np.int8)  # the DP halves the union here
+    perm, rep = reorder_perms(structured, cfg("auto"))
+    assert perm is not None and rep["kept"] and rep["union_positions_after"] <= rep["union_positions_before"] // 2 + 1

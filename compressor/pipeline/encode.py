@@ -14,8 +14,17 @@ from ..quantize.layer import QuantizedLayer
 from ..quantize.outliers import add_side_figures
 
 
+#: ``--reorder auto`` keeps a layer's row permutations only where they cut its stored union positions by at least
+#: this fraction: what applying them costs the GPU kernel, measured (the LLaMA-2-7B decode step 13.7% slower with
+#: them on an H100, 18-37% per layer at N = 1 on the H200 corpus; BENCHMARKS.md). At 50% unstructured sparsity the
+#: exact DP saves about 5% (SmolLM2, magnitude) and 1.5% (random), so such layers store none. ``dp`` and ``cpsat``
+#: keep what they find.
+AUTO_MIN_GAIN = 0.14
+
+
 def reorder_perms(codes: np.ndarray, cfg: CompressConfig, progress=None) -> tuple[np.ndarray | None, dict | None]:
-    """Per-tile row permutations minimising the union mask (None when --reorder none).
+    """Per-tile row permutations minimising the union mask (None when --reorder none, or with ``auto`` when they
+    save less than :data:`AUTO_MIN_GAIN` of the union positions; the report then says what the search found).
 
     ``progress(n_done, n_total)`` is called as batches of tiles finish.
     """
@@ -23,12 +32,16 @@ def reorder_perms(codes: np.ndarray, cfg: CompressConfig, progress=None) -> tupl
         return None, None
     perm, r = reorder_matrix(codes != 0, tile=cfg.tile_shape, areas=cfg.area_grid, method=cfg.reorder,
                              progress=progress)
-    return perm, {
+    gain = 1 - r.positions_after / r.positions_before if r.positions_before else 0.0
+    kept = cfg.reorder != "auto" or gain >= AUTO_MIN_GAIN
+    after = r.positions_after if kept else r.positions_before  # what is stored
+    return (perm if kept else None), {
         "method": r.method, "methods": r.methods, "union_positions_before": r.positions_before,
-        "union_positions_after": r.positions_after, "union_positions_bound": r.positions_bound,
+        "union_positions_after": after, "union_positions_bound": r.positions_bound,
         "union_slots": r.capacity, "union_density_before": r.density_before,
-        "union_density_after": r.density_after, "tiles_optimal": r.tiles_optimal,
+        "union_density_after": after / r.capacity if r.capacity else 0.0, "tiles_optimal": r.tiles_optimal,
         "tiles_not_proven": r.tiles_not_proven,  # no wall time: identical inputs give identical bytes
+        "kept": kept, "found_positions": r.positions_after,  # auto: the search's result, stored or not
     }
 
 
