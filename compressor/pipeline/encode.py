@@ -13,7 +13,6 @@ from ..errors import UserError
 from ..quantize.layer import QuantizedLayer
 from ..quantize.outliers import add_side_figures
 
-
 #: ``--reorder auto`` keeps a layer's row permutations only where they cut its stored union positions by at least
 #: this fraction: what applying them costs the GPU kernel, measured (the LLaMA-2-7B decode step 13.7% slower with
 #: them on an H100, 18-37% per layer at N = 1 on the H200 corpus; BENCHMARKS.md). At 50% unstructured sparsity the
