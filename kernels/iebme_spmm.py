@@ -369,18 +369,26 @@ def single_chunk(layer: DeviceLayer, n: int, splits: int | None = None, xb: int 
     return all(plan(layer, min(MAX_N, n - n0), splits, xb).grid[1] == 1 for n0 in range(0, n, MAX_N))
 
 
-def prepare_x(layer: DeviceLayer, x_codes, x_scales):
-    """(int8 [N, Kp] padded, fp32 [N, G]) on the GPU; no copy when already in that form."""
+def _padded(layer: DeviceLayer, x, dtype, what: str):
+    """``x`` [N, K or Kp] of ``dtype`` as a contiguous, 16-byte aligned [N, Kp] on the GPU, zero past K (the kernel
+    reads whole tiles); no copy when already so."""
     cp = require_cupy()
     kp = layer.tc * 64
-    x = cp.asarray(x_codes)
-    if x.dtype != cp.int8 or x.ndim != 2 or x.shape[1] not in (layer.shape[1], kp):
-        raise KernelError(f"x_codes must be int8 [N, {layer.shape[1]}], got {x.dtype} {x.shape}")
+    x = cp.asarray(x)
+    if x.dtype != dtype or x.ndim != 2 or x.shape[1] not in (layer.shape[1], kp):
+        raise KernelError(f"{what} must be {cp.dtype(dtype).name} [N, {layer.shape[1]}], got {x.dtype} {x.shape}")
     if x.shape[1] != kp:
-        xp = cp.zeros((x.shape[0], kp), dtype=cp.int8)
+        xp = cp.zeros((x.shape[0], kp), dtype=dtype)
         xp[:, : x.shape[1]] = x
         x = xp
     x = cp.ascontiguousarray(x)
+    return x if x.data.ptr % 16 == 0 else x.copy()
+
+
+def prepare_x(layer: DeviceLayer, x_codes, x_scales):
+    """(int8 [N, Kp] padded, fp32 [N, G]) on the GPU; no copy when already in that form."""
+    cp = require_cupy()
+    x = _padded(layer, x_codes, cp.int8, "x_codes")
     xs = cp.ascontiguousarray(cp.asarray(x_scales, dtype=cp.float32))
     if xs.shape != (x.shape[0], layer.n_groups):
         raise KernelError(f"x_scales must be [{x.shape[0]}, {layer.n_groups}], got {xs.shape}")
@@ -388,18 +396,8 @@ def prepare_x(layer: DeviceLayer, x_codes, x_scales):
 
 
 def prepare_x16(layer: DeviceLayer, x):
-    """float16 [N, Kp] on the GPU, zero past K (the kernel reads whole tiles); no copy when already so."""
-    cp = require_cupy()
-    kp = layer.tc * 64
-    x = cp.asarray(x)
-    if x.dtype != cp.float16 or x.ndim != 2 or x.shape[1] not in (layer.shape[1], kp):
-        raise KernelError(f"x must be float16 [N, {layer.shape[1]}], got {x.dtype} {x.shape}")
-    if x.shape[1] != kp:
-        xp = cp.zeros((x.shape[0], kp), dtype=cp.float16)
-        xp[:, : x.shape[1]] = x
-        x = xp
-    x = cp.ascontiguousarray(x)
-    return x if x.data.ptr % 16 == 0 else x.copy()
+    """float16 [N, Kp] on the GPU, zero past K; no copy when already so."""
+    return _padded(layer, x, require_cupy().float16, "x")
 
 
 @cache
