@@ -230,8 +230,10 @@ def recording(model: nn.Module, n_layers: int, store: dict):
 
 def union_inactive(x: torch.Tensor, tau: float, mod: nn.Module) -> float:
     """Fraction of a Tiled-CBC layer's weight columns the spMspV of one decode step leaves unread: the inputs with
-    |x| <= tau in every row of a launch (8 rows a launch; none above ``KernelOp.SPMSPV_ROWS`` rows of fp16 values,
-    where the SpMM runs)."""
+    |x| <= tau in every row of a launch (``tiled_cbc_spmspv.ROWS[-1]`` rows a launch; none above
+    ``KernelOp.SPMSPV_ROWS`` rows of fp16 values, where the SpMM runs). Averaged over the launches of a call, so
+    for int codes above one launch's rows it is one pass's figure (the benchmark's batches are at most 8)."""
+    from ...kernels.tiled_cbc_spmspv import ROWS
     from ..runtime.kernel_op import KernelOp
 
     x2 = x.reshape(-1, x.shape[-1]).abs().float() <= tau
@@ -239,7 +241,8 @@ def union_inactive(x: torch.Tensor, tau: float, mod: nn.Module) -> float:
     fp16 = all(rec.attrs.get("bits") is None for rec in recs)
     if x2.shape[0] > KernelOp.SPMSPV_ROWS and fp16:
         return 0.0
-    return float(torch.stack([x2[i : i + 8].all(0) for i in range(0, x2.shape[0], 8)]).float().mean())
+    r = ROWS[-1]
+    return float(torch.stack([x2[i : i + r].all(0) for i in range(0, x2.shape[0], r)]).float().mean())
 
 
 def module_read_bytes(mod: nn.Module, inactive: float = 0.0) -> int:
