@@ -11,6 +11,8 @@ float32 (``w = float(q) * float(s)``; exact for 4- and 2-bit codes); products an
   ``|x_k| > tau``; inactive columns are neither read nor multiplied. ``tau=None`` (or any negative
   value) turns dynamic pruning off.
 * ``spmm_reference(m, X)`` - prefill, ``Y[n, m] = sum_k W[m, k] X[n, k]``, float32 sums, float16 out.
+* ``decoded_dense_reference(m)`` - the dense float16 weight ``decode_dense`` writes (4-bit codes: two float16
+  halves whose sum is the weight).
 """
 
 from __future__ import annotations
@@ -119,6 +121,28 @@ def _spmm(bitmap, colinfo, tile_offset, vals, scales, group, grid_c, tile_m, til
     return y[:, :m_true]
 
 
+@nb.njit(cache=True)
+def _dense(bitmap, colinfo, tile_offset, vals, scales, group, grid_c, tile_m, tile_k, m_true, k_true):
+    wpc = tile_m // 64
+    ngt = tile_offset.size - 1
+    w = np.zeros(((ngt // grid_c) * tile_m, k_true), dtype=np.float32)
+    rows = np.empty(tile_m, dtype=np.int64)
+    ws = np.empty(tile_m, dtype=np.float32)
+    for g in range(ngt):
+        tr = g // grid_c
+        tc = g % grid_c
+        for c in range(tile_k):
+            k = tc * tile_k + c
+            if k >= k_true:
+                continue
+            n = _column_weights(
+                bitmap, colinfo, tile_offset, vals, scales, group, g, c, tile_k, wpc, tr * tile_m, k, rows, ws
+            )
+            for i in range(n):
+                w[rows[i], k] = ws[i]
+    return w[:m_true]
+
+
 def _prepare(m: TiledCBCMatrix, w_scales, group_size):
     g = m.geometry
     if g.bits is None:
@@ -182,6 +206,17 @@ def spmm_reference(
         raise KernelError(f"X must have shape (N, {g.shape[1]}), got {X.shape}")
     Y = _spmm(*_layout_args(m, w_scales, group_size), np.ascontiguousarray(X.astype(np.float16).astype(np.float32)))
     return Y.astype(out_dtype)
+
+
+def decoded_dense_reference(m: TiledCBCMatrix, w_scales=None, group_size=None) -> np.ndarray:
+    """``decode_dense``'s output, read from the stored arrays as the kernels read them: the float16 values, or the
+    weights w = code x scale (float32, exact) rounded to float16, [M, K]; for 4-bit codes then lo = fp16(w - hi)
+    beside them, [M, 2K] (``tiled_cbc_spmm.dense_halves``)."""
+    w = _dense(*_layout_args(m, w_scales, group_size))
+    hi = w.astype(np.float16)
+    if m.geometry.bits is None or m.geometry.bits <= 2:
+        return hi
+    return np.concatenate([hi, (w - hi.astype(np.float32)).astype(np.float16)], axis=1)
 
 
 def dense_weights_f64(m: TiledCBCMatrix, w_scales=None, group_size=None) -> np.ndarray:

@@ -504,6 +504,27 @@ __device__ __forceinline__ void dd_stage_and_write(u16* stage, u16* __restrict__
     }
 }
 
+// The decode blocks' entries: per (column, 32-bit word half) of the block's ng GTiles (from gt0), {the half's bits,
+// the value index of its first set bit}; thread t = (column, word w) reads its column's words 0..w straight from
+// global memory (one 32-byte run).
+__device__ __forceinline__ void dd_entries(uint2* ent, const u64* __restrict__ bitmap, const u32* __restrict__ colinfo,
+                                           const u32* __restrict__ tile_offset, size_t gt0, int ng) {
+    const int col = threadIdx.x >> 2, w = threadIdx.x & 3;
+    if ((col >> 4) < ng) {
+        const ulonglong2* cw = reinterpret_cast<const ulonglong2*>(bitmap + (gt0 * TILE_K + col) * 4);
+        const ulonglong2 a = cw[0], b = cw[1];
+        const u64 words[4] = {a.x, a.y, b.x, b.y};
+        u32 s = tile_offset[gt0 + (col >> 4)] + (colinfo[gt0 * TILE_K + col] >> 16);
+#pragma unroll
+        for (int q = 0; q < 3; ++q) s += q < w ? __popcll(words[q]) : 0;
+        const u64 wd = w == 0 ? words[0] : w == 1 ? words[1] : w == 2 ? words[2] : words[3];
+        const u32 lo = (u32)wd, hi = (u32)(wd >> 32);
+        ent[col * 8 + 2 * w] = make_uint2(lo, s);
+        ent[col * 8 + 2 * w + 1] = make_uint2(hi, s + __popc(lo));
+    }
+    __syncthreads();
+}
+
 // Decode to dense, v2 (the default): the same block shape and output staging, with the per-column work
 // halved. A warp's 32 rows are one 32-bit half of one bitmap word (w = t >> 6, half h = (t >> 5) & 1), so
 // the block first builds, per (column, word half), one 8-byte entry {the half's 32 bits, the value index of
@@ -518,22 +539,7 @@ __global__ void __launch_bounds__(256) tcbc_decode_dense2(const u64* __restrict_
     const int gtc0 = blockIdx.x * DD_G, tr = blockIdx.y, t = threadIdx.x;
     const int ng = min(DD_G, grid_c - gtc0);
     const size_t gt0 = (size_t)tr * grid_c + gtc0;  // the block's GTiles are consecutive
-    {   // thread t = (column, word w): its column's words 0..w straight from global memory (one 32-byte run)
-        const int col = t >> 2, w = t & 3;
-        if ((col >> 4) < ng) {
-            const ulonglong2* cw = reinterpret_cast<const ulonglong2*>(bitmap + (gt0 * TILE_K + col) * 4);
-            const ulonglong2 a = cw[0], b = cw[1];
-            const u64 words[4] = {a.x, a.y, b.x, b.y};
-            u32 s = tile_offset[gt0 + (col >> 4)] + (colinfo[gt0 * TILE_K + col] >> 16);
-#pragma unroll
-            for (int q = 0; q < 3; ++q) s += q < w ? __popcll(words[q]) : 0;
-            const u64 wd = w == 0 ? words[0] : w == 1 ? words[1] : w == 2 ? words[2] : words[3];
-            const u32 lo = (u32)wd, hi = (u32)(wd >> 32);
-            ent[col * 8 + 2 * w] = make_uint2(lo, s);
-            ent[col * 8 + 2 * w + 1] = make_uint2(hi, s + __popc(lo));
-        }
-    }
-    __syncthreads();
+    dd_entries(ent, bitmap, colinfo, tile_offset, gt0, ng);
     const int hw = t >> 5, lane = t & 31;
     const u32 lt = (1u << lane) - 1u;
     dd_stage_and_write(stage, Wd, ng, tr, gtc0, M, ldw, [&](int gg, int c) -> u32 {
@@ -543,6 +549,56 @@ __global__ void __launch_bounds__(256) tcbc_decode_dense2(const u64* __restrict_
         return v;
     });
 }
+
+// Decode to dense of b-bit codes (BITS 4 or 2), exactly: decode_dense2's block, entries and output staging. The
+// weight of a set bit is w = code * scale (the code packed as formats/bitpack.py: code i in byte i*BITS/8 at bit
+// (i*BITS) % 8, sign-extended; the row's float16 group scale), formed in float32, where it is exact (at most 3 + 11
+// significant bits). It is written as two float16 halves, hi = fp16(w) to Wd[:, 0:kp] and lo = fp16(w - hi) (at
+// most 3 significant bits, exact) to Wd[:, kp:2kp], so hi + lo == w and ONE cuBLAS product over 2kp inner columns
+// with [X, X] sums exact products in float32: the CPU reference's weights, not a float16 rounding of them (on a tiny
+// model that rounding flipped enough threshold decisions to move the perplexity by half the thresholds' effect).
+// 2-bit codes (-2..1) times a float16 scale are float16 already: hi only, [M, kp].
+// scales_t [groups, Mp] (DeviceTiledCBC), gs the group size (a multiple of 16, or >= K: one group).
+template <int BITS>
+__global__ void __launch_bounds__(256) tcbc_decode_dense_int(const u64* __restrict__ bitmap,
+                                                             const u32* __restrict__ colinfo,
+                                                             const u32* __restrict__ tile_offset,
+                                                             const unsigned char* __restrict__ values,
+                                                             const u16* __restrict__ scales_t, u16* __restrict__ Wd,
+                                                             int grid_c, int M, int kp, int Mp, int gs) {
+    __shared__ uint2 ent[DD_G * TILE_K * 8];
+    __shared__ __align__(16) u16 stage[TILE_M * DD_STRIDE];
+    const int gtc0 = blockIdx.x * DD_G, tr = blockIdx.y, t = threadIdx.x;
+    const int ng = min(DD_G, grid_c - gtc0);
+    dd_entries(ent, bitmap, colinfo, tile_offset, (size_t)tr * grid_c + gtc0, ng);
+    const int hw = t >> 5, lane = t & 31, row = tr * TILE_M + t;
+    const u32 lt = (1u << lane) - 1u;
+    auto weight = [&](int gg, int c) -> float {  // w of this thread's row in column c of GTile gg (0: no bit)
+        const uint2 e = ent[(gg * TILE_K + c) * 8 + hw];
+        if (!((e.x >> lane) & 1u)) return 0.f;
+        const u32 i = e.y + __popc(e.x & lt);
+        const int shift = (int)((i * BITS) & 7u);
+        const int code = ((int)((u32)values[(i * BITS) >> 3] << (24 - shift))) >> (32 - BITS);  // sign-extended
+        const u16 sh = scales_t[(size_t)(((gtc0 + gg) * TILE_K + c) / gs) * Mp + row];
+        float sf;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(sf) : "h"(sh));
+        return (float)code * sf;
+    };
+    constexpr int HALVES = BITS > 2 ? 2 : 1;  // 2-bit codes (-2..1) times a float16 scale are float16: no lo
+    dd_stage_and_write(stage, Wd, ng, tr, gtc0, M, HALVES * kp, [&](int gg, int c) -> u32 { return f2h(weight(gg, c)); });
+    if (HALVES == 1) return;
+    __syncthreads();  // the staging tile is written again
+    dd_stage_and_write(stage, Wd + kp, ng, tr, gtc0, M, 2 * kp, [&](int gg, int c) -> u32 {
+        const float w = weight(gg, c);
+        float hi;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(f2h(w)));
+        return f2h(w - hi);
+    });
+}
+template __global__ void tcbc_decode_dense_int<4>(const u64*, const u32*, const u32*, const unsigned char*,
+                                                  const u16*, u16*, int, int, int, int, int);
+template __global__ void tcbc_decode_dense_int<2>(const u64*, const u32*, const u32*, const unsigned char*,
+                                                  const u16*, u16*, int, int, int, int, int);
 
 #define TCBC_SPMM2(BN, NST, MINB)                                                                          \
     template __global__ void tcbc_spmm2<BN, 2, NST, MINB>(const u64*, const u32*, const u32*, const u16*, \

@@ -1,8 +1,9 @@
 """GPU Tiled-CBC SpMM (prefill) on tensor cores; see ``tiled_cbc_spmm.cu``.
 
 ``spmm(dev, X)`` computes ``Y[N, M] = X[N, K] @ W^T`` (fp16 in, fp32 mma accumulation, fp16 out)
-from a float16-valued :class:`DeviceTiledCBC`. b-bit layers are not handled by this kernel (prefill
-of quantized layers: use the reference, or dequantize); it raises ``NotImplementedError``.
+from a :class:`DeviceTiledCBC`. b-bit layers (int codes) take the ``"dense"`` method only: the codes times their
+scales decoded once, exactly, as two float16 halves, then cuBLAS (the runtime's path for them from ``DENSE_FROM_N``
+rows).
 Methods: ``"warp"`` (v3, the default up to ``WARP_UP_TO_N`` tokens): every warp streams a quarter of a GTile
 row through its own cp.async ring and builds the mma fragments in registers, no block barrier in the loop;
 ``"fused"`` (v2): split-K with a deterministic one-launch ticket, NST-stage cp.async ring, decode of step
@@ -37,13 +38,19 @@ _SMEM_SET: dict[str, int] = {}
 _EXPR = (
     tuple(f"tcbc_spmm2<{bn}, {GK}, {nst}, {mb}>" for bn, nst, mb in V2_CONFIGS)
     + tuple(f"tcbc_spmm3<{nt}, {nst}, {mb}>" for nt, nst, mb in V3_CONFIGS)
-    + ("tcbc_decode_dense2",)
+    + ("tcbc_decode_dense2", "tcbc_decode_dense_int<4>", "tcbc_decode_dense_int<2>")
 )
 DD_G = 4  # GTiles side by side per decode_dense block (DD_G in the .cu)
 DENSE_FROM_N = 32  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
 WARP_UP_TO_N = 8  # method="auto": the warp-streamed kernel (v3) up to this many tokens (docs/kernels.md)
 WGMMA_UP_TO_N = 32  # method="auto" on sm_90: the wgmma kernel (v4) above WARP_UP_TO_N up to here (docs/kernels.md)
 _DENSE_WS: dict[tuple[int, int], object] = {}
+
+
+def dense_halves(bits: int | None) -> int:
+    """float16 halves per weight in ``decode_dense``'s output: 2 for 4-bit codes (code x scale needs up to 14
+    significant bits), else 1 (float16 values; 2-bit codes -2..1 times a float16 scale are float16)."""
+    return 2 if bits is not None and bits > 2 else 1
 
 
 # v4 (wgmma, sm_90a only): (BN, TPR, NST) as instantiated in the .cu file, in order of preference per BN: tokens
@@ -92,32 +99,41 @@ def default_config(n: int) -> tuple[int, int, int]:
 
 
 def decode_dense(dev: DeviceTiledCBC, out=None):
-    """W as a dense CuPy fp16 [M, Kp] (Kp = K padded to 16; columns >= K are zero), decoded on the GPU."""
+    """W as a dense CuPy fp16 array decoded on the GPU, Kp = K padded to 16 (columns >= K are zero): the float16
+    values as [M, Kp]; 4-bit codes as [M, 2 Kp], each weight w = code x scale (exact in float32) as two float16
+    halves, hi = fp16(w) in columns [0, Kp) and lo = fp16(w - hi) in [Kp, 2 Kp), so that hi + lo == w; 2-bit codes
+    as [M, Kp] (``dense_halves``; ``tiled_cbc_reference.decoded_dense_reference``)."""
     cp = require_cupy()
-    if dev.bits is not None:
-        raise KernelError("decode_dense takes float16 Tiled-CBC values only")
     M, _ = dev.shape
     gr, gc = dev.grid
     kp = gc * TILE[1]
+    width = dense_halves(dev.bits) * kp
     if out is None:
-        out = cp.empty((M, kp), dtype=cp.float16)
-    if out.shape != (M, kp) or out.dtype != cp.float16 or not out.flags.c_contiguous:
-        raise KernelError(f"out must be a contiguous float16 [{M}, {kp}] array")
-    _module().get_function("tcbc_decode_dense2")(
-        (-(-gc // DD_G), gr), (256,), (dev.bitmap, dev.colinfo, dev.tile_offset, dev.values_u16, out, np.int32(gc),
-                           np.int32(M), np.int32(kp)))
+        out = cp.empty((M, width), dtype=cp.float16)
+    if out.shape != (M, width) or out.dtype != cp.float16 or not out.flags.c_contiguous:
+        raise KernelError(f"out must be a contiguous float16 [{M}, {width}] array")
+    grid, common = (-(-gc // DD_G), gr), (dev.bitmap, dev.colinfo, dev.tile_offset)
+    if dev.bits is None:
+        _module().get_function("tcbc_decode_dense2")(
+            grid, (256,), (*common, dev.values_u16, out, np.int32(gc), np.int32(M), np.int32(kp)))
+    else:
+        _module().get_function(f"tcbc_decode_dense_int<{dev.bits}>")(
+            grid, (256,), (*common, dev.values_u8, dev.scales_t, out, np.int32(gc), np.int32(M), np.int32(kp),
+                           np.int32(dev.Mp), np.int32(dev.group_size)))
     return out
 
 
 def spmm_dense(dev: DeviceTiledCBC, X, out=None):
     """Large-N prefill: decode W into a workspace (one per shape, reused), then one cuBLAS fp16 GEMM (fp32
     accumulation). Prefill at large N is compute-bound, so this trades one extra pass over W (~3 bytes per
-    weight) for cuBLAS's wgmma kernels, which mma.sync cannot match on Hopper. The GEMM goes through
-    ``cublas_gemm`` (not CuPy's bindings), so the whole path captures into a CUDA graph.
-    X: fp16 [N, Kx >= K] contiguous (columns past K are ignored)."""
+    weight) for cuBLAS's wgmma kernels, which mma.sync cannot match on Hopper. 4-bit codes: the product of
+    [X, X] with W's hi | lo halves (``decode_dense``), 2 Kp inner columns, so every product is exact and the sum is
+    the CPU reference's up to float32 summation order. The GEMM goes through ``cublas_gemm`` (not CuPy's bindings),
+    so the whole path captures into a CUDA graph. X: fp16 [N, Kx >= K] contiguous (columns past K are ignored)."""
     cp = require_cupy()
     M, K = dev.shape
-    key = (M, dev.grid[1] * TILE[1])
+    kp = dev.grid[1] * TILE[1]
+    key = (M, dense_halves(dev.bits) * kp)
     ws = _DENSE_WS.get(key)
     if ws is None:  # one workspace per shape, shared by all layers of that shape
         ws = _DENSE_WS[key] = cp.empty(key, dtype=cp.float16)
@@ -130,8 +146,14 @@ def spmm_dense(dev: DeviceTiledCBC, X, out=None):
     if out.shape != (n, M) or out.dtype != cp.float16 or not out.flags.c_contiguous:
         raise KernelError(f"out must be a contiguous float16 [{n}, {M}] array")
     decode_dense(dev, ws)
+    inner = K
+    if dense_halves(dev.bits) == 2:  # [X, X], each half padded to Kp
+        X2 = cp.zeros((n, 2 * kp), dtype=cp.float16)
+        X2[:, :K] = X[:, :K]
+        X2[:, kp : kp + K] = X[:, :K]
+        X, inner = X2, 2 * kp
     # Y [N, M] row-major is Y^T [M, N] column-major: Y^T = W X^T with W [M, Kp] read transposed
-    gemm_f16(OP_T, OP_N, M, n, K, ws.data.ptr, ws.shape[1], X.data.ptr, X.shape[1], out.data.ptr, M)
+    gemm_f16(OP_T, OP_N, M, n, inner, ws.data.ptr, ws.shape[1], X.data.ptr, X.shape[1], out.data.ptr, M)
     return out
 
 
@@ -275,8 +297,8 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, config: tuple[
     kernel; ``config`` (BN, NST, MINB) or ``bn``), "wgmma" (v4, ``spmm_wgmma``; config (BN, TPR, NST)), "dense"
     (``spmm_dense``) or "auto" (``auto_method``)."""
     cp = require_cupy()
-    if dev.bits is not None:
-        raise KernelError("the tensor-core SpMM kernel takes float16 Tiled-CBC values only")
+    if dev.bits is not None and method not in ("dense", "auto"):
+        raise KernelError(f"b-bit Tiled-CBC values take method 'dense' (decode once, then cuBLAS), not {method!r}")
     M, K = dev.shape
     if X.ndim != 2 or X.shape[1] != K or X.dtype != cp.float16:
         raise KernelError(f"X must be a CuPy float16 array [N, {K}], got {X.dtype} {X.shape}")
@@ -290,7 +312,7 @@ def spmm(dev: DeviceTiledCBC, X, out=None, bn: int | None = None, config: tuple[
     if method not in ("warp", "fused", "dense", "wgmma", "auto"):
         raise KernelError(f"method must be warp, fused, dense, wgmma or auto, got {method!r}")
     if method == "auto":
-        method = auto_method(N, wgmma_available())
+        method = "dense" if dev.bits is not None else auto_method(N, wgmma_available())
     if method == "dense":
         return spmm_dense(dev, X, out)
     if out is None:

@@ -8,7 +8,12 @@ from unionsparse.formats import tiled_cbc
 from unionsparse.formats.errors import FormatError
 from unionsparse.kernels.loader import cupy_or_none
 from unionsparse.kernels.tiled_cbc_check import check_tiled_cbc_layer, tolerance
-from unionsparse.kernels.tiled_cbc_reference import dense_weights_f64, spmm_reference, spmspv_reference
+from unionsparse.kernels.tiled_cbc_reference import (
+    decoded_dense_reference,
+    dense_weights_f64,
+    spmm_reference,
+    spmspv_reference,
+)
 
 
 def _fp16_layer(rng, M, K, sparsity):
@@ -85,6 +90,37 @@ def test_spmm_reference_matches_float64_and_spmspv_rows():
     assert (np.abs(Y - truth) <= tolerance(W.astype(np.float64), X.astype(np.float64))).all()
     np.testing.assert_array_equal(Y[2], spmspv_reference(m, X[2], None))  # same arithmetic order per row
     assert spmm_reference(m, X).dtype == np.float16
+
+
+@pytest.mark.parametrize("bits,g", [(None, None), (4, 128), (4, 16), (2, 32)])
+def test_decoded_dense_reference_is_the_weights_exactly(bits, g):
+    """decode_dense's reference, walked from the stored arrays, against the float64 weights from decode(): the
+    float16 values as they are; b-bit codes times their group scale as two float16 halves that sum to the weight
+    (hi the weight's float16 rounding), and scales read per (row, group)."""
+    rng = np.random.default_rng(7 + (bits or 0))
+    if bits is None:
+        W, s = _fp16_layer(rng, 300, 200, 0.5), None
+        m = tiled_cbc.encode(W)
+    else:
+        q, s = _int_layer(rng, 300, 200, 0.5, bits, g)
+        m = tiled_cbc.encode(q, bits=bits)
+    got = decoded_dense_reference(m, s, g)
+    w64 = dense_weights_f64(m, s, g)
+    assert got.dtype == np.float16
+    hi = got[:, :200]
+    assert hi.view(np.uint16).tolist() == w64.astype(np.float16).view(np.uint16).tolist()
+    if bits != 4:  # float16 values and 2-bit codes times float16 scales are float16: no low half
+        assert got.shape == (300, 200)
+        np.testing.assert_array_equal(hi.astype(np.float64), w64)
+        if bits is None:
+            return
+    else:
+        lo = got[:, 200:]
+        np.testing.assert_array_equal(hi.astype(np.float64) + lo.astype(np.float64), w64)
+        assert (lo != 0).mean() > 0.1  # the low halves carry bits float16 drops
+    s2 = s.copy()
+    s2[:, -1] *= np.float16(2)
+    assert (decoded_dense_reference(m, s2, g)[:, 200 - g : 200] != hi[:, -g:]).any()
 
 
 def test_reference_detects_corrupt_colinfo():
@@ -408,6 +444,40 @@ def test_gpu_decode_dense_is_exact(shape, sparsity):
     out = cp.full((shape[0], kp), cp.nan, cp.float16)
     got = cp.asnumpy(decode_dense(dev, out))
     assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,g,shape", [(4, 128, (768, 1040)), (2, 32, (300, 48)), (4, 16, (257, 200)),
+                                          (4, 2048, (256, 1040))])
+def test_gpu_decode_dense_of_codes_is_its_reference_and_feeds_the_dense_product(bits, g, shape):
+    """b-bit codes: decode_dense bit for bit its reference (4-bit: hi and lo halves; ragged M, every GTile count
+    modulo 4, one group and groups of 16), and spmm's dense method (the runtime's int-code prefill) within float32
+    summation of the exact weights."""
+    from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
+    from unionsparse.kernels.tiled_cbc_spmm import decode_dense, dense_halves, spmm
+
+    rng = np.random.default_rng(bits * 31 + g)
+    M, K = shape
+    q, s = _int_layer(rng, M, K, 0.5, bits, g)
+    q[:, 3] = 0  # an empty column
+    q[:, 5] = 1  # a full one
+    m = tiled_cbc.encode(q, bits=bits)
+    dev = DeviceTiledCBC(m, s, g)
+    kp, h = -(-K // 16) * 16, dense_halves(bits)
+    ref = decoded_dense_reference(m, s, g)
+    want = np.zeros((M, h * kp), np.float16)
+    for i in range(h):
+        want[:, i * kp : i * kp + K] = ref[:, i * K : (i + 1) * K]
+    out = cp.full((M, h * kp), cp.nan, cp.float16)
+    got = cp.asnumpy(decode_dense(dev, out))
+    assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist()
+    w64 = dense_weights_f64(m, s, g)
+    for n in (1, 40):
+        X = rng.standard_normal((n, K)).astype(np.float16)
+        Y = cp.asnumpy(spmm(dev, cp.asarray(X))).astype(np.float64)
+        truth = X.astype(np.float64) @ w64.T
+        assert (np.abs(Y - truth) <= tolerance(w64, X.astype(np.float64), 2.0, True)).all(), n
 
 
 @gpu

@@ -433,7 +433,7 @@ def test_gpu_graph_replay_equals_the_eager_step(artifacts):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("case", ["w4a4-outliers", "cbc-dp"])
+@pytest.mark.parametrize("case", ["w4a4-outliers", "cbc-dp", "cbc4-dp"])  # cbc4: int4 decode-then-GEMM windows
 def test_gpu_eval_runs_the_runtime_and_matches_the_cpu_perplexity(case, artifacts, tmp_path):
     from unionsparse.compressor.evaluate.perplexity import evaluate_source
 

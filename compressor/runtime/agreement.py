@@ -25,6 +25,7 @@ import torch
 
 from ...formats.arithmetic.grouped import grouped_int_matmul
 from ...formats.arithmetic.sparse_inputs import sparsify_input
+from ...kernels.tiled_cbc_spmm import DENSE_FROM_N, dense_halves
 from ..errors import UserError
 from .cpu import CpuOp
 from .linear import CompressedLinear
@@ -87,14 +88,16 @@ def tolerance(op: CpuOp, x2: torch.Tensor, steps: bool | None = None) -> tuple[t
     most one ulp of its magnitude; allowed for every such layer); and two float16 roundings of sums that differ
     by ``delta`` differ by at most ``delta`` plus one ulp (of the larger binade). A dense float16 product (W4A16)
     may also round partial sums to float16 (cuBLAS's reduced-precision reduction): one more ulp of the magnitude
-    sum there."""
+    sum there. Tiled-CBC 4-bit codes in a product of ``DENSE_FROM_N`` rows or more are decoded to two float16 halves
+    of each weight first (``tiled_cbc_spmm.decode_dense``): twice the terms."""
     impl = op.impl
     x = x2.detach().float().cpu()
     y = op(x, steps).float()
     if hasattr(impl, "tau"):  # Tiled-CBC: the active inputs, as the op sees them in this call
         xa = sparsify_input(x, impl.tau_t if op.plan.prunes(x, steps) else None)
         mag = xa.abs() @ impl.weight.abs().T
-        delta = (impl.in_features + 2) * F32_EPS * mag
+        terms = impl.in_features * (dense_halves(op.plan.bits) if x.shape[0] >= DENSE_FROM_N else 1)
+        delta = (terms + 2) * F32_EPS * mag
     elif impl.act_bits == 16:  # W4A16: the decoded weight, one dense product
         mag = x.half().float().abs() @ impl.w_deq.abs().T
         delta = (impl.in_features + 2) * F32_EPS * mag + ulp16(mag)

@@ -14,8 +14,9 @@ ready once (uploaded as they are on a GPU). Per call:
 * activation-sparse layers (Tiled-CBC): decode steps (``steps``, any batch) apply the stored threshold to every
   row; a prompt of several tokens runs every input active. Up to ``SPMSPV_ROWS`` rows (a decode step of up to
   8 sequences) are the spMspV, whose several-row kernel reads a weight column once for all the rows it is
-  active in; more rows are the SpMM (fp16 values; of the rows' active inputs under a threshold) or the spMspV
-  in launches of 8 rows (int codes: no int-code SpMM);
+  active in; more rows are the SpMM (of the rows' active inputs under a threshold): for fp16 values its
+  tensor-core kernels (decode once + cuBLAS from ``DENSE_FROM_N`` rows); for int codes the spMspV in launches
+  of 8 rows below ``DENSE_FROM_N`` rows and decode once + cuBLAS from there (a prompt);
 * IE-BME W4A16 / W2A16 (float16 activations): the decoded weight in fp16 and one dense product (cuBLAS on a GPU);
   with the float16-activation kernel switched on (``IEBME16``, or ``kernels.iebme_spmm.FLOAT16_ACTIVATIONS``, off
   until its GPU tests pass) that kernel on the stored arrays, where it takes the geometry.
@@ -33,6 +34,7 @@ import torch
 from ...formats.arithmetic.grouped import grouped_int_matmul
 from ...formats.arithmetic.sparse_inputs import sparsify_input
 from ...formats.arithmetic.weights import n_groups
+from ...kernels.tiled_cbc_spmm import DENSE_FROM_N
 from ..artifact.store import LayerRecord
 from ..errors import UserError
 from ..model.rebuild import layer_weight
@@ -150,7 +152,7 @@ class KernelOp(QuantizingOp):
         tau = self.plan.tau if prune else None  # prune: decode steps (or every row, eval); else every input active
         if xh.shape[0] == 1:
             return self.kernels.spmspv(self.layer, xh[0], tau)[None]
-        if xh.shape[0] <= self.SPMSPV_ROWS or self.layer.bits is not None:
+        if xh.shape[0] <= self.SPMSPV_ROWS or (self.layer.bits is not None and xh.shape[0] < DENSE_FROM_N):
             return self.kernels.spmspv(self.layer, xh, tau)
         # the SpMM; with a threshold, of the rows' active inputs
         return self.kernels.tcbc_spmm(self.layer, xh if tau is None else sparsify_input(xh, tau).half())
