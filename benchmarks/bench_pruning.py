@@ -30,6 +30,10 @@ CONFIGS = {
     "wanda-2:4": dict(method="wanda", sparsity=0.5, nm="2:4"),
     "sparsegpt-2:4": dict(method="sparsegpt", sparsity=0.5, nm="2:4"),
     "wanda-owl-50": dict(method="wanda", sparsity=0.5, profile="owl"),
+    # --structure union: IE-BME's union positions (tile 16x64, areas 2x2) pruned whole (docs/pruning.md)
+    "wanda-union-50": dict(method="wanda", sparsity=0.5, union=True),
+    "wanda-union-70": dict(method="wanda", sparsity=0.7, union=True),
+    "wanda-70": dict(method="wanda", sparsity=0.7),
 }
 DEFAULT = ["dense", "magnitude-50", "wanda-50", "sparsegpt-50", "wanda-2:4"]
 
@@ -72,6 +76,7 @@ def run_one(name: str, args) -> dict:
             nm=cfg.get("nm"),
             profile=cfg.get("profile", "uniform"),
             device=args.device,
+            union=((16, 64), (2, 2)) if cfg.get("union") else None,
         )
         rec["prune_seconds"] = round(rep.seconds, 2)
         rec["sparsity"] = round(rep.overall_sparsity(), 6)

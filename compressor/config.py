@@ -14,6 +14,7 @@ from .quantize.modes import QUANT_MODES, QuantMode
 PRUNE_METHODS = ("wanda", "sparsegpt", "magnitude", "none")
 REORDER_METHODS = ("auto", "dp", "cpsat", "none")
 SPARSITY_PROFILES = ("uniform", "owl")
+STRUCTURES = ("unstructured", "union")  # --structure (compressor/pruning/union.py)
 ACT_SPARSITY_PROFILES = ("uniform", "greedy")
 DEVICES = ("cpu", "cuda")
 CALIB_SUFFIXES = (".json", ".jsonl", ".json.gz", ".parquet")
@@ -41,6 +42,9 @@ class CompressConfig:
     prune: str = option("magnitude", "--prune", choices=PRUNE_METHODS, help="Pruning method.")
     sparsity: float = option(0.5, "--sparsity")
     nm: str | None = option(None, "--nm", help="N:M semi-structured mask such as 2:4 (instead of unstructured).")
+    structure: str = option("unstructured", "--structure", choices=STRUCTURES,
+                            help="unstructured (per row), or union: IE-BME's union positions pruned whole, so the "
+                                 "stored bytes and the decode time shrink with the sparsity (docs/pruning.md).")
     sparsity_profile: str = option("uniform", "--sparsity-profile", choices=SPARSITY_PROFILES)
     quant: str = option("w4a4", "--quant", choices=tuple(QUANT_MODES),
                         help="Weight/activation bits (none: fp16 values, tiled-cbc). On Hopper w4a8 runs as fast as "
@@ -216,6 +220,7 @@ class CompressConfig:
             parse_nm(self.nm)
             if self.prune == "none":
                 raise UserError("--nm needs a pruning method (--prune magnitude|wanda|sparsegpt)")
+        self._validate_structure()
         if self.prune == "none" and self.sparsity_profile != "uniform":
             raise UserError("--sparsity-profile owl needs a pruning method")
         if self.group_size <= 0:
@@ -271,6 +276,28 @@ class CompressConfig:
 
             if not torch.cuda.is_available():
                 raise UserError("--device cuda: no CUDA device is available here (use --device cpu)")
+
+    def _validate_structure(self) -> None:
+        """``--structure union``: IE-BME's union positions, pruned by a per-row-set metric (magnitude, Wanda), on the
+        stored column order (no outlier channels, which move columns)."""
+        if self.structure != "union":
+            return
+        if "areas" not in self.fmt.extra_geometry:  # the union bitmap over a tile's areas (IE-BME)
+            names = [n for n in registry.names() if "areas" in registry.get(n).extra_geometry]
+            raise UserError(f"--structure union: {self.format} has no union bitmap over areas; use --format "
+                            f"{' or '.join(names)}")
+        if self.prune not in ("magnitude", "wanda"):
+            raise UserError(f"--structure union: use --prune magnitude or wanda, not {self.prune}")
+        if self.nm is not None:
+            raise UserError("--nm and --structure union are exclusive")
+        if self.outliers_apply and parse_keep_outliers(self.keep_outliers) != 0:
+            raise UserError("--structure union: outlier channels reorder the columns the union positions group; "
+                            "use --keep-outliers 0, or --quant w4a16 (no activation quantization, no outliers)")
+
+    @property
+    def union(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """The IE-BME (tile, areas) a union-structured mask follows; None for an unstructured one."""
+        return (self.tile_shape, self.area_grid) if self.structure == "union" else None
 
     def _validate_outliers(self) -> None:
         """``--keep-outliers auto|N``: an explicit N > 0 needs IE-BME with 4-bit activations; N < K is checked on

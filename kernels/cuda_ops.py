@@ -10,6 +10,7 @@ RMSNorm's sum of squares).
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from functools import cache
 
@@ -33,11 +34,21 @@ def share_torch_allocator() -> None:
         return
     import cupy as cp
 
+    # bound here: CuPy frees its last arrays at interpreter exit, after this module's globals (torch among them)
+    # are gone, which printed a traceback per array
+    alloc, delete, stream = (torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete,
+                             torch.cuda.current_stream)
+    finalizing = sys.is_finalizing
+
     def malloc(size: int, device: int) -> int:
-        return torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device))
+        return alloc(size, device, stream(device))
 
     def free(ptr: int, _device: int) -> None:
-        torch.cuda.caching_allocator_delete(ptr)
+        try:
+            delete(ptr)
+        except Exception:
+            if not finalizing():  # at exit torch's allocator may be torn down first: nothing left to free into
+                raise
 
     cp.cuda.set_allocator(cp.cuda.PythonFunctionAllocator(malloc, free).malloc)
     _SHARED_ALLOCATOR = True

@@ -578,7 +578,8 @@ __global__ void __launch_bounds__(256) tcbc_decode_dense_int(const u64* __restri
         if (!((e.x >> lane) & 1u)) return 0.f;
         const u32 i = e.y + __popc(e.x & lt);
         const int shift = (int)((i * BITS) & 7u);
-        const int code = ((int)((u32)values[(i * BITS) >> 3] << (24 - shift))) >> (32 - BITS);  // sign-extended
+        // the code's top bit to bit 31, then an arithmetic shift back: sign-extended
+        const int code = ((int)((u32)values[(i * BITS) >> 3] << (32 - BITS - shift))) >> (32 - BITS);
         const u16 sh = scales_t[(size_t)(((gtc0 + gg) * TILE_K + c) / gs) * Mp + row];
         float sf;
         asm("cvt.f32.f16 %0, %1;" : "=f"(sf) : "h"(sh));

@@ -198,13 +198,17 @@ def test_a_planted_logic_fault_fails_the_check(fault, artifacts, monkeypatch):
 
 
 def test_w4a16_runs_the_float16_activation_kernel_and_a_wrong_scale_fails(artifacts, monkeypatch):
-    """IE-BME W4A16 with the float16-activation kernel on (off by default until its GPU tests pass): the CUDA
+    """IE-BME W4A16 with the float16-activation kernel on (the default since its GPU tests passed): the CUDA
     path's op is that kernel on the stored arrays (not a decoded dense weight), it agrees with the CPU op, and the
     check sees a fault of it: the reference kernel reading the scales one row off."""
     from unionsparse.kernels.reference_ops import ReferenceKernels
 
-    assert runtime.load(artifacts("w4a16"), backend="reference").model.model.layers[0].self_attn.q_proj.op.kind \
-        == "dense"  # the default: the decoded weight and a dense product
+    def q_kind():
+        return runtime.load(artifacts("w4a16"), backend="reference").model.model.layers[0].self_attn.q_proj.op.kind
+
+    assert q_kind() == "iebme16"  # the default
+    monkeypatch.setattr(KernelOp, "IEBME16", False)
+    assert q_kind() == "dense"  # switched off: the decoded weight and a dense product
     monkeypatch.setattr(KernelOp, "IEBME16", True)
     a = artifacts("w4a16")
     _check(runtime.load(a, backend="reference", fuse=True), runtime.load(a, fuse=True), "batch3")
@@ -395,7 +399,7 @@ def test_gpu_agrees_with_attention_writing_o_proj_input(case, head128):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_float16_activation_kernel_agrees(artifacts, smol_shaped, tmp_path, monkeypatch):
-    """IE-BME W4A16 through the float16-activation kernel (switched on; off by default until this passes): every op
+    """IE-BME W4A16 through the float16-activation kernel (switched on; the default since this passed): every op
     agrees with the CPU op, tiny model (prefill 1 and 200, padded batch 3) and SmolLM2's shapes (split-K paths)."""
     from unionsparse.compressor.cli import main
 

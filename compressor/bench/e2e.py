@@ -347,7 +347,7 @@ def install_kind(model: nn.Module, spec: ModelSpec, kind: str, device: torch.dev
     elif kind.startswith("iebme"):
         te = time.perf_counter()
         recs = {g: iebme_record(f"synthetic.{g}", m, kk, k.sparsity, rng, bits=k.bits or 4,
-                                outliers=k.outliers, act_bits=k.act_bits, reorder=k.reorder)
+                                outliers=k.outliers, act_bits=k.act_bits, reorder=k.reorder, union=k.union)
                 for g, (m, kk) in groups.items()}
         info["encode_s"] = time.perf_counter() - te
         if log:

@@ -38,6 +38,7 @@ from ...formats.arithmetic.weights import rtn
 from ...solvers.reorder import reorder_matrix
 from ..artifact.store import LayerRecord
 from ..errors import UserError
+from ..pruning.union import union_mask
 
 GROUP_SIZE = 128
 INNER_K_TILES = 8
@@ -56,6 +57,7 @@ class Kind:
     outliers: int = 0                # IE-BME: input channels kept at 8 bits (Atom), min(this, K // 4) a layer
     act_bits: int = 4                # IE-BME: bits of the per-token activation codes (4 or 8; 16: float16)
     reorder: bool = False            # IE-BME: rows reordered per tile by the exact DP (--reorder dp)
+    union: bool = False              # IE-BME: a union-structured mask (--structure union), else uniformly random
 
     def as_dict(self) -> dict:
         return {"name": self.name, "label": self.label, "sparsity": self.sparsity, "dynamic_sparsity": self.dynamic,
@@ -81,6 +83,14 @@ KINDS = {k.name: k for k in (
          "CompressedLinear)", sparsity=0.5, runtime=True, act_bits=16),
     Kind("iebme-w4a16-0", "IE-BME W4A16, 0% sparse: the control (runtime CompressedLinear)", runtime=True,
          act_bits=16),
+    Kind("iebme-w4a16-50u", "IE-BME W4A16, 50% union-structured (--structure union: the union bitmap holds half "
+         "the positions) (runtime CompressedLinear)", sparsity=0.5, runtime=True, act_bits=16, union=True),
+    Kind("iebme-w4a16-70u", "IE-BME W4A16, 70% union-structured (runtime CompressedLinear)", sparsity=0.7,
+         runtime=True, act_bits=16, union=True),
+    Kind("iebme-w4a16-90u", "IE-BME W4A16, 90% union-structured (runtime CompressedLinear)", sparsity=0.9,
+         runtime=True, act_bits=16, union=True),
+    Kind("iebme-w4a8-50u", "IE-BME W4A8, 50% union-structured, no outlier channels (runtime CompressedLinear)",
+         sparsity=0.5, runtime=True, act_bits=8, union=True),
     Kind("iebme-w4a4-70", "IE-BME W4A4, 70% sparse (runtime CompressedLinear)", sparsity=0.7, runtime=True),
     Kind("iebme-w4a4-90", "IE-BME W4A4, 90% sparse (runtime CompressedLinear)", sparsity=0.9, runtime=True),
     Kind("iebme-w2a4-50-o128", "IE-BME W2A4, 50% sparse, 128 outlier channels (runtime CompressedLinear)",
@@ -97,7 +107,9 @@ KINDS = {k.name: k for k in (
 BASELINES = ("fp16", "w4a16")
 CONTROLS = {"iebme-w4a4-50": "iebme-w4a4-0", "iebme-w4a4-70": "iebme-w4a4-0", "iebme-w4a4-90": "iebme-w4a4-0",
             "iebme-w4a4-50-o128": "iebme-w4a4-0-o128", "iebme-w4a4-50-o128-dp": "iebme-w4a4-0-o128",
-            "iebme-w4a8-50": "iebme-w4a8-0", "iebme-w4a16-50": "iebme-w4a16-0"}  # kind -> its 0%-sparsity control
+            "iebme-w4a8-50": "iebme-w4a8-0", "iebme-w4a16-50": "iebme-w4a16-0", "iebme-w4a16-50u": "iebme-w4a16-0",
+            "iebme-w4a16-70u": "iebme-w4a16-0", "iebme-w4a16-90u": "iebme-w4a16-0",
+            "iebme-w4a8-50u": "iebme-w4a8-0"}  # kind -> its 0%-sparsity control
 DEFAULT_KINDS = ("fp16", "w4a16", "iebme-w4a4-50-o128", "iebme-w4a4-0-o128", "iebme-w4a8-50", "iebme-w4a8-0",
                  "iebme-w4a4-50", "iebme-w4a4-0", "tcbc-fp16-30+30")  # what a run times unless --kinds says otherwise
 
@@ -228,26 +240,31 @@ def w4a16_dequantized(lin: W4A16Linear, q: torch.Tensor, scales: torch.Tensor, z
 # -------------------------------------------------------------------------------------------- IE-BME, Tiled-CBC
 
 
-def random_codes(m: int, k: int, sparsity: float, rng: np.random.Generator, bits: int = 4) -> np.ndarray:
-    """Nonzero signed ``bits``-bit codes (int8 [m, k]) under a uniformly random mask at ``sparsity``."""
+def random_codes(m: int, k: int, sparsity: float, rng: np.random.Generator, bits: int = 4,
+                 union: bool = False) -> np.ndarray:
+    """Nonzero signed ``bits``-bit codes (int8 [m, k]) under a uniformly random mask at ``sparsity``, or with
+    ``union`` the union-structured mask (``pruning.union``, tile 16x64, areas 2x2) of a random metric."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     q = rng.integers(lo, hi, size=(m, k), dtype=np.int8)  # lo .. hi-1, then nonnegative ones shifted up: nonzero
     q += (q >= 0).astype(np.int8)
-    if sparsity > 0:
+    if sparsity > 0 and union:
+        metric = torch.from_numpy(rng.random((m, k), dtype=np.float32))
+        q[~union_mask(metric, sparsity, (16, 64), (2, 2)).numpy()] = 0
+    elif sparsity > 0:
         q[rng.random((m, k), dtype=np.float32) < sparsity] = 0
     return q
 
 
 def iebme_record(name: str, m: int, k: int, sparsity: float, rng: np.random.Generator, bits: int = 4,
                  group_size: int = GROUP_SIZE, outliers: int = 0, act_bits: int = 4,
-                 reorder: bool = False) -> LayerRecord:
+                 reorder: bool = False, union: bool = False) -> LayerRecord:
     """A stored IE-BME W{bits}A{act_bits} layer as ``compress`` writes one (``reorder``: rows reordered per tile
     by the exact DP, else none): random codes, fp16 scales per (row, group of 128), the per-token activation
     record; with ``outliers`` (capped at K // 4, as ``--keep-outliers auto``) that many random input channels
     kept at 8 bits: the main matrix in the permuted column order with the outlier columns zero, the int8 side
-    matrix and its scales."""
+    matrix and its scales; ``union``: a union-structured mask."""
     n = min(int(outliers), k // 4)
-    codes = random_codes(m, k, sparsity, rng, bits)
+    codes = random_codes(m, k, sparsity, rng, bits, union)
     side = None
     channels = None
     if n:

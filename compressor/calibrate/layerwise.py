@@ -249,6 +249,7 @@ def prune_model(
     owl_m: float = 5.0,
     on_layer: LayerCallback | None = None,
     skip: Callable[[str], bool] | None = None,
+    union: tuple[tuple[int, int], tuple[int, int]] | None = None,
 ) -> PruneReport:
     """Prune every nn.Linear of every decoder block in place, block by block.
 
@@ -257,7 +258,8 @@ def prune_model(
     needed by wanda, sparsegpt and by ``profile="owl"``. Block i's statistics come from the outputs
     of the already-pruned blocks 0..i-1. ``on_layer(path, module, mask)`` is called right after each
     layer is pruned (path = full module path of the linear, mask True = kept); ``skip(path)`` leaves a
-    layer dense. lm_head and embeddings are never pruned.
+    layer dense. lm_head and embeddings are never pruned. ``union``: IE-BME (tile, areas) of union-structured
+    masks (``pruning.union``; magnitude and wanda).
     """
     kind = dispatch.method(method).statistics
     if profile not in ("uniform", "owl"):
@@ -279,6 +281,8 @@ def prune_model(
         sps = [pruning._check_sparsity(sparsity)] * len(blocks)
     report.block_sparsity = list(sps)
     options = {"blocksize": blocksize, "percdamp": percdamp} if method == "sparsegpt" else {}
+    if union is not None:
+        options["union"] = union
     for bi, block, stats in calibrated_blocks(model, samples, kind, device):
         linears = [(n, m) for n, m in block_linears(block) if not (skip and skip(f"{prefix}.{bi}.{n}"))]
         for sub, mod in linears:

@@ -271,7 +271,7 @@ def prepare_layer(run: _Run, full: str, lin: torch.nn.Linear, sparsity: float, s
     w = source_weight(run.loaded, full, lin)
     if not torch.isfinite(w.sum()) and not torch.isfinite(w).all():  # a finite sum: all finite
         raise UserError(f"MODEL: layer {full} has NaN or inf weights")
-    w_pruned, mask = prune_layer(cfg.prune, w, sparsity, cfg.nm, stats)
+    w_pruned, mask = prune_layer(cfg.prune, w, sparsity, cfg.nm, stats, **({"union": cfg.union} if cfg.union else {}))
     payload: QuantizedLayer | torch.Tensor | None = w_pruned.cpu()
     if cfg.bits is not None:  # also for a stored layer that later blocks see: they must see the same weights
         payload = quantize_layer(w_pruned, spec_from_config(cfg, w.shape[1]), mask=mask, h=stats and stats.H,

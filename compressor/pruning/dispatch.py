@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from ..errors import UserError
-from .methods import magnitude, sparsegpt, wanda
+from .methods import Union, magnitude, sparsegpt, wanda
 from .nm import parse_nm
 
 NM = tuple[int, int] | None
@@ -34,21 +34,26 @@ def _statistic(stats: InputStats | None, key: str, method: str) -> torch.Tensor:
     return value
 
 
-def prune_magnitude(w: torch.Tensor, sparsity: float, nm: NM = None, stats: InputStats | None = None):
-    """Magnitude pruning (no statistics)."""
-    mask = magnitude(w, sparsity, nm=nm)
+def prune_magnitude(w: torch.Tensor, sparsity: float, nm: NM = None, stats: InputStats | None = None,
+                    union: Union = None):
+    """Magnitude pruning (no statistics); ``union``: IE-BME (tile, areas) of a union-structured mask."""
+    mask = magnitude(w, sparsity, nm=nm, union=union)
     return w * mask, mask
 
 
-def prune_wanda(w: torch.Tensor, sparsity: float, nm: NM = None, stats: InputStats | None = None):
-    """Wanda: ``|W|·sqrt(x_sq_norm)`` per output row."""
-    mask = wanda(w, _statistic(stats, "x_sq_norm", "wanda"), sparsity, nm=nm)
+def prune_wanda(w: torch.Tensor, sparsity: float, nm: NM = None, stats: InputStats | None = None,
+                union: Union = None):
+    """Wanda: ``|W|·sqrt(x_sq_norm)`` per output row (or per union position, ``union``)."""
+    mask = wanda(w, _statistic(stats, "x_sq_norm", "wanda"), sparsity, nm=nm, union=union)
     return w * mask, mask
 
 
 def prune_sparsegpt(w: torch.Tensor, sparsity: float, nm: NM = None, stats: InputStats | None = None,
-                    blocksize: int = 128, percdamp: float = 0.01):
+                    blocksize: int = 128, percdamp: float = 0.01, union: Union = None):
     """SparseGPT: OBS updates from the layer's H (the kept weights change too)."""
+    if union is not None:
+        raise UserError("--structure union: use --prune magnitude or wanda (SparseGPT chooses its mask column "
+                        "block by column block, inside its updates)")
     return sparsegpt(w, _statistic(stats, "H", "sparsegpt"), sparsity, blocksize, percdamp, nm=nm)
 
 
@@ -81,7 +86,7 @@ def prune_layer(name: str, w: torch.Tensor, sparsity: float, nm: str | Sequence[
     """Prune one layer's weight ``w`` [M, K] with method ``name``; returns ``(pruned weight, kept mask)``.
 
     ``none``, and a sparsity of 0 without N:M, leave ``w`` as it is (the mask: its nonzeros). ``options``
-    go to the method (SparseGPT's ``blocksize``, ``percdamp``).
+    go to the method (SparseGPT's ``blocksize``, ``percdamp``; ``union``: a union-structured mask).
     """
     nm_t = parse_nm(nm)
     if name == "none" or (sparsity == 0 and nm_t is None):

@@ -25,6 +25,9 @@ import torch
 
 from ..errors import UserError
 from .nm import parse_nm
+from .union import union_mask
+
+Union = tuple[tuple[int, int], tuple[int, int]] | None  # IE-BME (tile, areas) of a union-structured mask
 
 __all__ = [
     "magnitude",
@@ -85,17 +88,26 @@ def _nm_mask(metric: torch.Tensor, n: int, m: int) -> torch.Tensor:
     return mask.reshape(rows, cols)
 
 
-def magnitude(W: torch.Tensor, sparsity: float, nm: Sequence[int] | str | None = None) -> torch.Tensor:
-    """Magnitude mask: per output row, prune the ``int(K*sparsity)`` smallest ``|W|`` (stable sort).
+def _select(metric: torch.Tensor, sparsity: float, nm_t: tuple[int, int] | None, union: Union) -> torch.Tensor:
+    """The mask of ``metric``: N:M, union-structured (``union``: the IE-BME tile and areas) or per row."""
+    if nm_t is not None:
+        if union is not None:
+            raise UserError("--nm and --structure union are exclusive")
+        return _nm_mask(metric, *nm_t)
+    if union is not None:
+        return union_mask(metric, _check_sparsity(sparsity), *union)
+    return _row_mask(metric, _check_sparsity(sparsity))
+
+
+def magnitude(W: torch.Tensor, sparsity: float, nm: Sequence[int] | str | None = None,
+              union: Union = None) -> torch.Tensor:
+    """Magnitude mask: per output row, prune the ``int(K*sparsity)`` smallest ``|W|`` (stable sort); with
+    ``union`` (tile, areas), whole IE-BME union positions of lowest summed ``|W|`` (``union.union_mask``).
 
     Deviation: the Wanda repository's ``prune_magnitude`` thresholds over the whole layer; this one
     uses the same per-row comparison group as Wanda so the two differ only in the metric.
     """
-    nm_t = _check_nm(nm, W.shape[1])
-    metric = W.detach().abs().float()
-    if nm_t is not None:
-        return _nm_mask(metric, *nm_t)
-    return _row_mask(metric, _check_sparsity(sparsity))
+    return _select(W.detach().abs().float(), sparsity, _check_nm(nm, W.shape[1]), union)
 
 
 def wanda_metric(W: torch.Tensor, x_sq_norm: torch.Tensor) -> torch.Tensor:
@@ -106,18 +118,16 @@ def wanda_metric(W: torch.Tensor, x_sq_norm: torch.Tensor) -> torch.Tensor:
 
 
 def wanda(
-    W: torch.Tensor, x_sq_norm: torch.Tensor, sparsity: float, nm: Sequence[int] | str | None = None
+    W: torch.Tensor, x_sq_norm: torch.Tensor, sparsity: float, nm: Sequence[int] | str | None = None,
+    union: Union = None,
 ) -> torch.Tensor:
-    """Wanda mask: per output row, prune the ``int(K*sparsity)`` lowest ``|W|·sqrt(x_sq_norm)``.
+    """Wanda mask: per output row, prune the ``int(K*sparsity)`` lowest ``|W|·sqrt(x_sq_norm)``; with ``union``
+    (tile, areas), whole IE-BME union positions of lowest summed metric (``union.union_mask``).
 
     ``x_sq_norm[k]`` is the mean over calibration samples of input channel k's squared L2 norm over
     the sample's tokens (``calibrate.statistics.SqNormAccumulator``, the reference's ``scaler_row``).
     """
-    nm_t = _check_nm(nm, W.shape[1])
-    metric = wanda_metric(W, x_sq_norm)
-    if nm_t is not None:
-        return _nm_mask(metric, *nm_t)
-    return _row_mask(metric, _check_sparsity(sparsity))
+    return _select(wanda_metric(W, x_sq_norm), sparsity, _check_nm(nm, W.shape[1]), union)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ ready once (uploaded as they are on a GPU). Per call:
   active in; more rows are the SpMM (of the rows' active inputs under a threshold): for fp16 values its
   tensor-core kernels (decode once + cuBLAS from ``DENSE_FROM_N`` rows); for int codes the spMspV in launches
   of 8 rows below ``DENSE_FROM_N`` rows and decode once + cuBLAS from there (a prompt);
-* IE-BME W4A16 / W2A16 (float16 activations): the decoded weight in fp16 and one dense product (cuBLAS on a GPU);
-  with the float16-activation kernel switched on (``IEBME16``, or ``kernels.iebme_spmm.FLOAT16_ACTIVATIONS``, off
-  until its GPU tests pass) that kernel on the stored arrays, where it takes the geometry.
+* IE-BME W4A16 / W2A16 (float16 activations): the float16-activation IE-BME kernel on the stored arrays, where it
+  takes the geometry (``IEBME16``, or ``kernels.iebme_spmm.FLOAT16_ACTIVATIONS``, on by default); otherwise the
+  decoded weight in fp16 and one dense product (cuBLAS on a GPU).
 
 ``act_quant`` ("kernel" or "torch") and ``side_kernel`` ("fused", "kernel" or "torch") choose the one-launch
 kernels or the formats' torch functions for those two steps ("torch" launches about ten and five kernels on a
@@ -47,7 +47,7 @@ class KernelOp(QuantizingOp):
     act_quant = "kernel"    # IE-BME inputs: "kernel" (one launch) or "torch" (the formats' torch functions)
     SPMSPV_ROWS = 8         # Tiled-CBC fp16 values: the spMspV up to this many rows (one launch), the SpMM above
     IEBME16 = None          # IE-BME W4A16 / W2A16 through the kernel: True, False (the decoded weight and cuBLAS),
-    #                         None: kernels.iebme_spmm.FLOAT16_ACTIVATIONS (off until its GPU tests pass)
+    #                         None: kernels.iebme_spmm.FLOAT16_ACTIVATIONS (on by default)
     side_kernel = "fused"  # the 8-bit outlier side product: "fused" (in the IE-BME kernel's epilogue, one rounding),
     #                        "kernel" (a second launch) or "torch" (grouped products); both of these round twice
 
@@ -66,6 +66,10 @@ class KernelOp(QuantizingOp):
             except ValueError as e:
                 raise UserError(f"layer {rec.name}: {e}") from None
             self.kind = "spmspv"
+            # the threshold as a device tensor made once: a Python float would be copied to the GPU inside the
+            # step, which a CUDA-graph capture refuses
+            tau = None if plan.tau is None else torch.tensor(float(plan.tau), dtype=torch.float32)
+            self.register_buffer("tau_t", None if tau is None else tau.to(self.device))
         elif self._iebme16_takes(rec):  # IE-BME W4A16 / W2A16: the kernel on float16 activations
             self.layer = kernels.iebme_layer(rec.encoding, rec.scales, int(gs))
             self.kind = "iebme16"
@@ -155,4 +159,4 @@ class KernelOp(QuantizingOp):
         if xh.shape[0] <= self.SPMSPV_ROWS or (self.layer.bits is not None and xh.shape[0] < DENSE_FROM_N):
             return self.kernels.spmspv(self.layer, xh, tau)
         # the SpMM; with a threshold, of the rows' active inputs
-        return self.kernels.tcbc_spmm(self.layer, xh if tau is None else sparsify_input(xh, tau).half())
+        return self.kernels.tcbc_spmm(self.layer, xh if tau is None else sparsify_input(xh, self.tau_t).half())
