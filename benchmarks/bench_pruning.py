@@ -32,6 +32,9 @@ CONFIGS = {
     "wanda-owl-50": dict(method="wanda", sparsity=0.5, profile="owl"),
     # --structure union: IE-BME's union positions (tile 16x64, areas 2x2) pruned whole (docs/pruning.md)
     "wanda-union-50": dict(method="wanda", sparsity=0.5, union=True),
+    "wanda-union-50-d60": dict(method="wanda", sparsity=0.5, union=True, density=0.6),
+    "wanda-union-50-d70": dict(method="wanda", sparsity=0.5, union=True, density=0.7),
+    "wanda-union-50-d80": dict(method="wanda", sparsity=0.5, union=True, density=0.8),
     "wanda-union-70": dict(method="wanda", sparsity=0.7, union=True),
     "wanda-70": dict(method="wanda", sparsity=0.7),
 }
@@ -76,7 +79,7 @@ def run_one(name: str, args) -> dict:
             nm=cfg.get("nm"),
             profile=cfg.get("profile", "uniform"),
             device=args.device,
-            union=((16, 64), (2, 2)) if cfg.get("union") else None,
+            union=((16, 64), (2, 2), cfg.get("density")) if cfg.get("union") else None,
         )
         rec["prune_seconds"] = round(rep.seconds, 2)
         rec["sparsity"] = round(rep.overall_sparsity(), 6)

@@ -45,6 +45,10 @@ class CompressConfig:
     structure: str = option("unstructured", "--structure", choices=STRUCTURES,
                             help="unstructured (per row), or union: IE-BME's union positions pruned whole, so the "
                                  "stored bytes and the decode time shrink with the sparsity (docs/pruning.md).")
+    union_density: float | None = option(None, "--union-density", type=float,
+                                         help="--structure union: the fraction of union positions kept, above "
+                                              "1 - sparsity: each row then prunes within them (more bytes, less "
+                                              "quality loss). Default: 1 - sparsity.")
     sparsity_profile: str = option("uniform", "--sparsity-profile", choices=SPARSITY_PROFILES)
     quant: str = option("w4a4", "--quant", choices=tuple(QUANT_MODES),
                         help="Weight/activation bits (none: fp16 values, tiled-cbc). On Hopper w4a8 runs as fast as "
@@ -281,7 +285,12 @@ class CompressConfig:
         """``--structure union``: IE-BME's union positions, pruned by a per-row-set metric (magnitude, Wanda), on the
         stored column order (no outlier channels, which move columns)."""
         if self.structure != "union":
+            if self.union_density is not None:
+                raise UserError("--union-density needs --structure union")
             return
+        d = self.union_density
+        if d is not None and not (1 - self.sparsity <= d <= 1):
+            raise UserError(f"--union-density must lie in [1 - sparsity, 1] = [{1 - self.sparsity:g}, 1], got {d}")
         if "areas" not in self.fmt.extra_geometry:  # the union bitmap over a tile's areas (IE-BME)
             names = [n for n in registry.names() if "areas" in registry.get(n).extra_geometry]
             raise UserError(f"--structure union: {self.format} has no union bitmap over areas; use --format "
@@ -295,9 +304,9 @@ class CompressConfig:
                             "use --keep-outliers 0, or --quant w4a16 (no activation quantization, no outliers)")
 
     @property
-    def union(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
-        """The IE-BME (tile, areas) a union-structured mask follows; None for an unstructured one."""
-        return (self.tile_shape, self.area_grid) if self.structure == "union" else None
+    def union(self) -> tuple[tuple[int, int], tuple[int, int], float | None] | None:
+        """The (tile, areas, union density) a union-structured mask follows; None for an unstructured one."""
+        return (self.tile_shape, self.area_grid, self.union_density) if self.structure == "union" else None
 
     def _validate_outliers(self) -> None:
         """``--keep-outliers auto|N``: an explicit N > 0 needs IE-BME with 4-bit activations; N < K is checked on

@@ -66,6 +66,22 @@ def test_the_union_holds_one_minus_sparsity_of_the_positions(sparsity):
     assert union["bits_per_weight"] < plain["bits_per_weight"] * (0.62 if sparsity == 0.5 else 0.55)
 
 
+@pytest.mark.parametrize("density", [0.6, 0.7, 1.0])
+def test_a_relaxed_union_keeps_that_many_positions_and_each_row_its_best_weights_there(density):
+    """--union-density: the union holds ``density`` of the positions (the strict mask's choice, widened), and each
+    row keeps its K/2 highest metrics among them."""
+    metric = torch.rand(64, 256, generator=torch.Generator().manual_seed(4))
+    got = union_mask(metric, 0.5, TILE, AREAS, density)
+    allowed = _brute_force(metric, 1 - density)
+    assert (got.sum(1) == 128).all() and not (got & ~allowed).any()
+    for r in range(64):  # the kept are the row's top metrics among the allowed columns
+        inside = metric[r][allowed[r]]
+        assert metric[r][got[r]].min() >= inside.sort(descending=True).values[127]
+    stored = iebme.statistics(_encoded(got))["union_density"]
+    assert stored <= density + AREAS[1] / 256 and (density == 1.0 or stored > density - 0.05)  # whole groups
+    assert torch.equal(union_mask(metric, 0.5, TILE, AREAS, 0.5), union_mask(metric, 0.5, TILE, AREAS))
+
+
 def test_wanda_and_magnitude_take_the_structure_and_sparsegpt_refuses_it():
     g = torch.Generator().manual_seed(2)
     W = torch.randn(32, 128, generator=g)
@@ -94,20 +110,23 @@ def test_the_mask_follows_the_tile_and_areas_it_is_given():
     (["--prune", "sparsegpt"], "magnitude or wanda"),
     (["--nm", "2:4"], "exclusive"),
     (["--quant", "w4a4"], "--keep-outliers 0"),
+    (["--union-density", "0.4"], "must lie in"),
+    (["--structure", "unstructured", "--union-density", "0.7"], "needs --structure union"),
 ])
 def test_config_refuses_what_the_structure_cannot_be(extra, message):
     opts = {"prune": "wanda", "quant": "w4a16", "structure": "union"}
     for flag, value in zip(extra[::2], extra[1::2], strict=True):
-        opts[flag.removeprefix("--").replace("-", "_")] = value
+        key = flag.removeprefix("--").replace("-", "_")
+        opts[key] = float(value) if key == "union_density" else value
     with pytest.raises(UserError, match=message):
         CompressConfig(model="m", output="o", **opts).validate_options()
 
 
 def test_config_takes_the_structure_with_its_geometry():
     cfg = CompressConfig(model="m", output="o", prune="wanda", quant="w4a4", keep_outliers=0, structure="union",
-                         tile="32x64", areas="4x1")
+                         tile="32x64", areas="4x1", union_density=0.7)
     cfg.validate_options()
-    assert cfg.union == ((32, 64), (4, 1))
+    assert cfg.union == ((32, 64), (4, 1), 0.7)
     assert CompressConfig(model="m", output="o").union is None
 
 

@@ -27,7 +27,8 @@ from ..errors import UserError
 from .nm import parse_nm
 from .union import union_mask
 
-Union = tuple[tuple[int, int], tuple[int, int]] | None  # IE-BME (tile, areas) of a union-structured mask
+# IE-BME (tile, areas[, union density]) of a union-structured mask
+Union = tuple[tuple[int, int], tuple[int, int]] | tuple[tuple[int, int], tuple[int, int], float | None] | None
 
 __all__ = [
     "magnitude",
@@ -95,7 +96,7 @@ def _select(metric: torch.Tensor, sparsity: float, nm_t: tuple[int, int] | None,
             raise UserError("--nm and --structure union are exclusive")
         return _nm_mask(metric, *nm_t)
     if union is not None:
-        return union_mask(metric, _check_sparsity(sparsity), *union)
+        return union_mask(metric, _check_sparsity(sparsity), *union)  # (tile, areas[, density])
     return _row_mask(metric, _check_sparsity(sparsity))
 
 

@@ -18,11 +18,16 @@ import torch
 from ..errors import UserError
 
 
-def union_mask(metric: torch.Tensor, sparsity: float, tile: tuple[int, int], areas: tuple[int, int]) -> torch.Tensor:
+def union_mask(metric: torch.Tensor, sparsity: float, tile: tuple[int, int], areas: tuple[int, int],
+               density: float | None = None) -> torch.Tensor:
     """Bool mask [M, K] (True = kept) of ``metric`` [M, K] that prunes whole IE-BME union positions: per row set,
     the ``int(G * sparsity)`` groups of lowest summed metric, G = K_tiles * w groups (stable: among equal sums the
     lower tile column, then the lower j, goes first). Rows past the last whole tile add nothing to a group's sum;
-    columns past K make it infinite (never pruned: the budget goes to weights that exist)."""
+    columns past K make it infinite (never pruned: the budget goes to weights that exist).
+
+    ``density`` (above 1 - sparsity; ``--union-density``) relaxes the structure: the union keeps that fraction of
+    the positions (by summed metric), and each row then keeps its ``K - int(K * sparsity)`` highest weights among
+    them (stable: among equal metrics the lower column)."""
     (hl, kl), (ra, ca) = tile, areas
     if hl % ra or kl % ca:
         raise UserError(f"--structure union: areas {ra}x{ca} do not divide the tile {hl}x{kl}")
@@ -36,9 +41,19 @@ def union_mask(metric: torch.Tensor, sparsity: float, tile: tuple[int, int], are
     blocks = padded.reshape(mp // hl, ra, h, kp // kl, ca, w)
     groups = blocks.sum(dim=(1, 4)).reshape(mp // hl * h, (kp // kl) * w)  # one row per row set
     k_prune = int(k * sparsity) // ca  # groups per row set: ca of a row's weights each
+    if density is not None:
+        k_prune = min(k_prune, int(k * (1 - density)) // ca)
     keep = torch.ones_like(groups, dtype=torch.bool)
     if k_prune:
         idx = torch.sort(groups, dim=1, stable=True)[1][:, :k_prune]
         keep.scatter_(1, idx, False)
     keep = keep.reshape(mp // hl, 1, h, kp // kl, 1, w).expand(mp // hl, ra, h, kp // kl, ca, w)
-    return keep.reshape(mp, kp)[:m, :k].contiguous()
+    allowed = keep.reshape(mp, kp)[:m, :k].contiguous()
+    if density is None:
+        return allowed
+    # each row: its highest metrics among the allowed positions, K - int(K s) of them
+    kept = k - int(k * sparsity)
+    score = torch.where(allowed, metric.float(), torch.full_like(metric, -1.0, dtype=torch.float32))
+    idx = torch.sort(score, dim=1, descending=True, stable=True)[1][:, :kept]
+    top = torch.zeros_like(allowed).scatter_(1, idx, True)
+    return top & allowed
