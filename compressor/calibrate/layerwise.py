@@ -249,7 +249,7 @@ def prune_model(
     owl_m: float = 5.0,
     on_layer: LayerCallback | None = None,
     skip: Callable[[str], bool] | None = None,
-    union: tuple[tuple[int, int], tuple[int, int]] | None = None,
+    union: pruning.Union = None,
 ) -> PruneReport:
     """Prune every nn.Linear of every decoder block in place, block by block.
 
@@ -258,8 +258,8 @@ def prune_model(
     needed by wanda, sparsegpt and by ``profile="owl"``. Block i's statistics come from the outputs
     of the already-pruned blocks 0..i-1. ``on_layer(path, module, mask)`` is called right after each
     layer is pruned (path = full module path of the linear, mask True = kept); ``skip(path)`` leaves a
-    layer dense. lm_head and embeddings are never pruned. ``union``: IE-BME (tile, areas) of union-structured
-    masks (``pruning.union``; magnitude and wanda).
+    layer dense. lm_head and embeddings are never pruned. ``union``: IE-BME (tile, areas[, union density]) of
+    union-structured masks (``pruning.union``; magnitude and wanda).
     """
     kind = dispatch.method(method).statistics
     if profile not in ("uniform", "owl"):

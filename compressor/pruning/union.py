@@ -21,7 +21,7 @@ from ..errors import UserError
 def union_mask(metric: torch.Tensor, sparsity: float, tile: tuple[int, int], areas: tuple[int, int],
                density: float | None = None) -> torch.Tensor:
     """Bool mask [M, K] (True = kept) of ``metric`` [M, K] that prunes whole IE-BME union positions: per row set,
-    the ``int(G * sparsity)`` groups of lowest summed metric, G = K_tiles * w groups (stable: among equal sums the
+    the ``int(K * sparsity) // C_A`` groups (union positions) of lowest summed metric (stable: among equal sums the
     lower tile column, then the lower j, goes first). Rows past the last whole tile add nothing to a group's sum;
     columns past K make it infinite (never pruned: the budget goes to weights that exist).
 
