@@ -325,7 +325,7 @@ def test_the_other_kinds_step_on_the_cpu():
     """The kinds outside the default run (sparser IE-BME, W2A4 with outliers, Tiled-CBC int4 and fp16 at 50%
     static) build and step through the same code; their bytes follow their sparsity and bits."""
     extra = ("iebme-w4a4-70", "iebme-w4a4-90", "iebme-w2a4-50-o128", "iebme-w4a4-50-o128-dp", "tcbc-fp16-50+30",
-             "tcbc-int4-50+30", "tcbc-int4-50+50")
+             "tcbc-int4-50+30", "tcbc-int4-50+50", "iebme-w4a16-50", "iebme-w4a16-50u", "iebme-w4a16-90u")
     assert not set(extra) & set(DEFAULT_KINDS) and set(extra) <= set(KINDS)
     res = e2e.e2e_command(specs="tiny", batches="1", contexts="8", kinds=",".join(extra), steps=1, device="cpu",
                           hf_generate=False, checks=False)
@@ -335,6 +335,8 @@ def test_the_other_kinds_step_on_the_cpu():
     lin = {k: r["bytes"]["linears_total"] for k, r in rows.items()}
     assert lin["iebme-w4a4-90"] < lin["iebme-w4a4-70"]
     assert lin["tcbc-int4-50+50"] < lin["tcbc-int4-50+30"] < lin["tcbc-fp16-50+30"] / 2
+    # union-structured masks: the union holds half the positions, so far fewer bytes than the unstructured 50%
+    assert lin["iebme-w4a16-90u"] < lin["iebme-w4a16-50u"] < 0.75 * lin["iebme-w4a16-50"]
 
 
 def test_check_peers_pass_here_and_fail_one_by_one(monkeypatch):
