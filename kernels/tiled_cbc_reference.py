@@ -121,28 +121,6 @@ def _spmm(bitmap, colinfo, tile_offset, vals, scales, group, grid_c, tile_m, til
     return y[:, :m_true]
 
 
-@nb.njit(cache=True)
-def _dense(bitmap, colinfo, tile_offset, vals, scales, group, grid_c, tile_m, tile_k, m_true, k_true):
-    wpc = tile_m // 64
-    ngt = tile_offset.size - 1
-    w = np.zeros(((ngt // grid_c) * tile_m, k_true), dtype=np.float32)
-    rows = np.empty(tile_m, dtype=np.int64)
-    ws = np.empty(tile_m, dtype=np.float32)
-    for g in range(ngt):
-        tr = g // grid_c
-        tc = g % grid_c
-        for c in range(tile_k):
-            k = tc * tile_k + c
-            if k >= k_true:
-                continue
-            n = _column_weights(
-                bitmap, colinfo, tile_offset, vals, scales, group, g, c, tile_k, wpc, tr * tile_m, k, rows, ws
-            )
-            for i in range(n):
-                w[rows[i], k] = ws[i]
-    return w[:m_true]
-
-
 def _prepare(m: TiledCBCMatrix, w_scales, group_size):
     g = m.geometry
     if g.bits is None:
@@ -212,7 +190,8 @@ def decoded_dense_reference(m: TiledCBCMatrix, w_scales=None, group_size=None) -
     """``decode_dense``'s output, read from the stored arrays as the kernels read them: the float16 values, or the
     weights w = code x scale (float32, exact) rounded to float16, [M, K]; for 4-bit codes then lo = fp16(w - hi)
     beside them, [M, 2K] (``tiled_cbc_spmm.dense_halves``)."""
-    w = _dense(*_layout_args(m, w_scales, group_size))
+    # the SpMM walk of the identity: output (k, r) is the one product w[r, k] * 1, exact
+    w = _spmm(*_layout_args(m, w_scales, group_size), np.eye(m.geometry.shape[1], dtype=np.float32)).T
     hi = w.astype(np.float16)
     if m.geometry.bits is None or m.geometry.bits <= 2:
         return hi
