@@ -18,29 +18,14 @@ import sys
 from pathlib import Path
 
 import cupy as cp
-import numpy as np
 import torch
+from unionsparse.compressor.bench.e2e import time_calls
 from unionsparse.compressor.bench.tiled_cbc import machine_info
 from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC, encode_on_device
 from unionsparse.kernels.tiled_cbc_spmm import spmm
 from unionsparse.kernels.tiled_cbc_spmspv import spmspv
 
 SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]  # q k v o, gate up, down
-
-
-def timed(fn, reps: int = 20) -> float:
-    """Median milliseconds of ``fn`` (CUDA events, after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
-    return float(np.median(times))
 
 
 def main(argv: list[str]) -> None:
@@ -72,10 +57,11 @@ def main(argv: list[str]) -> None:
             err = float(cp.abs(y1 - y2).max() / cp.abs(y1).max())
             if err > 2e-3:
                 raise SystemExit(f"paths disagree at N = {n}: relative error {err:.3g}")
-        t_rows = timed(lambda ps=pairs: [spmspv(d, x, None) for d, x in ps])
-        t_dense = timed(lambda ps=pairs: [spmm(d, x) for d, x in ps])
+        dev = torch.device("cuda")
+        t_rows = time_calls(lambda ps=pairs: [spmspv(d, x, None) for d, x in ps], 3, 5, dev)
+        t_dense = time_calls(lambda ps=pairs: [spmm(d, x) for d, x in ps], 3, 5, dev)
         wx = list(zip(dense, xs, strict=True))
-        t_cublas = timed(lambda ps=wx: [x @ w.T for w, x in ps])
+        t_cublas = time_calls(lambda ps=wx: [x @ w.T for w, x in ps], 3, 5, dev)
         res["rows"].append({"n": n, "spmspv_rows_ms": t_rows, "decode_gemm_ms": t_dense, "cublas_fp16_ms": t_cublas})
         print(f"N={n}: spMspV x{-(-n // 8)} launches {t_rows:.3f} ms, decode+GEMM {t_dense:.3f} ms, "
               f"cuBLAS fp16 {t_cublas:.3f} ms", flush=True)

@@ -79,3 +79,27 @@ def gemm_f16(transa: int, transb: int, m: int, n: int, k: int, a: int, lda: int,
     _check(lib.cublasGemmEx(h, transa, transb, m, n, k, ctypes.byref(_ONE), ctypes.c_void_p(a), CUDA_R_16F, lda,
                             ctypes.c_void_p(b), CUDA_R_16F, ldb, ctypes.byref(_ZERO), ctypes.c_void_p(c), CUDA_R_16F,
                             ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
+
+
+def dense_halves(bits: int | None) -> int:
+    """float16 halves per weight in a decoded dense weight (``decode_dense`` of either format): 2 for 4-bit codes
+    (code x float16 scale needs up to 14 significant bits: hi = fp16(w), lo = fp16(w - hi), exact), else 1
+    (float16 values; 2-bit codes -2..1 times a float16 scale are float16)."""
+    return 2 if bits is not None and bits > 2 else 1
+
+
+def gemm_decoded(ws, x, k: int, kp: int, halves: int, out) -> None:
+    """``out`` [N, M] = ``x`` [N, >= k] times the decoded weight ``ws`` [M, halves * kp] (CuPy fp16, contiguous):
+    with two halves, the product of [x, x] (each padded to kp) with hi | lo over 2 kp inner columns, so every
+    product is exact and the float32 sum is the reference's up to order."""
+    import cupy as cp
+
+    n, m = x.shape[0], ws.shape[0]
+    inner = k
+    if halves == 2:
+        x2 = cp.zeros((n, 2 * kp), dtype=cp.float16)
+        x2[:, :k] = x[:, :k]
+        x2[:, kp : kp + k] = x[:, :k]
+        x, inner = x2, 2 * kp
+    # Y [N, M] row-major is Y^T [M, N] column-major: Y^T = W X^T with W read transposed
+    gemm_f16(OP_T, OP_N, m, n, inner, ws.data.ptr, ws.shape[1], x.data.ptr, x.shape[1], out.data.ptr, m)

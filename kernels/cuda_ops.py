@@ -129,6 +129,12 @@ class CudaKernels:
         with _on(x.device) as cp:
             return torch.from_dlpack(spmm_iebme16(layer, cp.from_dlpack(x.half().contiguous()), poison=False))
 
+    def iebme_dense16(self, layer, x: torch.Tensor) -> torch.Tensor:
+        from .iebme_decode import spmm_dense16
+
+        with _on(x.device) as cp:
+            return torch.from_dlpack(spmm_dense16(layer, cp.from_dlpack(x.half().contiguous())))
+
     @staticmethod
     def side_fusable(oq: torch.Tensor, wq: torch.Tensor, group: int) -> bool:
         from .iebme_spmm import side_fusable

@@ -160,3 +160,18 @@ def iebme_float_reference(m: IEBMEMatrix, w_scales: np.ndarray, x: np.ndarray, g
         part = (xf[:, j * gs:(j + 1) * gs] @ codes[:, j * gs:(j + 1) * gs].T).astype(np.float32)
         y = y + part * ws[:, j][None, :]
     return y.astype(np.float16)
+
+
+def decoded_dense_reference(m: IEBMEMatrix, w_scales: np.ndarray, group_size: int) -> np.ndarray:
+    """``iebme_decode.decode_dense``'s output without its padding: w = code x scale (float32, exact) from the
+    decoded codes, as float16 [M, K]; for 4-bit codes lo = fp16(w - hi) beside it, [M, 2K]."""
+    mm, k = m.geometry.shape
+    n_groups = check_group_size(k, group_size)
+    ws = np.asarray(w_scales, dtype=np.float32)
+    if ws.shape != (mm, n_groups):
+        raise KernelError(f"w_scales must be [{mm}, {n_groups}], got {ws.shape}")
+    w = m.decode().astype(np.float32) * np.repeat(ws, min(group_size, k), axis=1)[:, :k]
+    hi = w.astype(np.float16)
+    if m.geometry.bits <= 2:
+        return hi
+    return np.concatenate([hi, (w - hi.astype(np.float32)).astype(np.float16)], axis=1)

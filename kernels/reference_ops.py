@@ -71,6 +71,10 @@ class ReferenceKernels:
         y = iebme_float_reference(layer.m, layer.scales, _numpy(x.half().float()), int(layer.group_size))
         return torch.from_numpy(y).to(x.device)
 
+    def iebme_dense16(self, layer: ReferenceLayer, x: torch.Tensor) -> torch.Tensor:
+        """The dense path's function is the kernel's (exact products, float32 sums): the same reference."""
+        return self.iebme_spmm16(layer, x)
+
     def iebme_spmm(self, layer: ReferenceLayer, xq: torch.Tensor, sx: torch.Tensor,
                    side: tuple | None = None) -> torch.Tensor:
         from .iebme_reference import iebme_partial_sums, scale_partials

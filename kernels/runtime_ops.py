@@ -76,6 +76,10 @@ class RuntimeKernels(Protocol):
         """float16 [N, M] of an IE-BME W4A16 / W2A16 layer (:meth:`iebme_layer`) on float16 activations: per group
         the float32 sum of code times input, times the weight scale, float32 over groups, rounded once."""
 
+    def iebme_dense16(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """The same product for many rows (a prompt): the layer decoded once to a dense float16 weight (4-bit: exact
+        hi | lo halves) and one dense GEMM; float32 sums of exact products (``kernels.iebme_decode``)."""
+
     def dense(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """float16 [N, M] = fp16(x) @ weight^T (weight float16 [M, K]) with float32 sums."""
 

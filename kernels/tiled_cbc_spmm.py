@@ -22,7 +22,7 @@ from functools import cache
 import numpy as np
 
 from . import sm_count
-from .cublas_gemm import OP_N, OP_T, gemm_f16
+from .cublas_gemm import dense_halves, gemm_decoded
 from .errors import KernelError
 from .loader import load_module, require_cupy
 from .tiled_cbc_device import TILE, DeviceTiledCBC
@@ -45,12 +45,6 @@ DENSE_FROM_N = 32  # method="auto": decode once + cuBLAS from this many tokens o
 WARP_UP_TO_N = 8  # method="auto": the warp-streamed kernel (v3) up to this many tokens (docs/kernels.md)
 WGMMA_UP_TO_N = 32  # method="auto" on sm_90: the wgmma kernel (v4) above WARP_UP_TO_N up to here (docs/kernels.md)
 _DENSE_WS: dict[tuple[int, int], object] = {}
-
-
-def dense_halves(bits: int | None) -> int:
-    """float16 halves per weight in ``decode_dense``'s output: 2 for 4-bit codes (code x scale needs up to 14
-    significant bits), else 1 (float16 values; 2-bit codes -2..1 times a float16 scale are float16)."""
-    return 2 if bits is not None and bits > 2 else 1
 
 
 # v4 (wgmma, sm_90a only): (BN, TPR, NST) as instantiated in the .cu file, in order of preference per BN: tokens
@@ -146,14 +140,7 @@ def spmm_dense(dev: DeviceTiledCBC, X, out=None):
     if out.shape != (n, M) or out.dtype != cp.float16 or not out.flags.c_contiguous:
         raise KernelError(f"out must be a contiguous float16 [{n}, {M}] array")
     decode_dense(dev, ws)
-    inner = K
-    if dense_halves(dev.bits) == 2:  # [X, X], each half padded to Kp
-        X2 = cp.zeros((n, 2 * kp), dtype=cp.float16)
-        X2[:, :K] = X[:, :K]
-        X2[:, kp : kp + K] = X[:, :K]
-        X, inner = X2, 2 * kp
-    # Y [N, M] row-major is Y^T [M, N] column-major: Y^T = W X^T with W [M, Kp] read transposed
-    gemm_f16(OP_T, OP_N, M, n, inner, ws.data.ptr, ws.shape[1], X.data.ptr, X.shape[1], out.data.ptr, M)
+    gemm_decoded(ws, X, K, kp, dense_halves(dev.bits), out)
     return out
 
 

@@ -556,3 +556,56 @@ def test_bench_times_an_ie_bme_artifacts_own_layers_beside_fp16_and_int8(referen
         assert row["format"] == "ie-bme" and row["iebme_us"] > 0 and row["speedup_vs_cublas"] > 0
         assert row["int8_us"] is None or row["speedup_vs_int8"] > 0
     assert {int(n) for n in data["summary"]} == {1, 8}
+
+
+@pytest.mark.parametrize("bits, perm, gs", [(4, "random", 64), (4, "none", 200), (2, "random", 64)])
+def test_decoded_dense_reference_is_the_weights_exactly(bits, perm, gs):
+    """The IE-BME prefill's dense weight: w = code x scale from the decoded codes, 4-bit as float16 halves whose
+    sum is w exactly (hi its float16 rounding), 2-bit as float16 alone; the row permutations undone."""
+    from unionsparse.kernels.iebme_reference import decoded_dense_reference
+
+    rng = np.random.default_rng(bits * 11 + gs)
+    codes, mat = random_layer(rng, 37, 200, bits, perm=perm)
+    ws = (rng.random((37, -(-200 // gs))) * 0.1 + 0.01).astype(np.float16)
+    w64 = codes.astype(np.float64) * np.repeat(ws.astype(np.float64), gs, axis=1)[:, :200]
+    got = decoded_dense_reference(mat, ws, gs)
+    assert got.view(np.uint16)[:, :200].tolist() == w64.astype(np.float16).view(np.uint16).tolist()
+    if bits == 4:
+        np.testing.assert_array_equal(got[:, :200].astype(np.float64) + got[:, 200:].astype(np.float64), w64)
+        assert (got[:, 200:] != 0).mean() > 0.1
+    else:
+        assert got.shape == (37, 200)
+        np.testing.assert_array_equal(got.astype(np.float64), w64)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("perm", ["none", "random"])
+@pytest.mark.parametrize("m,k,gs", [(64, 512, 128), (100, 1000, 64), (333, 4100, 4100)])
+def test_gpu_decode_dense_and_the_dense_prefill(bits, perm, m, k, gs):
+    """kernels/iebme_decode.cu: the dense weight bit for bit its reference (permutations, ragged M and K, one group
+    and groups of 64), and the prefill product (decode once + cuBLAS) against the float64 product within the
+    kernel's bound, at N = 64 and 300."""
+    import cupy as cp
+    from unionsparse.kernels.cublas_gemm import dense_halves
+    from unionsparse.kernels.iebme_decode import decode_dense, spmm_dense16
+    from unionsparse.kernels.iebme_reference import decoded_dense_reference
+    from unionsparse.kernels.iebme_spmm import prepare_layer
+
+    rng = np.random.default_rng(m + k + bits + 64)
+    codes, mat = random_layer(rng, m, k, bits, perm=perm)
+    ws = (rng.random((m, -(-k // gs))) + 0.5).astype(np.float16)
+    layer = prepare_layer(mat, ws, gs)
+    kp, h = layer.tc * 64, dense_halves(bits)
+    ref = decoded_dense_reference(mat, ws, gs)
+    want = np.zeros((m, h * kp), np.float16)
+    for i in range(h):
+        want[:, i * kp : i * kp + k] = ref[:, i * k : (i + 1) * k]
+    out = cp.full((m, h * kp), cp.nan, cp.float16)
+    assert decode_dense(layer, out).get().view(np.uint16).tolist() == want.view(np.uint16).tolist()
+    for n in (64, 300):
+        x = rng.standard_normal((n, k)).astype(np.float16)
+        truth, bound = float_bound(codes, ws, gs, x)
+        y = spmm_dense16(layer, cp.asarray(x)).get().astype(np.float64)
+        assert (np.abs(y - truth) <= 2 * bound).all(), (n, float(np.abs(y - truth).max()))

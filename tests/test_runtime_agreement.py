@@ -227,6 +227,36 @@ def test_w4a16_runs_the_float16_activation_kernel_and_a_wrong_scale_fails(artifa
     assert not ag.ok and ag.worst.worst_ratio > 4, ag.worst
 
 
+def test_w4a16_prompts_take_the_dense_prefill_when_it_is_on_and_a_fault_of_it_fails(artifacts, monkeypatch):
+    """With the IE-BME prefill on (``KernelOp.IEBME_DENSE``), a prompt of 200 tokens runs ``iebme_dense16`` (decode
+    once + one GEMM) and the decode steps the kernel; both agree with the CPU op, and a fault of the dense path (the
+    scales one group off) fails the check."""
+    from unionsparse.kernels.reference_ops import ReferenceKernels
+
+    monkeypatch.setattr(KernelOp, "IEBME16", True)
+    monkeypatch.setattr(KernelOp, "IEBME_DENSE", True)
+    right = ReferenceKernels.iebme_dense16
+    rows = []
+
+    def counted(self, layer, x):
+        rows.append(int(x.shape[0]))
+        return right(self, layer, x)
+
+    monkeypatch.setattr(ReferenceKernels, "iebme_dense16", counted)
+    a = artifacts("w4a16")
+    _check(runtime.load(a, backend="reference", fuse=True), runtime.load(a, fuse=True), "prefill200")
+    assert rows and min(rows) == 200  # the prompt only: decode steps stay on the kernel
+
+    def wrong(self, layer, x):
+        from dataclasses import replace
+
+        return right(self, replace(layer, scales=np.roll(layer.scales, 1, axis=0)), x)
+
+    monkeypatch.setattr(ReferenceKernels, "iebme_dense16", wrong)
+    ag = _agree(runtime.load(a, backend="reference"), runtime.load(a), "prefill200")
+    assert not ag.ok and ag.worst.worst_ratio > 4, ag.worst
+
+
 def test_tolerance_is_rounding_sized(artifacts):
     """The tolerance is a few float16 ulps of the outputs, not a blanket allowance."""
     cpu = runtime.load(artifacts("w4a4-outliers"))
@@ -418,6 +448,20 @@ def test_gpu_float16_activation_kernel_agrees(artifacts, smol_shaped, tmp_path, 
         main(["compress", str(smol_shaped / "model"), "-o", str(out), "--quiet", *flags])
     assert e.value.code == 0
     ag = _agree(runtime.load(out, device="cuda", fuse=True), runtime.load(out, fuse=True), "prefill200")
+    assert ag.ok, "\n".join(ag.failures())
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_w4a16_dense_prefill_agrees(artifacts, monkeypatch):
+    """IE-BME W4A16 prompts decoded once to a dense weight + one cuBLAS GEMM (``IEBME_DENSE``, off by default until
+    this passes): every op agrees with the CPU op on a 200-token prompt and the decode steps after it."""
+    monkeypatch.setattr(KernelOp, "IEBME16", True)
+    monkeypatch.setattr(KernelOp, "IEBME_DENSE", True)
+    a = artifacts("w4a16")
+    ag = _agree(runtime.load(a, device="cuda", fuse=True), runtime.load(a, fuse=True), "prefill200")
+    _record({"case": "tiny w4a16 dense prefill", "fuse": True, "run": "prefill200", "ratio": ag.worst.worst_ratio,
+             "ok": ag.ok})
     assert ag.ok, "\n".join(ag.failures())
 
 

@@ -25,7 +25,9 @@ import torch
 
 from ...formats.arithmetic.grouped import grouped_int_matmul
 from ...formats.arithmetic.sparse_inputs import sparsify_input
-from ...kernels.tiled_cbc_spmm import DENSE_FROM_N, dense_halves
+from ...kernels import iebme_decode
+from ...kernels.cublas_gemm import dense_halves
+from ...kernels.tiled_cbc_spmm import DENSE_FROM_N
 from ..errors import UserError
 from .cpu import CpuOp
 from .linear import CompressedLinear
@@ -89,7 +91,8 @@ def tolerance(op: CpuOp, x2: torch.Tensor, steps: bool | None = None) -> tuple[t
     by ``delta`` differ by at most ``delta`` plus one ulp (of the larger binade). A dense float16 product (W4A16)
     may also round partial sums to float16 (cuBLAS's reduced-precision reduction): one more ulp of the magnitude
     sum there. Tiled-CBC 4-bit codes in a product of ``DENSE_FROM_N`` rows or more are decoded to two float16 halves
-    of each weight first (``tiled_cbc_spmm.decode_dense``): twice the terms."""
+    of each weight first (``tiled_cbc_spmm.decode_dense``), and so may an IE-BME W4A16 prompt of
+    ``iebme_decode.DENSE_FROM_N`` rows (``iebme_decode.decode_dense``): twice the terms."""
     impl = op.impl
     x = x2.detach().float().cpu()
     y = op(x, steps).float()
@@ -100,7 +103,8 @@ def tolerance(op: CpuOp, x2: torch.Tensor, steps: bool | None = None) -> tuple[t
         delta = (terms + 2) * F32_EPS * mag
     elif impl.act_bits == 16:  # W4A16: the decoded weight, one dense product
         mag = x.half().float().abs() @ impl.w_deq.abs().T
-        delta = (impl.in_features + 2) * F32_EPS * mag + ulp16(mag)
+        terms = impl.in_features * (2 if x.shape[0] >= iebme_decode.DENSE_FROM_N else 1)
+        delta = (terms + 2) * F32_EPS * mag + ulp16(mag)
     else:  # quantized activations: the same quantization, exact group sums
         xq, sx, oq, osx = impl.quantize(x)
         mag = grouped_int_matmul(xq.abs(), sx.abs(), impl.w_codes.abs(), impl.w_scales.abs(), impl.group_size)

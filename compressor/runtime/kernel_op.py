@@ -18,8 +18,10 @@ ready once (uploaded as they are on a GPU). Per call:
   tensor-core kernels (decode once + cuBLAS from ``DENSE_FROM_N`` rows); for int codes the spMspV in launches
   of 8 rows below ``DENSE_FROM_N`` rows and decode once + cuBLAS from there (a prompt);
 * IE-BME W4A16 / W2A16 (float16 activations): the float16-activation IE-BME kernel on the stored arrays, where it
-  takes the geometry (``IEBME16``, or ``kernels.iebme_spmm.FLOAT16_ACTIVATIONS``, on by default); otherwise the
-  decoded weight in fp16 and one dense product (cuBLAS on a GPU).
+  takes the geometry (``IEBME16``, or ``kernels.iebme_spmm.FLOAT16_ACTIVATIONS``, on by default), and with
+  ``IEBME_DENSE`` (``kernels.iebme_decode.DENSE_PREFILL``, off until its GPU tests pass) a prompt of
+  ``iebme_decode.DENSE_FROM_N`` rows or more decoded once to a dense weight for one GEMM; otherwise the decoded
+  weight in fp16, kept, and one dense product (cuBLAS on a GPU).
 
 ``act_quant`` ("kernel" or "torch") and ``side_kernel`` ("fused", "kernel" or "torch") choose the one-launch
 kernels or the formats' torch functions for those two steps ("torch" launches about ten and five kernels on a
@@ -34,6 +36,7 @@ import torch
 from ...formats.arithmetic.grouped import grouped_int_matmul
 from ...formats.arithmetic.sparse_inputs import sparsify_input
 from ...formats.arithmetic.weights import n_groups
+from ...kernels import iebme_decode
 from ...kernels.tiled_cbc_spmm import DENSE_FROM_N
 from ..artifact.store import LayerRecord
 from ..errors import UserError
@@ -48,6 +51,8 @@ class KernelOp(QuantizingOp):
     SPMSPV_ROWS = 8         # Tiled-CBC fp16 values: the spMspV up to this many rows (one launch), the SpMM above
     IEBME16 = None          # IE-BME W4A16 / W2A16 through the kernel: True, False (the decoded weight and cuBLAS),
     #                         None: kernels.iebme_spmm.FLOAT16_ACTIVATIONS (on by default)
+    IEBME_DENSE = None      # ...and from iebme_decode.DENSE_FROM_N rows decoded once to a dense weight + one GEMM:
+    #                         True, False, None: kernels.iebme_decode.DENSE_PREFILL (off until its GPU tests pass)
     side_kernel = "fused"  # the 8-bit outlier side product: "fused" (in the IE-BME kernel's epilogue, one rounding),
     #                        "kernel" (a second launch) or "torch" (grouped products); both of these round twice
 
@@ -75,6 +80,9 @@ class KernelOp(QuantizingOp):
             self.kind = "iebme16"
         else:  # no kernel for this layer: the decoded weight in fp16, one dense product
             self.register_buffer("weight", torch.from_numpy(layer_weight(rec)).half().to(self.device))
+
+    def _dense_prefill(self) -> bool:
+        return iebme_decode.DENSE_PREFILL if self.IEBME_DENSE is None else self.IEBME_DENSE
 
     def _iebme16_takes(self, rec: LayerRecord) -> bool:
         """Whether the float16-activation IE-BME kernel computes this stored layer (both backends decide alike)."""
@@ -125,6 +133,8 @@ class KernelOp(QuantizingOp):
         if self.kind == "dense":
             return self.kernels.dense(x2, self.weight)
         if self.kind == "iebme16":
+            if x2.shape[0] >= iebme_decode.DENSE_FROM_N and self._dense_prefill():  # a prompt: decode once
+                return self.kernels.iebme_dense16(self.layer, x2)
             return self.kernels.iebme_spmm16(self.layer, x2)
         if self.kind == "iebme":
             return self._iebme(x2 if x2.dtype in (torch.float16, torch.float32) else x2.float())
