@@ -3,7 +3,7 @@
 # (1) GPU tests of the W4A16 prefill path (kernels/iebme_decode.cu: the dense weight bit for bit its reference, the
 #     decode-once + cuBLAS product; the runtime's op-by-op agreement with it on). When they pass, set
 #     kernels.iebme_decode.DENSE_PREFILL = True (and say so in docs/kernels.md, "IE-BME prefill").
-# (2) its prefill timing against the kernel's 32-token launches (benchmarks/iebme_prefill.py);
+# (2) its prefill timing against the kernel's 32-token launches (benchmarks/prefill_decode_gemm.py --format iebme);
 # (3) does sparsity buy time when the bytes shrink? bench --e2e, LLaMA-2-7B, context 512, batch 1 and 8, IE-BME W4A16
 #     with union-structured masks (--structure union: 50 / 70 / 90%, the union bitmap holding 1 - sparsity of the
 #     positions) beside the unstructured 50% (94% of the positions) and the 0% control, fp16 and dense W4A16
@@ -13,7 +13,7 @@ source benchmarks/device_env.sh || exit 1
 timeout 120 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
   tests/test_kernels_iebme.py tests/test_runtime_agreement.py -k "decode_dense or dense_prefill" \
   2>&1 | tee "$DEST/iebme_prefill_gpu_tests.log" | tail -3
-timeout 60 python3 benchmarks/iebme_prefill.py --out "$DEST" 2>&1 | tail -4
+timeout 120 python3 benchmarks/prefill_decode_gemm.py --format iebme --rows 32,64,128,512 --out "$DEST" 2>&1 | tail -5
 mkdir -p "$DEST/union"
 E2E_BUDGET="${E2E_BUDGET:-110}" E2E_TIMEOUT="${E2E_TIMEOUT:-190}" OUT="$DEST/union" bash benchmarks/e2e_h200.sh \
   --spec llama2-7b --batch "${BATCHES:-1,8}" --context 512 \
