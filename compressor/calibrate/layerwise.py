@@ -23,6 +23,7 @@ from ..pruning import dispatch
 from ..pruning import methods as pruning
 from ..pruning.dispatch import METHODS, prune_layer
 from ..pruning.nm import parse_nm
+from ..pruning.union import UnionGeometry
 from .blocks import LoadWeights, capture_block_inputs, device_of, forward_block, non_block_weights
 from .statistics import LayerStats, collect_block_stats
 from .stream import BlockStream
@@ -249,7 +250,7 @@ def prune_model(
     owl_m: float = 5.0,
     on_layer: LayerCallback | None = None,
     skip: Callable[[str], bool] | None = None,
-    union: pruning.Union = None,
+    union: UnionGeometry = None,
 ) -> PruneReport:
     """Prune every nn.Linear of every decoder block in place, block by block.
 

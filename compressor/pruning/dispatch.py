@@ -14,8 +14,9 @@ from typing import Protocol
 import torch
 
 from ..errors import UserError
-from .methods import Union, magnitude, sparsegpt, wanda
+from .methods import magnitude, sparsegpt, wanda
 from .nm import parse_nm
+from .union import UnionGeometry
 
 NM = tuple[int, int] | None
 
@@ -35,21 +36,21 @@ def _statistic(stats: InputStats | None, key: str, method: str) -> torch.Tensor:
 
 
 def prune_magnitude(w: torch.Tensor, sparsity: float, nm: NM = None, stats: InputStats | None = None,
-                    union: Union = None):
+                    union: UnionGeometry = None):
     """Magnitude pruning (no statistics); ``union``: IE-BME (tile, areas) of a union-structured mask."""
     mask = magnitude(w, sparsity, nm=nm, union=union)
     return w * mask, mask
 
 
 def prune_wanda(w: torch.Tensor, sparsity: float, nm: NM = None, stats: InputStats | None = None,
-                union: Union = None):
+                union: UnionGeometry = None):
     """Wanda: ``|W|·sqrt(x_sq_norm)`` per output row (or per union position, ``union``)."""
     mask = wanda(w, _statistic(stats, "x_sq_norm", "wanda"), sparsity, nm=nm, union=union)
     return w * mask, mask
 
 
 def prune_sparsegpt(w: torch.Tensor, sparsity: float, nm: NM = None, stats: InputStats | None = None,
-                    blocksize: int = 128, percdamp: float = 0.01, union: Union = None):
+                    blocksize: int = 128, percdamp: float = 0.01, union: UnionGeometry = None):
     """SparseGPT: OBS updates from the layer's H (the kept weights change too)."""
     if union is not None:
         raise UserError("--structure union: use --prune magnitude or wanda (SparseGPT chooses its mask column "

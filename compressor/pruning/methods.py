@@ -25,10 +25,7 @@ import torch
 
 from ..errors import UserError
 from .nm import parse_nm
-from .union import union_mask
-
-# IE-BME (tile, areas[, union density]) of a union-structured mask
-Union = tuple[tuple[int, int], tuple[int, int]] | tuple[tuple[int, int], tuple[int, int], float | None] | None
+from .union import UnionGeometry, union_mask
 
 __all__ = [
     "magnitude",
@@ -89,7 +86,7 @@ def _nm_mask(metric: torch.Tensor, n: int, m: int) -> torch.Tensor:
     return mask.reshape(rows, cols)
 
 
-def _select(metric: torch.Tensor, sparsity: float, nm_t: tuple[int, int] | None, union: Union) -> torch.Tensor:
+def _select(metric: torch.Tensor, sparsity: float, nm_t: tuple[int, int] | None, union: UnionGeometry) -> torch.Tensor:
     """The mask of ``metric``: N:M, union-structured (``union``: the IE-BME tile and areas) or per row."""
     if nm_t is not None:
         if union is not None:
@@ -101,7 +98,7 @@ def _select(metric: torch.Tensor, sparsity: float, nm_t: tuple[int, int] | None,
 
 
 def magnitude(W: torch.Tensor, sparsity: float, nm: Sequence[int] | str | None = None,
-              union: Union = None) -> torch.Tensor:
+              union: UnionGeometry = None) -> torch.Tensor:
     """Magnitude mask: per output row, prune the ``int(K*sparsity)`` smallest ``|W|`` (stable sort); with
     ``union`` (tile, areas), whole IE-BME union positions of lowest summed ``|W|`` (``union.union_mask``).
 
@@ -120,7 +117,7 @@ def wanda_metric(W: torch.Tensor, x_sq_norm: torch.Tensor) -> torch.Tensor:
 
 def wanda(
     W: torch.Tensor, x_sq_norm: torch.Tensor, sparsity: float, nm: Sequence[int] | str | None = None,
-    union: Union = None,
+    union: UnionGeometry = None,
 ) -> torch.Tensor:
     """Wanda mask: per output row, prune the ``int(K*sparsity)`` lowest ``|W|·sqrt(x_sq_norm)``; with ``union``
     (tile, areas), whole IE-BME union positions of lowest summed metric (``union.union_mask``).

@@ -17,6 +17,9 @@ import torch
 
 from ..errors import UserError
 
+# IE-BME (tile, areas) or (tile, areas, union density) a union-structured mask follows; None: unstructured
+UnionGeometry = tuple[tuple[int, int], tuple[int, int]] | tuple[tuple[int, int], tuple[int, int], float | None] | None
+
 
 def union_mask(metric: torch.Tensor, sparsity: float, tile: tuple[int, int], areas: tuple[int, int],
                density: float | None = None) -> torch.Tensor:
