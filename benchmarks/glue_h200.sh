@@ -14,10 +14,25 @@
 # `bash benchmarks/glue_h200.sh quick` (about 4 minutes): the glue, attention and outlier-side GPU tests (the side
 # product in the IE-BME epilogue too, and the runtime's agreement with outliers), then LLaMA-2-7B at batch 1,
 # context 512 only, fp16, W4A16, IE-BME W4A4 with and without 128 outlier channels and W4A8, with the step kernels'
-# programmatic dependent launch off and on (benchmarks/step_pdl_ab.py).
+# programmatic dependent launch off and on (benchmarks/step_ab.py --switch pdl).
+# `bash benchmarks/glue_h200.sh rope` (about 4 minutes): rotary + KV write inside the attention launch
+# (StaticDecoder.ROPE_IN_ATTENTION): its GPU tests (bit for bit against rotary_cache then attention, graph replay
+# with o_proj's quantized input), then bench --e2e with it off and on in one process (benchmarks/step_ab.py --switch
+# rope), LLaMA-2-7B and Llama-3-8B (GQA), batch 1, context 512. When the tests pass and the step is faster, set
+# ROPE_IN_ATTENTION = True (compressor/runtime/decoder.py) and update docs/runtime.md's launch table.
 set -o pipefail
 MODE="${1:-full}"
 source benchmarks/device_env.sh || exit 1
+if [ "$MODE" = rope ]; then
+  timeout 150 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
+    tests/test_attention_kernel.py tests/test_glue_kernels.py 2>&1 | tee "$DEST/rope_gpu_tests.log" | tail -3
+  timeout 200 python3 benchmarks/step_ab.py --switch rope --kinds fp16,w4a16,iebme-w4a16-50,iebme-w4a4-50-o128 \
+    --out "$DEST" 2>&1 | tee "$DEST/step_ab_rope.log" | grep -v "^launches\|^linears:\|^floor"
+  mkdir -p "$DEST/llama3"
+  timeout 150 python3 benchmarks/step_ab.py --switch rope --spec llama3-8b --kinds fp16,iebme-w4a16-50 \
+    --out "$DEST/llama3" 2>&1 | tee "$DEST/llama3/step_ab_rope.log" | grep -v "^launches\|^linears:\|^floor"
+  exit 0
+fi
 if [ "$MODE" = quick ]; then
   timeout 300 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
     tests/test_glue_kernels.py tests/test_attention_kernel.py \
@@ -31,7 +46,7 @@ if [ "$MODE" = quick ]; then
     "tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op[w4a8-fused]" \
     "tests/test_runtime_agreement.py::test_gpu_agrees_on_smollm2_shapes[w4a8]" \
     2>&1 | tee "$DEST/glue_gpu_tests.log" | tail -3
-  timeout 300 python3 benchmarks/step_pdl_ab.py --out "$DEST" 2>&1 | tee "$DEST/step_pdl_ab.log" \
+  timeout 300 python3 benchmarks/step_ab.py --switch pdl --out "$DEST" 2>&1 | tee "$DEST/step_ab_pdl.log" \
     | grep -v "^launches\|^linears:\|^floor"
   exit 0
 fi

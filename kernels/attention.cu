@@ -10,6 +10,11 @@
 // With `codes` set, the combining block also writes o_proj's quantized input for its G heads (act_quant.cu's rule,
 // bit for bit, on the float16 outputs): the host passes it only when those G * D channels are whole quantization
 // groups (gm divides G * D) and no channel is permuted (no outlier side), so one launch replaces the act_quant one.
+// With `rq` set (the fused form, docs/kernels.md "Decode attention"), the launch also does glue.cu's rotary_cache
+// for its token: q, k and v are the raw rows of the Q/K/V product, every block rotates its G query heads itself
+// (glue.cu's arithmetic, so the same float16 values), and the block whose chunk holds slot pos rotates k, writes k
+// and v into the caches at pos and uses them from registers (no block reads slot pos from the cache in this
+// launch). One launch a layer instead of two.
 // Memory-level parallelism is the point at batch 1 (a layer's K and V are a few MB): each lane loads its D/32
 // halves of K and V of all SLOTS slots of its warp before using any (vector loads, one slot's row per warp load).
 #include "fp16.cuh"
@@ -52,6 +57,34 @@ struct OutQuant {
     float clip, grid, tiny;
 };
 
+// The fused rotary embedding (rq == nullptr: none): raw q [B, H * D] and k, v [B, Hkv * D] rows ld_q / ld_k / ld_v
+// apart (16-byte aligned rows), the [L, D] cos / sin tables, the rotary position rpos [B], the caches to write.
+struct Rope {
+    const u16* rq;
+    long long ld_q;
+    const u16* rk;
+    long long ld_k;
+    const u16* rv;
+    long long ld_v;
+    const u16* cos_t;
+    const u16* sin_t;
+    const long long* rpos;
+    u16* k_out;
+    u16* v_out;
+};
+
+// glue.cu's rotation of one head, the lane's PER elements d = lane * PER + i: the partner x[d +- D/2] is the same
+// element of lane ^ 16; out = fp16(fp16(x * cos) + fp16(rot * sin)) as float16 bits.
+template <int PER>
+__device__ __forceinline__ void rotate(const float* x, const float* cs, const float* sn, int lane, u16* out) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const float partner = __shfl_xor_sync(0xffffffffu, x[i], 16);
+        const float rot = lane < 16 ? -partner : partner;
+        out[i] = f2h(h2f(f2h(x[i] * cs[i])) + h2f(f2h(rot * sn[i])));
+    }
+}
+
 // q [B, H, 1, D]; caches [B, Hkv, L, D]; part_o [B, H, chunks, D] and part_ml [B, H, chunks, 2] (float32);
 // ticket [B * Hkv] int32, zero between launches; out [B, 1, H * D]. Dynamic shared memory: WARPS * G * D floats.
 template <int PER>
@@ -60,7 +93,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
                                        const long long* __restrict__ offset, int H, int Hkv, int L, float scale,
                                        float* __restrict__ part_o, float* __restrict__ part_ml,
                                        int* __restrict__ ticket, u16* __restrict__ out, float* red,
-                                       const OutQuant& oq) {
+                                       const OutQuant& oq, const Rope& rp) {
     constexpr int D = PER * 32;
     __shared__ float sc[MAX_G][CHUNK];
     __shared__ float cm[MAX_G], cl[MAX_G];
@@ -75,11 +108,27 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long head0 = (long long)b * H + (long long)hk * G;  // first query head of this KV head
 
+    const bool rope = rp.rq != nullptr;
+    float cs[PER], sn[PER];  // the rotary tables at this row's position (fused form)
+    if (rope) {
+        const long long pr = ld_after_wait(rp.rpos + b);  // written by the step, like pos
+        load_halves<PER>(rp.cos_t + pr * D + lane * PER, cs);
+        load_halves<PER>(rp.sin_t + pr * D + lane * PER, sn);
+    }
     float qr[MAX_G][PER];
 #pragma unroll
     for (int g = 0; g < MAX_G; ++g)
         if (g < G) {
-            load_halves<PER>(q + (head0 + g) * D + lane * PER, qr[g]);
+            if (rope) {  // rotated here, rounded to float16 as rotary_cache writes it
+                float x[PER];
+                u16 h[PER];
+                load_halves<PER>(rp.rq + (long long)b * rp.ld_q + (hk * G + g) * D + lane * PER, x);
+                rotate<PER>(x, cs, sn, lane, h);
+#pragma unroll
+                for (int i = 0; i < PER; ++i) qr[g][i] = h2f(h[i]);
+            } else {
+                load_halves<PER>(q + (head0 + g) * D + lane * PER, qr[g]);
+            }
 #pragma unroll
             for (int i = 0; i < PER; ++i) qr[g][i] *= scale;
         }
@@ -93,7 +142,20 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
         const int jj = warp * SLOTS + u;
         const long long j = j0 + jj;
         seen[u] = j <= p && (j >= off || j == p);
-        if (seen[u]) {
+        if (rope && j == p) {  // this token (warp-uniform): rotated k and v into the caches and the registers
+            float x[PER];
+            u16 h[PER];
+            load_halves<PER>(rp.rk + (long long)b * rp.ld_k + hk * D + lane * PER, x);
+            rotate<PER>(x, cs, sn, lane, h);
+            load_halves<PER>(rp.rv + (long long)b * rp.ld_v + hk * D + lane * PER, vv[u]);
+            const long long at = base + (long long)jj * D + lane * PER;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                kv[u][i] = h2f(h[i]);
+                rp.k_out[at + i] = h[i];
+                rp.v_out[at + i] = f2h(vv[u][i]);
+            }
+        } else if (seen[u]) {
             load_halves<PER>(k_cache + base + (long long)jj * D + lane * PER, kv[u]);
             load_halves<PER>(v_cache + base + (long long)jj * D + lane * PER, vv[u]);
         }
@@ -224,8 +286,9 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
         const long long *__restrict__ pos, const long long *__restrict__ offset, int H, int Hkv, int L, int D, \
         float scale, float *__restrict__ part_o, float *__restrict__ part_ml, int *__restrict__ ticket,         \
         u16 *__restrict__ out, signed char *__restrict__ codes, float *__restrict__ scales, int Kp, int gm,      \
-        int bits, float clip, float grid, float tiny  // D: unused (the kernel's PER * 32), kept so every kernel \
-                                                      // takes the same arguments
+        int bits, float clip, float grid, float tiny, const u16 *rq, long long ld_q, const u16 *rk,             \
+        long long ld_k, const u16 *rv, long long ld_v, const u16 *cos_t, const u16 *sin_t,                     \
+        const long long *rpos  // D: unused (the kernel's PER * 32), kept so every kernel takes the same arguments
 
 // one kernel per head dimension (attention_decode_<D / 32>), so each gets the registers it needs
 #define KERNEL(PER)                                                                                               \
@@ -233,7 +296,10 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
         pdl_enter();                                                                                           \
         extern __shared__ float red[];                                                                          \
         const OutQuant oq{codes, scales, Kp, gm, bits, clip, grid, tiny};                                      \
-        decode<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, part_o, part_ml, ticket, out, red, oq); \
+        const Rope rp{rq, ld_q, rk, ld_k, rv, ld_v, cos_t, sin_t, rpos, const_cast<u16*>(k_cache),              \
+                      const_cast<u16*>(v_cache)};                                                                 \
+        decode<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, part_o, part_ml, ticket, out, red, oq,  \
+                    rp);                                                                                          \
     }
 KERNEL(1)
 KERNEL(2)

@@ -5,6 +5,9 @@ allocated cache with a visibility mask), on any device; ``decode_attention`` is 
 kernel (one launch), on torch float16 CUDA tensors and torch's current stream. With an o_proj input rule it
 may fuse (:func:`quant_fusable`) and also return o_proj's quantized input from the same launch
 (``decode_attention_quant``; its reference: the attention reference, then the rule's quantization).
+``decode_attention_rope`` is the same launch fed the raw Q/K/V rows: it also does ``glue.rotary_cache`` for the
+token (rotation of q and k, the KV-cache write), so a decode layer runs one launch between its Q/K/V and o_proj
+products instead of two (its reference: ``glue.rotary_cache_reference``, then the attention reference).
 """
 
 from __future__ import annotations
@@ -66,6 +69,29 @@ def decode_attention_quant_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
     return o, rule.reference(o.reshape(-1, o.shape[-1]))
 
 
+def rope_fusable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention_rope` takes raw ``q`` [B, T, H, D] (before rotation): the shapes the
+    attention kernel takes (:func:`shape_supported`). The same answer on every backend."""
+    return shape_supported(q.transpose(1, 2), k_cache)
+
+
+def decode_attention_rope_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                    sin: torch.Tensor, pos: torch.Tensor, rpos: torch.Tensor, k_cache: torch.Tensor,
+                                    v_cache: torch.Tensor, offset: torch.Tensor, scale: float, rule=None):
+    """``glue.rotary_cache_reference`` of the raw q [B, 1, H, D], k and v [B, 1, Hkv, D] (the caches written at
+    ``pos``), then :func:`decode_attention_reference`, and with ``rule`` where it fuses (:func:`quant_fusable`)
+    o_proj's quantized input: (output [B, 1, H * D], quantized input or None); None where the kernel would not
+    take the case (:func:`rope_fusable`): the CUDA path's decision."""
+    from .glue import rotary_cache_reference
+
+    if not rope_fusable(q, k_cache):
+        return None
+    qr = rotary_cache_reference(q, k, v, cos, sin, pos, rpos, k_cache, v_cache)
+    if rule is not None and quant_fusable(rule, q.shape[2], k_cache.shape[1], q.shape[3]):
+        return decode_attention_quant_reference(qr, k_cache, v_cache, pos, offset, scale, rule)
+    return decode_attention_reference(qr, k_cache, v_cache, pos, offset, scale), None
+
+
 def _function(per: int):
     from .loader import load_module
 
@@ -73,6 +99,7 @@ def _function(per: int):
 
 
 _tickets: dict[tuple[int, int], torch.Tensor] = {}
+_NO_ROPE = (np.uint64(0), np.int64(0)) * 3 + (np.uint64(0),) * 3  # attention.cu's Rope arguments: none
 
 
 def _ticket(device: torch.device, n: int) -> torch.Tensor:
@@ -122,7 +149,43 @@ def decode_attention_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return _decode(q, k_cache, v_cache, pos, offset, scale, rule)
 
 
-def _decode(q, k_cache, v_cache, pos, offset, scale, rule):
+def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          pos: torch.Tensor, rpos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          offset: torch.Tensor, scale: float, rule=None):
+    """:func:`decode_attention_rope_reference` in one launch (q, k, v may be row views of one stacked product);
+    None where the kernel does not take the case."""
+    qt = q.transpose(1, 2)
+    if not (supports(qt, k_cache) and rope_fusable(q, k_cache)):
+        return None
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise KernelError("decode_attention_rope: the rotary tables must be contiguous")
+    rows = [_aligned_rows(t) for t in (q, k, v)]
+    rope = (*(x for r in rows for x in (np.uint64(r[0].data_ptr()), np.int64(r[1]))),
+            np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()),
+            np.uint64(_int64(rpos.reshape(-1)).data_ptr()))
+    if rule is not None and not quant_fusable(rule, q.shape[2], k_cache.shape[1], q.shape[3]):
+        rule = None
+    return _decode(qt, k_cache, v_cache, pos, offset, scale, rule, rope)
+
+
+def _aligned_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[B, 1, heads, D] as rows [B, heads * D] with a unit column stride, 16-byte aligned rows (copied if not), and
+    the row stride in elements."""
+    r = t.reshape(t.shape[0], -1)
+    ld = r.stride(0) if r.shape[0] > 1 else r.shape[1]
+    if r.stride(-1) != 1 or r.data_ptr() % 16 or ld % 8:
+        r = r.contiguous()
+        r = r if r.data_ptr() % 16 == 0 else r.clone()
+        ld = r.shape[1]
+    return r, ld
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
+
+
+def _decode(q, k_cache, v_cache, pos, offset, scale, rule, rope=None):
+    """One launch; ``rope``: the fused form's Rope arguments (attention.cu), their tensors alive in the caller."""
     import cupy as cp
 
     if not supports(q, k_cache):
@@ -133,7 +196,7 @@ def _decode(q, k_cache, v_cache, pos, offset, scale, rule):
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0):
         raise KernelError("decode_attention: the caches must be contiguous and 16-byte aligned")
-    q = _aligned(q)
+    q = _aligned(q) if rope is None else q  # fused: q is read raw through the rope arguments
     chunks = -(-length // CHUNK)
     part_o = torch.empty(b, h, chunks, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, h, chunks, 2, dtype=torch.float32, device=q.device)
@@ -154,6 +217,6 @@ def _decode(q, k_cache, v_cache, pos, offset, scale, rule):
     with cp.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream):
         launch(_function(d // 32), (chunks, hkv, b), (WARPS * 32,),
                (*ptr[:5], np.int32(h), np.int32(hkv), np.int32(length), np.int32(d), np.float32(scale), *ptr[5:],
-                *qargs),
+                *qargs, *(rope or _NO_ROPE)),
                shared_mem=WARPS * (h // hkv) * d * 4)
     return out, quantized

@@ -87,6 +87,7 @@ class CudaKernels:
             return attention.decode_attention(q, k_cache, v_cache, pos, offset, scale)
         return attention.decode_attention_reference(q, k_cache, v_cache, pos, offset, scale)
     decode_attention_quant = staticmethod(attention.decode_attention_quant)
+    decode_attention_rope = staticmethod(attention.decode_attention_rope)
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant)
     add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant)

@@ -55,6 +55,7 @@ class ReferenceKernels:
     rotary_cache = staticmethod(glue.rotary_cache_reference)
     decode_attention = staticmethod(attention.decode_attention_reference)
     decode_attention_quant = staticmethod(attention.decode_attention_quant_reference)
+    decode_attention_rope = staticmethod(attention.decode_attention_rope_reference)
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant_reference)
     add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant_reference)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant_reference)

@@ -46,6 +46,12 @@ class RuntimeKernels(Protocol):
                                rule: InputRule) -> tuple[torch.Tensor, QuantizedInput] | None:
         """(decode attention, o_proj's quantized input of it) from one launch, or None where it does not fuse
         (``attention.quant_fusable``, or no kernel for the case): then attention and the linear run as usual."""
+    def decode_attention_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, pos: torch.Tensor, rpos: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, offset: torch.Tensor, scale: float,
+                              rule: InputRule | None) -> tuple[torch.Tensor, QuantizedInput | None] | None:
+        """:meth:`rotary_cache` then decode attention (and, with ``rule`` where it fuses, o_proj's quantized
+        input) from one launch on the raw Q/K/V rows of a decode step; None where no kernel takes the case."""
     def rms_norm_quant(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                        rule: InputRule) -> tuple[torch.Tensor, QuantizedInput]: ...
     def add_rms_norm_quant(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -153,3 +153,106 @@ def test_kernel_writes_o_proj_input_as_act_quant_does(b, h, hkv, d, bits, kp):
     assert torch.equal(o, plain)
     assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
     assert codes.abs().max() > 0 and not codes[:, h * d:].any()
+
+
+# --------------------------------------------------------------- rotary + KV write inside the attention launch
+
+
+def _raw_case(b, h, hkv, d, length, seed, device="cpu", stacked=True):
+    """Raw q [B, 1, H, D], k and v [B, 1, Hkv, D] (row views of one stacked Q/K/V product when ``stacked``), the
+    float16 caches, the rotary tables of LLaMA's frequencies."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(b, 1, (h + 2 * hkv) * d, generator=g) * 2).half().to(device)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(b, 1, h, d), k.view(b, 1, hkv, d), v.view(b, 1, hkv, d)
+    if not stacked:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    kc = (torch.randn(b, hkv, length, d, generator=g) * 1.5).half().to(device)
+    vc = torch.randn(b, hkv, length, d, generator=g).half().to(device)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.arange(length).float()[:, None] * inv[None]
+    e = torch.cat((f, f), -1)
+    return q, k, v, kc, vc, e.cos().half().to(device), e.sin().half().to(device)
+
+
+def test_rope_reference_is_rotary_cache_then_attention():
+    """The fused form's definition: glue's rotary + KV write of the raw rows, then attention (and the rule)."""
+    from unionsparse.kernels.glue import rotary_cache_reference
+
+    q, k, v, kc, vc, cos, sin = _raw_case(3, 4, 2, 128, 40, 0)
+    pos, offset = torch.tensor([33]), torch.tensor([0, 4, 30])
+    rpos = (pos[None, :] - offset[:, None]).clamp(min=0)
+    kc2, vc2 = kc.clone(), vc.clone()
+    o, quantized = attention.decode_attention_rope_reference(q, k, v, cos, sin, pos, rpos, kc, vc, offset, 0.1)
+    qr = rotary_cache_reference(q, k, v, cos, sin, pos, rpos, kc2, vc2)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2) and quantized is None
+    assert not torch.equal(kc[:, :, 33], _raw_case(3, 4, 2, 128, 40, 0)[3][:, :, 33])  # slot 33 was written
+    assert torch.equal(o, attention.decode_attention_reference(qr, kc2, vc2, pos, offset, 0.1))
+    rule = _rule(4, 128, 512)
+    o2, (codes, scales, _, _) = attention.decode_attention_rope_reference(q, k, v, cos, sin, pos, rpos, kc, vc,
+                                                                          offset, 0.1, rule)
+    want = rule.reference(o.reshape(3, 512))
+    assert torch.equal(o2, o) and torch.equal(codes, want[0]) and torch.equal(scales, want[1])
+    q48 = torch.zeros(1, 1, 2, 48).half()  # head dim 48: no kernel, the caller runs the two launches
+    assert attention.decode_attention_rope_reference(q48, q48, q48, cos, sin, pos, rpos[:1],
+                                                     torch.zeros(1, 2, 40, 48).half(), torch.zeros(1, 2, 40, 48).half(),
+                                                     offset[:1], 0.1) is None
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("b, h, hkv, d, length, pos, offset, stacked", [
+    (1, 32, 32, 128, 600, 530, [0], True),          # LLaMA-2-7B, batch 1, views of the stacked Q/K/V product
+    (2, 32, 8, 128, 4200, 4100, [0, 1000], True),   # Llama-3-8B's GQA, a padded row
+    (3, 9, 3, 64, 140, 70, [0, 5, 64], False),      # SmolLM2's heads, separate q, k, v
+    (1, 6, 2, 96, 100, 64, [0], True),              # three halves a lane
+    (2, 16, 2, 256, 300, 299, [0, 31], True),       # eight query heads per KV head, head dim 256
+    (1, 4, 4, 64, 64, 0, [0], True),                # the first slot
+])
+def test_rope_kernel_is_rotary_cache_then_attention_bit_for_bit(b, h, hkv, d, length, pos, offset, stacked):
+    """One launch equals glue.cu's rotary_cache then attention.cu, bit for bit: the output and both caches."""
+    from unionsparse.kernels import glue
+
+    q, k, v, kc, vc, cos, sin = _raw_case(b, h, hkv, d, length, pos, "cuda", stacked)
+    p, off = torch.tensor([pos], device="cuda"), torch.tensor(offset, device="cuda")
+    rpos = (p[None, :] - off[:, None]).clamp(min=0)
+    kc2, vc2 = kc.clone(), vc.clone()
+    o, quantized = attention.decode_attention_rope(q, k, v, cos, sin, p, rpos, kc, vc, off, d ** -0.5)
+    qr = glue.rotary_cache(q, k, v, cos, sin, p, rpos, kc2, vc2)
+    want = attention.decode_attention(qr, kc2, vc2, p, off, d ** -0.5)
+    assert quantized is None
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert torch.equal(o, want)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_rope_kernel_writes_o_proj_input_and_replays_in_a_graph():
+    """LLaMA-2-7B heads, W4A4 o_proj rule, batch 2: captured once, replayed at moving positions, every replay equal
+    to rotary_cache + attention + act_quant.cu on the same inputs (the cache written at each position)."""
+    from unionsparse.kernels import glue
+    from unionsparse.kernels.runtime_ops import get
+
+    b, h, d, length = 2, 32, 128, 300
+    q, k, v, kc, vc, cos, sin = _raw_case(b, h, h, d, length, 11, "cuda")
+    p, off = torch.tensor([0], device="cuda"), torch.tensor([0, 3], device="cuda")
+    rpos = torch.empty(b, 1, dtype=torch.long, device="cuda")
+    rule = _rule(4, 128, h * d)
+    attention.decode_attention_rope(q, k, v, cos, sin, p, rpos.copy_((p[None] - off[:, None]).clamp(min=0)), kc, vc,
+                                    off, 0.088, rule)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rpos.copy_((p[None] - off[:, None]).clamp(min=0))
+        o, (codes, scales, _, _) = attention.decode_attention_rope(q, k, v, cos, sin, p, rpos, kc, vc, off, 0.088,
+                                                                   rule)
+    kc2, vc2 = kc.clone(), vc.clone()
+    for pos in (5, 31, 32, 33, 200, 299):
+        p.fill_(pos)
+        graph.replay()
+        torch.cuda.synchronize()
+        qr = glue.rotary_cache(q, k, v, cos, sin, p, (p[None] - off[:, None]).clamp(min=0), kc2, vc2)
+        want = attention.decode_attention(qr, kc2, vc2, p, off, 0.088)
+        wq = get("cuda").act_quant(want.reshape(b, h * d), rule)
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2), pos
+        assert torch.equal(o, want) and torch.equal(codes, wq[0]) and torch.equal(scales, wq[1]), pos

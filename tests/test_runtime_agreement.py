@@ -98,6 +98,9 @@ SWITCHES = {
     "no producers": lambda mp: mp.setattr(StaticDecoder, "PREQUANT", False),
     "act_quant torch": lambda mp: mp.setattr(KernelOp, "act_quant", "torch"),
     "side torch": lambda mp: mp.setattr(KernelOp, "side_kernel", "torch"),
+    # the other of the two: rotary + KV write in the attention launch, or a launch of their own
+    "rope in attention toggled": lambda mp: mp.setattr(StaticDecoder, "ROPE_IN_ATTENTION",
+                                                       not StaticDecoder.ROPE_IN_ATTENTION),
 }
 
 
@@ -342,6 +345,31 @@ def test_a_wrong_o_proj_input_from_attention_fails_the_check(head128, monkeypatc
     a = head128("w4a8")
     ag = _agree(runtime.load(a, backend="reference", fuse=True), runtime.load(a, fuse=True), "prefill1")
     assert not ag.ok and ag.worst.name.endswith("o_proj") and ag.worst.worst_ratio > 4, ag.worst
+
+
+@pytest.mark.parametrize("case", ["w4a8", "w4a16"])
+def test_rotary_inside_attention_agrees(case, head128, monkeypatch):
+    """With ROPE_IN_ATTENTION every decode step hands attention the raw Q/K/V rows (one launch on a GPU: rotation,
+    KV write, attention and, for W4A8, o_proj's quantized input), and the ops agree with the CPU path. (Op-by-op
+    agreement cannot see a fault of the glue itself: tests/test_runtime_decoder.py compares the logits.)"""
+    from unionsparse.kernels import attention
+    from unionsparse.kernels.reference_ops import ReferenceKernels
+
+    monkeypatch.setattr(StaticDecoder, "ROPE_IN_ATTENTION", True)
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return attention.decode_attention_rope_reference(*args)
+
+    monkeypatch.setattr(ReferenceKernels, "decode_attention_rope", staticmethod(counted))
+    a = head128(case)
+    cpu, ref = runtime.load(a, fuse=True), runtime.load(a, backend="reference", fuse=True)
+    for run in ("batch3", "prefill1"):
+        _check(ref, cpu, run)
+    assert len(calls) >= 2 * 3  # both blocks, every decode step
+    if case == "w4a8":
+        assert all(n > 0 for n in _o_proj_offers(ref))
 
 
 # --------------------------------------------------------------------------------------------- on a GPU

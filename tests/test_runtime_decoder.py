@@ -58,6 +58,50 @@ def test_static_steps_equal_transformers_forward(name):
     assert int(dec.position) == seq.shape[1]
 
 
+def _fused_rope_fault(q, k, v, cos, sin, pos, rpos, k_cache, v_cache, *rest):
+    """The fused op leaving the KV cache unwritten: later steps attend to stale slots."""
+    from unionsparse.kernels import attention
+
+    return attention.decode_attention_rope_reference(q, k, v, cos, sin, pos, rpos, k_cache.clone(),
+                                                     v_cache.clone(), *rest)
+
+
+@pytest.mark.parametrize("rope, fault", [(False, False), (True, False), (True, True)],
+                         ids=["rotary launch", "rotary in attention", "planted: cache unwritten"])
+@torch.inference_mode()
+def test_the_glue_of_the_gpu_path_equals_transformers_forward(rope, fault, monkeypatch):
+    """The GPU path's glue (norms, rotary + KV write, decode attention, with ROPE_IN_ATTENTION one fused op) run by
+    the kernels' CPU references, batch 2 with a left-padded row, head dim 32 (where attention.cu takes the case):
+    every step's logits equal transformers' forward on each row alone; a fused op that does not write the cache
+    fails."""
+    from unionsparse.kernels import attention, runtime_ops
+    from unionsparse.kernels.reference_ops import ReferenceKernels
+
+    monkeypatch.setattr(StaticDecoder, "ROPE_IN_ATTENTION", rope)
+    if fault:
+        monkeypatch.setattr(ReferenceKernels, "decode_attention_rope", staticmethod(_fused_rope_fault))
+    calls = []
+    fused = ReferenceKernels.decode_attention_rope
+    monkeypatch.setattr(ReferenceKernels, "decode_attention_rope",
+                        staticmethod(lambda *a: calls.append(1) or fused(*a)))
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    dec = StaticDecoder(m, 2, 24, kernels=runtime_ops.get("reference"))
+    assert dec.glue == "kernels" and attention.rope_fusable(torch.zeros(2, 1, 4, 32), dec.k_cache[0])
+    logits, seq, worst = dec.prefill(ids, [5, 3]), ids, 0.0  # row 1 left-padded: rotary positions != slots
+    for _ in range(5):
+        ref = torch.cat([m(seq[:1]).logits[:, -1], m(seq[1:, 2:]).logits[:, -1]]).float()
+        worst = max(worst, float((logits - ref).abs().max()))
+        seq = torch.cat([seq, ref.argmax(-1)[:, None]], 1)
+        dec.tokens.copy_(seq[:, -1])
+        logits = dec.step()
+    assert (len(calls) == 5 * 2) if rope else not calls
+    assert worst > 1e-2 if fault else worst < 2e-5, worst
+
+
 @torch.inference_mode()
 def test_prefill_resets_and_refuses_what_does_not_fit():
     m = _model("llama-mha")

@@ -103,6 +103,9 @@ class StaticDecoder(nn.Module):
 
     GLUE = "kernels"  # where the runtime kernels take the model's dtype: "kernels" (one launch each) or "torch"
     PREQUANT = True  # with the glue kernels: quantizing producers (kernels/norm_quant.cu); False: the linears quantize
+    # with the glue kernels: a decode step's rotary + KV write inside the attention launch (one launch a layer
+    # fewer); off until its GPU tests pass (benchmarks/glue_h200.sh)
+    ROPE_IN_ATTENTION = False
 
     @property
     def glue(self) -> str:
@@ -201,10 +204,10 @@ class StaticDecoder(nn.Module):
             q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim)
             k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim)
             v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim)
-            q = glue.rotary_cache(q, k, v, self.cos, self.sin, pos, rpos, self.k_cache[i], self.v_cache[i])
             if t == 1:  # a decode step: over the cache's valid length (attention.cu with the kernels)
-                o = self._attend(attn, q, i, pos)
+                o = self._attend(attn, q, k, v, i, pos, rpos)
             else:
+                q = glue.rotary_cache(q, k, v, self.cos, self.sin, pos, rpos, self.k_cache[i], self.v_cache[i])
                 o = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
                                                    scale=attn.scaling, enable_gqa=self.n_kv != self.n_heads)
                 o = o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
@@ -214,11 +217,24 @@ class StaticDecoder(nn.Module):
         _, x = self._norm(inner.norm, x[:, -1], None if pending is None else pending[:, -1])
         return self.model.lm_head(x).float()
 
-    def _attend(self, attn: nn.Module, q: torch.Tensor, i: int, pos: torch.Tensor) -> torch.Tensor:
-        """Decode attention of block ``i``; with quantizing producers and an o_proj that takes a quantized input,
-        that input from the same launch where its rule fuses (``attention.quant_fusable``), handed to o_proj."""
+    def _attend(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int, pos: torch.Tensor,
+                rpos: torch.Tensor) -> torch.Tensor:
+        """Rotary + KV write and decode attention of block ``i`` on its raw q, k, v; with quantizing producers and
+        an o_proj that takes a quantized input, that input from the attention launch where its rule fuses
+        (``attention.quant_fusable``), handed to o_proj. With the glue kernels and :attr:`ROPE_IN_ATTENTION`, the
+        rotary and the KV write are in that launch too (``attention.decode_attention_rope``)."""
         k_cache, v_cache = self.k_cache[i], self.v_cache[i]
         consumer = self._consumer(attn.o_proj)
+        if self.glue == "kernels" and self.ROPE_IN_ATTENTION:
+            done = self._glue.decode_attention_rope(q, k, v, self.cos, self.sin, pos, rpos, k_cache, v_cache,
+                                                    self.offset, attn.scaling,
+                                                    None if consumer is None else consumer.input_rule())
+            if done is not None:
+                o, quantized = done
+                if quantized is not None:
+                    consumer.offer(o.reshape(-1, o.shape[-1]), quantized)
+                return o
+        q = self._glue.rotary_cache(q, k, v, self.cos, self.sin, pos, rpos, k_cache, v_cache)
         if consumer is not None:
             done = self._producers.decode_attention_quant(q, k_cache, v_cache, pos, self.offset, attn.scaling,
                                                           consumer.input_rule())

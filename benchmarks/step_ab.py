@@ -1,0 +1,73 @@
+"""One switch of the decode step, off and on, on whole decode steps in one process (`bench --e2e` cases).
+
+``--switch pdl``: programmatic dependent launch of the step's kernels (kernels/pdl.cuh; on by default on sm_90):
+each of the step's own kernels is scheduled while the kernel before it still runs and waits for it with
+``griddepcontrol.wait``; IE-BME also issues its weight-only prologue before the wait.
+``--switch rope``: a decode step's rotary embedding and KV-cache write inside the attention launch
+(``StaticDecoder.ROPE_IN_ATTENTION``, kernels/attention.cu): one launch a layer fewer.
+
+Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
+
+    python benchmarks/step_ab.py --switch pdl|rope --out DIR     (a CUDA machine; benchmarks/glue_h200.sh runs it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from unionsparse.compressor.bench.e2e import e2e_command, format_table
+from unionsparse.compressor.runtime.decoder import StaticDecoder
+from unionsparse.kernels.cluster_launch import programmatic_launches
+
+KINDS = "fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50-o128-dp,iebme-w4a4-50,iebme-w4a8-50"
+
+
+@contextlib.contextmanager
+def _rope(on: bool) -> Iterator[None]:
+    saved = StaticDecoder.ROPE_IN_ATTENTION
+    StaticDecoder.ROPE_IN_ATTENTION = on
+    try:
+        yield
+    finally:
+        StaticDecoder.ROPE_IN_ATTENTION = saved
+
+
+SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextManager]], ...]] = {
+    "pdl": (("pdl off", lambda: programmatic_launches(False)),
+            ("pdl on (default)", lambda: programmatic_launches(None))),
+    "rope": (("rotary + KV write: own launch", lambda: _rope(False)),
+             ("rotary + KV write: in attention", lambda: _rope(True))),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--switch", choices=sorted(SWITCHES), default="pdl")
+    ap.add_argument("--spec", default="llama2-7b")
+    ap.add_argument("--kinds", default=KINDS)
+    ap.add_argument("--batch", default="1")
+    ap.add_argument("--context", default="512")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for label, setting in SWITCHES[args.switch]:
+        with setting():
+            res = e2e_command(specs=args.spec, batches=args.batch, contexts=args.context, kinds=args.kinds,
+                              hf_generate=False, checks=True)
+        results[label] = res
+        bad = [c["check"] for c in res["checks"] if not c["ok"]]
+        print(f"== {label}" + (f"; CHECK FAILED: {', '.join(bad)}" if bad else ""))
+        print(format_table(res), flush=True)
+    stem = f"step_ab_{args.switch}"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out / f"{stem}.md").write_text("\n\n".join(f"{k}\n\n{format_table(v)}" for k, v in results.items()) + "\n")
+
+
+if __name__ == "__main__":
+    main()
