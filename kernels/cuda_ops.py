@@ -124,6 +124,12 @@ class CudaKernels:
                            side=fused)
             return torch.from_dlpack(y)  # inside the context (see act_quant)
 
+    def iebme_dense(self, layer, xq: torch.Tensor, sx: torch.Tensor, side: tuple | None = None) -> torch.Tensor:
+        from .iebme_decode import spmm_dense_int
+
+        with _on(xq.device):
+            return spmm_dense_int(layer, xq, sx, side)
+
     def iebme_spmm16(self, layer, x: torch.Tensor) -> torch.Tensor:
         from .iebme_spmm import spmm_iebme16
 

@@ -90,6 +90,11 @@ class ReferenceKernels:
         oq, osx, wq, sw, group = (t.cpu() if isinstance(t, torch.Tensor) else t for t in side)
         return grouped_int_matmul(oq, osx, wq, sw, group, out=y32).half().to(xq.device)
 
+    def iebme_dense(self, layer: ReferenceLayer, xq: torch.Tensor, sx: torch.Tensor,
+                    side: tuple | None = None) -> torch.Tensor:
+        """The prompt path's function is the kernel's (up to float32 summation order): the same reference."""
+        return self.iebme_spmm(layer, xq, sx, side)
+
     @staticmethod
     def side_fusable(oq: torch.Tensor, wq: torch.Tensor, group: int) -> bool:
         from .iebme_spmm import side_fusable

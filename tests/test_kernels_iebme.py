@@ -609,3 +609,87 @@ def test_gpu_decode_dense_and_the_dense_prefill(bits, perm, m, k, gs):
         truth, bound = float_bound(codes, ws, gs, x)
         y = spmm_dense16(layer, cp.asarray(x)).get().astype(np.float64)
         assert (np.abs(y - truth) <= 2 * bound).all(), (n, float(np.abs(y - truth).max()))
+
+
+def _int_case(rng, m, k, bits, perm, gs, n, n_side=0):
+    """A random IE-BME layer with weight scales, activation codes (4-bit) with scales and an 8-bit outlier side."""
+    import torch
+
+    codes, mat = random_layer(rng, m, k, bits, perm=perm)
+    ws = (rng.random((m, -(-k // gs))) * 0.1 + 0.01).astype(np.float16)
+    xq = rng.integers(-8, 8, (n, k)).astype(np.int8)
+    xs = (rng.random((n, -(-k // gs))) * 0.2 + 0.01).astype(np.float32)
+    side = None
+    if n_side:
+        side = (torch.from_numpy(rng.integers(-127, 128, (n, n_side)).astype(np.int8)),
+                torch.from_numpy((rng.random((n, 1)) * 0.05).astype(np.float32)),
+                torch.from_numpy(rng.integers(-127, 128, (m, n_side)).astype(np.int8)),
+                torch.from_numpy((rng.random((m, 1)) * 0.01).astype(np.float32)), n_side)
+    return codes, mat, ws, xq, xs, side
+
+
+def _int_reference(mat, ws, xq, xs, gs, side):
+    """The IE-BME kernel's function (reference_ops.iebme_spmm): exact group sums scaled in group order, the side
+    product added in float32, one float16 rounding."""
+    import torch
+    from unionsparse.formats.arithmetic.grouped import grouped_int_matmul
+    from unionsparse.kernels.iebme_reference import iebme_partial_sums
+
+    y32 = torch.from_numpy(scale_partials(iebme_partial_sums(mat, xq, gs), ws, xs, dtype=np.float32))
+    if side is not None:
+        oq, osx, wq, sw, group = side
+        grouped_int_matmul(oq, osx, wq, sw, group, out=y32)
+    return y32.half()
+
+
+@pytest.mark.parametrize("bits, perm, gs, n_side", [(4, "random", 64, 0), (4, "none", 200, 16), (2, "random", 64, 8)])
+def test_dense_int_product_is_the_kernel_function(bits, perm, gs, n_side):
+    """The quantized-activation prompt path (decode the codes once, every group's product in one batched GEMM, the
+    side product in float32, one rounding) on the decoded codes: the kernel's function within one float16 ulp
+    (float32 summation order), and a wrong scale row is far outside it."""
+    import torch
+    from unionsparse.compressor.runtime.agreement import ulp16
+    from unionsparse.kernels.iebme_decode import dense_int_product
+
+    rng = np.random.default_rng(bits * 7 + gs + n_side)
+    codes, mat, ws, xq, xs, side = _int_case(rng, 37, 200, bits, perm, gs, 70, n_side)
+    want = _int_reference(mat, ws, xq, xs, gs, side).float()
+    wc = torch.from_numpy(mat.decode().astype(np.float16))
+    got = dense_int_product(wc, torch.from_numpy(ws), torch.from_numpy(xq), torch.from_numpy(xs), gs, side).float()
+    assert ((got - want).abs() <= ulp16(want)).all()
+    bad = dense_int_product(wc, torch.from_numpy(np.roll(ws, 1, axis=0)), torch.from_numpy(xq),
+                            torch.from_numpy(xs), gs, side).float()
+    assert ((bad - want).abs() > 4 * ulp16(want)).float().mean() > 0.5
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("perm", ["none", "random"])
+@pytest.mark.parametrize("m,k,gs,n_side", [(64, 512, 128, 0), (100, 1000, 64, 16), (333, 4100, 4100, 128)])
+def test_gpu_decode_codes_and_the_dense_int_prefill(bits, perm, m, k, gs, n_side):
+    """kernels/iebme_decode.cu with CODES: the dense codes bit for bit the decoded matrix (padding zero); the
+    quantized-activation prompt product (iebme_decode.spmm_dense_int) within one float16 ulp of the kernel's
+    function at N = 64 and 300, the outlier side product included."""
+    import cupy as cp
+    import torch
+    from unionsparse.compressor.runtime.agreement import ulp16
+    from unionsparse.kernels.iebme_decode import decode_dense, spmm_dense_int
+    from unionsparse.kernels.iebme_spmm import prepare_layer
+
+    rng = np.random.default_rng(m + k + bits + n_side)
+    for n in (64, 300):
+        codes, mat, ws, xq, xs, side = _int_case(rng, m, k, bits, perm, gs, n, n_side)
+        layer = prepare_layer(mat, ws, gs)
+        kp = layer.tc * 64
+        want_codes = np.zeros((m, kp), np.float16)
+        want_codes[:, :k] = codes
+        out = cp.full((m, kp), cp.nan, cp.float16)
+        assert decode_dense(layer, out, codes=True).get().view(np.uint16).tolist() == \
+            want_codes.view(np.uint16).tolist()
+        want = _int_reference(mat, ws, xq, xs, gs, side).float()
+        xq_d = torch.zeros(n, kp, dtype=torch.int8)
+        xq_d[:, :k] = torch.from_numpy(xq)
+        dev_side = None if side is None else tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in side)
+        got = spmm_dense_int(layer, xq_d.cuda(), torch.from_numpy(xs).cuda(), dev_side).float().cpu()
+        assert ((got - want).abs() <= ulp16(want)).all(), (n, float((got - want).abs().max()))

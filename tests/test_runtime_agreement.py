@@ -260,6 +260,33 @@ def test_w4a16_prompts_take_the_dense_prefill_when_it_is_on_and_a_fault_of_it_fa
     assert not ag.ok and ag.worst.worst_ratio > 4, ag.worst
 
 
+@pytest.mark.parametrize("case", ["w4a4-outliers", "w2a4-outliers"])
+def test_quantized_prompts_take_the_dense_prefill_when_it_is_on_and_a_fault_of_it_fails(case, artifacts,
+                                                                                        monkeypatch):
+    """With the IE-BME prefill on, a W4A4 / W2A4 prompt of 200 tokens runs ``iebme_dense`` (codes decoded once, the
+    groups in one batched GEMM, the outlier side product handed along) and decode steps the kernel; both agree with
+    the CPU op, and a fault of the prompt path (the outlier side product left out) fails the check."""
+    from unionsparse.kernels.reference_ops import ReferenceKernels
+
+    monkeypatch.setattr(KernelOp, "IEBME_DENSE", True)
+    right = ReferenceKernels.iebme_dense
+    calls = []
+
+    def counted(self, layer, xq, sx, side=None):
+        calls.append((int(xq.shape[0]), side is not None))
+        return right(self, layer, xq, sx, side)
+
+    monkeypatch.setattr(ReferenceKernels, "iebme_dense", counted)
+    a = artifacts(case)
+    _check(runtime.load(a, backend="reference", fuse=True), runtime.load(a, fuse=True), "prefill200")
+    assert calls and {c[0] for c in calls} == {200} and all(c[1] for c in calls)  # the prompt, with its side
+
+    monkeypatch.setattr(ReferenceKernels, "iebme_dense", lambda self, layer, xq, sx, side=None: right(
+        self, layer, xq, sx, None))
+    ag = _agree(runtime.load(a, backend="reference"), runtime.load(a), "prefill200")
+    assert not ag.ok and ag.worst.worst_ratio > 4, ag.worst
+
+
 def test_tolerance_is_rounding_sized(artifacts):
     """The tolerance is a few float16 ulps of the outputs, not a blanket allowance."""
     cpu = runtime.load(artifacts("w4a4-outliers"))
@@ -490,6 +517,21 @@ def test_gpu_w4a16_dense_prefill_agrees(artifacts, monkeypatch):
     ag = _agree(runtime.load(a, device="cuda", fuse=True), runtime.load(a, fuse=True), "prefill200")
     _record({"case": "tiny w4a16 dense prefill", "fuse": True, "run": "prefill200", "ratio": ag.worst.worst_ratio,
              "ok": ag.ok})
+    assert ag.ok, "\n".join(ag.failures())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", ["w4a4-outliers", "w2a4-outliers", "w4a8"])
+def test_gpu_quantized_dense_prefill_agrees(case, artifacts, monkeypatch):
+    """The IE-BME prompt path for quantized activations on the GPU (kernels/iebme_decode.cu's codes, one batched
+    GEMM): every op of a 200-token prompt and the decode steps after it agree with the CPU path."""
+    monkeypatch.setattr(KernelOp, "IEBME_DENSE", True)
+    a = artifacts(case)
+    ag = _agree(runtime.load(a, device="cuda", fuse=True), runtime.load(a, fuse=True), "prefill200")
+    w = ag.worst
+    _record({"case": f"{case} dense prefill", "fuse": True, "run": "prefill200", "ops": len(ag.ops),
+             "worst_op": w.name, "max_err": w.max_err, "tol": w.tol_at_max, "ratio": w.worst_ratio, "ok": ag.ok})
     assert ag.ok, "\n".join(ag.failures())
 
 

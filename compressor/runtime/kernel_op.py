@@ -10,7 +10,9 @@ ready once (uploaded as they are on a GPU). Per call:
   gather, quantization and padding; or the quantized input the producing op handed over, ``QuantizingOp``), then the
   IE-BME product with the 8-bit outlier side product added in float32 in its epilogue before the one float16
   rounding, as the ``cpu`` backend does (side widths the epilogue does not take, and ``side_kernel`` "kernel" or
-  "torch": the product rounded, then the side product added by a second launch and rounded again);
+  "torch": the product rounded, then the side product added by a second launch and rounded again); with
+  ``IEBME_DENSE`` a prompt of ``iebme_decode.DENSE_FROM_N`` rows or more decodes the codes once and takes every
+  group's product in one batched GEMM, the side product added before the one rounding;
 * activation-sparse layers (Tiled-CBC): decode steps (``steps``, any batch) apply the stored threshold to every
   row; a prompt of several tokens runs every input active. Up to ``SPMSPV_ROWS`` rows (a decode step of up to
   8 sequences) are the spMspV, whose several-row kernel reads a weight column once for all the rows it is
@@ -150,6 +152,10 @@ class KernelOp(QuantizingOp):
 
     def _iebme(self, x: torch.Tensor) -> torch.Tensor:
         xq, sx, oq, osx = self._quantize(x)
+        if xq.shape[0] >= iebme_decode.DENSE_FROM_N and self._dense_prefill():  # a prompt: decode once
+            side = None if not self.n_side else (oq.contiguous(), osx.float().contiguous(), self.side_codes,
+                                                 self.side_scales, self.side_group)
+            return self.kernels.iebme_dense(self.layer, xq, sx, side)
         if not self.n_side:
             return self.kernels.iebme_spmm(self.layer, xq, sx)
         oq, osx = oq.contiguous(), osx.float().contiguous()
