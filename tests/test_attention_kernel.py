@@ -256,3 +256,35 @@ def test_rope_kernel_writes_o_proj_input_and_replays_in_a_graph():
         wq = get("cuda").act_quant(want.reshape(b, h * d), rule)
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2), pos
         assert torch.equal(o, want) and torch.equal(codes, wq[0]) and torch.equal(scales, wq[1]), pos
+
+
+@pytest.mark.gpu
+@needs_gpu
+@torch.inference_mode()
+def test_rope_in_attention_gives_the_decode_steps_bit_for_bit():
+    """A float16 GQA LLaMA (head dim 64) on the GPU glue, batch 3 with left-padded rows: prefill then 6 greedy decode
+    steps with ROPE_IN_ATTENTION off and on give the same logits bit for bit (the fused launch is rotary_cache then
+    attention exactly), eager and replayed from the CUDA graph."""
+    import transformers
+    from unionsparse.compressor.runtime.decoder import GraphedStep, StaticDecoder
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval().half().cuda()
+    ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(1)).cuda()
+    runs = {}
+    saved = StaticDecoder.ROPE_IN_ATTENTION
+    try:
+        for rope in (False, True):
+            StaticDecoder.ROPE_IN_ATTENTION = rope
+            dec = StaticDecoder(m, 3, 40)
+            assert dec.glue == "kernels"
+            first = dec.prefill(ids, [9, 4, 7])
+            dec.tokens.copy_(first.argmax(-1))
+            eager = [dec.step().clone() for _ in range(3)]
+            step = GraphedStep(dec, greedy=True)
+            runs[rope] = torch.stack([first, *eager, *(step().clone() for _ in range(3))])
+    finally:
+        StaticDecoder.ROPE_IN_ATTENTION = saved
+    assert torch.equal(runs[False], runs[True])
