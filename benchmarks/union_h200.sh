@@ -11,12 +11,14 @@
 #     positions) beside the unstructured 50% (94% of the positions) and the 0% control, fp16 and dense W4A16
 #     (tinygemm). Results in $OUT/union.
 #   device tool:  run(command="bash benchmarks/union_h200.sh", carry=[".whl"], timeout_s=600)
+# `bash benchmarks/union_h200.sh prefill` (about 2 minutes): (1) and (2) only.
 source benchmarks/device_env.sh || exit 1
 timeout 150 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
-  tests/test_kernels_iebme.py tests/test_runtime_agreement.py -k "decode_dense or dense_prefill or decode_codes" \
+  tests/test_kernels_iebme.py tests/test_runtime_agreement.py -k "decode_dense or dense_prefill or dense_int" \
   2>&1 | tee "$DEST/iebme_prefill_gpu_tests.log" | tail -3
 timeout 90 python3 benchmarks/prefill_decode_gemm.py --format iebme --rows 32,64,128,512 --out "$DEST" 2>&1 | tail -5
 timeout 90 python3 benchmarks/prefill_decode_gemm.py --format iebme-int --rows 32,64,128,512 --out "$DEST" 2>&1 | tail -5
+[ "${1:-}" = prefill ] && exit 0
 mkdir -p "$DEST/union"
 E2E_BUDGET="${E2E_BUDGET:-110}" E2E_TIMEOUT="${E2E_TIMEOUT:-190}" OUT="$DEST/union" bash benchmarks/e2e_h200.sh \
   --spec llama2-7b --batch "${BATCHES:-1,8}" --context 512 \

@@ -17,5 +17,5 @@ source benchmarks/device_env.sh || exit 1
 timeout 520 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m "gpu and not slow" \
   tests/test_attention_kernel.py tests/test_kernels_iebme.py tests/test_kernels_tiled_cbc.py \
   tests/test_runtime_agreement.py \
-  -k "rope or decode_dense or decode_codes or dense_prefill or dense_path or cbc4 or gpu_eval_runs or graph_replay" \
+  -k "rope or decode_dense or dense_int or dense_prefill or dense_path or cbc4 or gpu_eval_runs or graph_replay" \
   2>&1 | tee "$DEST/verify_round_gpu_tests.log" | tail -15

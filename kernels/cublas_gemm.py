@@ -6,7 +6,7 @@ handle per device with its own workspace (a CuPy allocation), and exposes one ca
 
     gemm_f16(transa, transb, m, n, k, a, lda, b, ldb, c, ldc)   # column-major C = op(A) op(B), pointers
 
-fp16 inputs and output, fp32 accumulation (CUBLAS_COMPUTE_32F), on CuPy's current stream.
+fp16 inputs, fp16 (or fp32, ``c32``) output, fp32 accumulation (CUBLAS_COMPUTE_32F), on CuPy's current stream.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import ctypes
 from .errors import KernelError
 
 CUDA_R_16F = 2
+CUDA_R_32F = 0
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 OP_N, OP_T = 0, 1
@@ -69,16 +70,18 @@ def _handle():
 
 
 def gemm_f16(transa: int, transb: int, m: int, n: int, k: int, a: int, lda: int, b: int, ldb: int, c: int,
-             ldc: int) -> None:
-    """Column-major ``C[m, n] = op(A) @ op(B)`` on device pointers (fp16, fp32 accumulation, beta = 0)."""
+             ldc: int, c32: bool = False, accumulate: bool = False) -> None:
+    """Column-major ``C[m, n] = op(A) @ op(B)`` on device pointers (fp16 A and B, fp32 accumulation); C fp16, or
+    fp32 with ``c32``; ``accumulate``: C += the product (beta = 1)."""
     import cupy as cp
 
     lib = _lib()
     h = _handle()
     _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(cp.cuda.get_current_stream().ptr)), "cublasSetStream")
     _check(lib.cublasGemmEx(h, transa, transb, m, n, k, ctypes.byref(_ONE), ctypes.c_void_p(a), CUDA_R_16F, lda,
-                            ctypes.c_void_p(b), CUDA_R_16F, ldb, ctypes.byref(_ZERO), ctypes.c_void_p(c), CUDA_R_16F,
-                            ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
+                            ctypes.c_void_p(b), CUDA_R_16F, ldb, ctypes.byref(_ONE if accumulate else _ZERO),
+                            ctypes.c_void_p(c), CUDA_R_32F if c32 else CUDA_R_16F, ldc, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
 
 
 def dense_halves(bits: int | None) -> int:
@@ -88,10 +91,11 @@ def dense_halves(bits: int | None) -> int:
     return 2 if bits is not None and bits > 2 else 1
 
 
-def gemm_decoded(ws, x, k: int, kp: int, halves: int, out) -> None:
+def gemm_decoded(ws, x, k: int, kp: int, halves: int, out, accumulate: bool = False) -> None:
     """``out`` [N, M] = ``x`` [N, >= k] times the decoded weight ``ws`` [M, halves * kp] (CuPy fp16, contiguous):
     with two halves, the product of [x, x] (each padded to kp) with hi | lo over 2 kp inner columns, so every
-    product is exact and the float32 sum is the reference's up to order."""
+    product is exact and the float32 sum is the reference's up to order. ``out`` float16, or float32 (then
+    ``accumulate`` adds the product to it)."""
     import cupy as cp
 
     n, m = x.shape[0], ws.shape[0]
@@ -102,4 +106,5 @@ def gemm_decoded(ws, x, k: int, kp: int, halves: int, out) -> None:
         x2[:, kp : kp + k] = x[:, :k]
         x, inner = x2, 2 * kp
     # Y [N, M] row-major is Y^T [M, N] column-major: Y^T = W X^T with W read transposed
-    gemm_f16(OP_T, OP_N, m, n, inner, ws.data.ptr, ws.shape[1], x.data.ptr, x.shape[1], out.data.ptr, m)
+    gemm_f16(OP_T, OP_N, m, n, inner, ws.data.ptr, ws.shape[1], x.data.ptr, x.shape[1], out.data.ptr, m,
+             c32=out.dtype == cp.float32, accumulate=accumulate)

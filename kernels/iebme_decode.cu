@@ -3,8 +3,8 @@
 // group scale, formed in float32 where it is exact (at most 3 + 11 significant bits). 4-bit weights are written as
 // two float16 halves, hi = fp16(w) to Wd[:, 0:kp] and lo = fp16(w - hi) (exact) to Wd[:, kp:2kp], so one GEMM of
 // [X, X] over 2 kp columns sums exact products (tiled_cbc_spmm.cu's tcbc_decode_dense_int does the same); 2-bit
-// weights (-2..1 times a float16 scale) are float16 already: hi only. CODES: the codes themselves (exact float16
-// integers, no scale, one half) for the quantized-activation prompt path (iebme_decode.spmm_dense_int).
+// weights (-2..1 times a float16 scale) are float16 already: hi only. A position with code 0 (padding columns share
+// union positions with real ones) reads no scale: past K the group index runs off the scales.
 // Block = one local tile, thread = 4 of its 1024 elements in original row order: tile row r is permuted row
 // i = pinv[r] (identity without permutations), i.e. area row a = i / 8, union row i % 8; column c is area column
 // b = c / 32, union column c % 32; the union position p = (i % 8) * 32 + c % 32 is stored when its bit is set,
@@ -13,14 +13,14 @@
 
 typedef unsigned long long u64;
 
-template <int BITS, bool CODES>
+template <int BITS>
 __global__ void __launch_bounds__(256) iebme_decode_dense(const unsigned char* __restrict__ values,
                                                           const u64* __restrict__ bitmaps,
                                                           const unsigned* __restrict__ offsets,
                                                           const unsigned char* __restrict__ pinv,
                                                           const u16* __restrict__ wsT, u16* __restrict__ Wd, int M,
                                                           int tc, int kp, int mp, int gs) {
-    constexpr int HALVES = BITS > 2 && !CODES ? 2 : 1;
+    constexpr int HALVES = BITS > 2 ? 2 : 1;
     __shared__ u64 words[4];
     __shared__ unsigned before[5];  // set bits of the words before word w; before[4]: the tile's P
     const int t = blockIdx.x, tr = t / tc, tcol = t % tc;
@@ -49,18 +49,14 @@ __global__ void __launch_bounds__(256) iebme_decode_dense(const unsigned char* _
             const unsigned bitpos = idx * BITS;
             const int shift = (int)(bitpos & 7u);  // the code's top bit to bit 31, then back: sign-extended
             const int code = ((int)((unsigned)values[bitpos >> 3] << (32 - BITS - shift))) >> (32 - BITS);
-            w = CODES ? (float)code : (float)code * h2f(wsT[(size_t)(col / gs) * mp + row]);
+            if (code != 0) w = (float)code * h2f(wsT[(size_t)(col / gs) * mp + row]);
         }
         const u16 hi = f2h(w);
         Wd[(size_t)row * ldw + col] = hi;
         if (HALVES == 2) Wd[(size_t)row * ldw + kp + col] = f2h(w - h2f(hi));
     }
 }
-#define INSTANTIATE(BITS, CODES)                                                                                 \
-    template __global__ void iebme_decode_dense<BITS, CODES>(const unsigned char*, const u64*, const unsigned*,   \
-                                                             const unsigned char*, const u16*, u16*, int, int, int, \
-                                                             int, int);
-INSTANTIATE(4, false)
-INSTANTIATE(2, false)
-INSTANTIATE(4, true)
-INSTANTIATE(2, true)
+template __global__ void iebme_decode_dense<4>(const unsigned char*, const u64*, const unsigned*,
+                                               const unsigned char*, const u16*, u16*, int, int, int, int, int);
+template __global__ void iebme_decode_dense<2>(const unsigned char*, const u64*, const unsigned*,
+                                               const unsigned char*, const u16*, u16*, int, int, int, int, int);

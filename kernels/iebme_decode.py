@@ -3,10 +3,10 @@
 * float16 activations (W4A16 / W2A16, :func:`spmm_dense16`): the dense float16 weight (``iebme_decode.cu``; 4-bit
   weights as exact hi | lo halves), then one cuBLAS GEMM (``cublas_gemm.gemm_decoded``); the result is
   ``iebme_reference.iebme_float_reference``'s up to float32 summation order (every product exact);
-* quantized activations (W4A4 / W2A4 / W4A8 / W2A8, :func:`spmm_dense_int`): the codes as a dense float16 matrix,
-  then every quantization group's integer product in one batched float32 GEMM (exact: codes of at most 8 bits,
-  group sums far below 2^24) and the scaled groups summed (``formats.arithmetic.grouped``), the outlier side
-  product added in float32, one float16 rounding: ``iebme_spmm``'s function up to float32 summation order.
+* quantized activations (W4A4 / W2A4 / W4A8 / W2A8, :func:`spmm_dense_int`): the same dense weight, and each input
+  s_x · q_x (exact in float32) as two float16 halves; two cuBLAS GEMMs (hi, then lo added) into one float32 result,
+  so every product is exact and every sum float32, the outlier side product added, one float16 rounding:
+  ``iebme_spmm``'s function up to float32 rounding of the sums (the group scaling is folded into the products).
 
 The IE-BME kernels take 32 tokens a launch, so a prompt of N tokens re-reads the layer N / 32 times; from
 ``DENSE_FROM_N`` rows the runtime decodes once instead (``KernelOp``), when ``DENSE_PREFILL`` is on.
@@ -29,30 +29,26 @@ DENSE_FROM_N = 64  # rows from which an IE-BME product decodes once (not yet mea
 _WS: dict[tuple, object] = {}  # decode workspaces, one per shape
 
 
-_NAMES = tuple(f"iebme_decode_dense<{b}, {c}>" for b in (4, 2) for c in ("false", "true"))
-
-
 @cache
-def _function(bits: int, codes: bool = False):
+def _function(bits: int):
     from .loader import load_module
 
-    return load_module("iebme_decode", _NAMES).get_function(f"iebme_decode_dense<{bits}, {str(codes).lower()}>")
+    return load_module("iebme_decode", (f"iebme_decode_dense<{bits}>",)).get_function(f"iebme_decode_dense<{bits}>")
 
 
-def decode_dense(layer, out=None, codes: bool = False):
+def decode_dense(layer, out=None):
     """The layer (``iebme_spmm.DeviceLayer``, tile 16x64, areas 2x2) as a dense CuPy float16 [M, halves * Kp]
     (Kp = 64 x tile columns; ``dense_halves``): w = code x scale, 4-bit as hi = fp16(w) in [0, Kp) and
-    lo = fp16(w - hi) in [Kp, 2 Kp) (``iebme_reference.decoded_dense_reference``). ``codes``: the codes themselves,
-    [M, Kp] (``iebme_matrix.decode()``, padded)."""
+    lo = fp16(w - hi) in [Kp, 2 Kp) (``iebme_reference.decoded_dense_reference``)."""
     cp = require_cupy()
     m, k = layer.shape
     kp = layer.tc * 64
-    width = (1 if codes else dense_halves(layer.bits)) * kp
+    width = dense_halves(layer.bits) * kp
     if out is None:
         out = cp.empty((m, width), dtype=cp.float16)
     if out.shape != (m, width) or out.dtype != cp.float16 or not out.flags.c_contiguous:
         raise KernelError(f"out must be a contiguous float16 [{m}, {width}] array")
-    _function(layer.bits, codes)((layer.tr * layer.tc,), (256,), (
+    _function(layer.bits)((layer.tr * layer.tc,), (256,), (
         layer.values, layer.bitmaps, layer.offsets, layer.pinv if layer.pinv is not None else np.uint64(0),
         layer.wsT, out, np.int32(m),
         np.int32(layer.tc), np.int32(kp), np.int32(layer.mp), np.int32(min(layer.group_size, k))))
@@ -81,27 +77,52 @@ def spmm_dense16(layer, x, out=None):
 def spmm_dense_int(layer, xq, sx, side: tuple | None = None):
     """float16 Y [N, M] (torch) of the layer on quantized activations: codes ``xq`` int8 [N, >= K] with scales
     ``sx`` [N, G] (``InputRule``), and the outlier ``side`` (codes, scales, weight codes, weight scales, group) or
-    None. The layer's codes are decoded into a workspace (one per shape), then :func:`dense_int_product`."""
+    None. The dense weight (:func:`decode_dense`, shared with :func:`spmm_dense16`) times the inputs' exact halves
+    (:func:`scaled_inputs`): two cuBLAS GEMMs into one float32 result, the side added, one rounding."""
     import torch
 
     cp = require_cupy()
     m, k = layer.shape
-    key = ("codes", m, layer.tc * 64)
+    kp, halves = layer.tc * 64, dense_halves(layer.bits)
+    key = (m, halves * kp)
     if key not in _WS:
-        _WS[key] = cp.empty(key[1:], dtype=cp.float16)
-    codes = torch.from_dlpack(decode_dense(layer, _WS[key], codes=True))
-    w_scales = torch.from_dlpack(layer.wsT)[:, :m].T
-    return dense_int_product(codes[:, :k], w_scales, xq[:, :k], sx, min(layer.group_size, k), side)
+        _WS[key] = cp.empty(key, dtype=cp.float16)
+    ws = decode_dense(layer, _WS[key])
+    y = torch.empty(xq.shape[0], m, dtype=torch.float32, device=xq.device)
+    yc = cp.from_dlpack(y)
+    for i, part in enumerate(scaled_inputs(xq, sx, min(layer.group_size, k), k)):
+        gemm_decoded(ws, cp.from_dlpack(part), k, kp, halves, yc, accumulate=i > 0)
+    return _with_side(y, side)
 
 
-def dense_int_product(w_codes, w_scales, xq, sx, group_size: int, side: tuple | None = None):
-    """float16 [N, M]: the grouped integer product of activation codes ``xq`` [N, K] (scales ``sx`` [N, G]) and
-    weight codes ``w_codes`` [M, K] (scales ``w_scales`` [M, G]) by ``grouped_int_matmul_batched``, plus the
-    outlier ``side`` product in float32 (``grouped_int_matmul``), rounded once: what the IE-BME kernel computes,
-    up to float32 summation order. Any device (the CPU tests run it on decoded codes)."""
-    from ..formats.arithmetic.grouped import grouped_int_matmul, grouped_int_matmul_batched
+def scaled_inputs(xq, sx, group_size: int, k: int):
+    """(hi, lo) float16 [N, K] with hi + lo = s_x · q_x exactly: a code of at most 8 bits times a float16-valued scale
+    has at most 19 significant bits, hi = fp16 of it, lo = fp16 of the rest (exact unless it falls below float16's
+    normal range, where it keeps 2^-24 absolute). Any device."""
+    xs = xq[:, :k].float() * sx.float().repeat_interleave(group_size, dim=1)[:, :k]
+    hi = xs.half()
+    return hi, (xs - hi.float()).half()
 
-    y = grouped_int_matmul_batched(xq, sx, w_codes, w_scales, group_size)
+
+def dense_int_product(w_halves, xq, sx, group_size: int, side: tuple | None = None):
+    """:func:`spmm_dense_int`'s arithmetic in torch on any device: ``w_halves`` the dense weight as float16
+    ``[M, halves * K]`` (``iebme_reference.decoded_dense_reference``: hi | lo for 4-bit codes), every product
+    exact, float32 sums, the side product added, one float16 rounding (the CPU tests run it)."""
+    import torch
+
+    k = xq.shape[1]
+    halves = w_halves.shape[1] // k
+    wf = w_halves.float()
+    y = torch.zeros(xq.shape[0], w_halves.shape[0], dtype=torch.float32, device=xq.device)
+    for part in scaled_inputs(xq, sx, group_size, k):
+        y += torch.cat([part.float()] * halves, dim=1) @ wf.T
+    return _with_side(y, side)
+
+
+def _with_side(y, side: tuple | None):
+    """float16 of float32 ``y`` plus the outlier side product (``grouped_int_matmul``), rounded once."""
+    from ..formats.arithmetic.grouped import grouped_int_matmul
+
     if side is not None:
         oq, osx, wq, sw, group = side
         grouped_int_matmul(oq, osx, wq, sw, group, out=y)
