@@ -368,7 +368,12 @@ def test_a_wrong_o_proj_input_from_attention_fails_the_check(head128, monkeypatc
     def wrong(q, kc, vc, pos, offset, scale, rule):
         return attention.decode_attention_quant_reference(q, kc, vc, pos, offset, scale, replace(rule, clip=0.5))
 
+    def wrong_rope(*args):  # the same fault where the rotary is inside attention (StaticDecoder.ROPE_IN_ATTENTION)
+        *head, rule = args
+        return attention.decode_attention_rope_reference(*head, replace(rule, clip=0.5))
+
     monkeypatch.setattr(ReferenceKernels, "decode_attention_quant", staticmethod(wrong))
+    monkeypatch.setattr(ReferenceKernels, "decode_attention_rope", staticmethod(wrong_rope))
     a = head128("w4a8")
     ag = _agree(runtime.load(a, backend="reference", fuse=True), runtime.load(a, fuse=True), "prefill1")
     assert not ag.ok and ag.worst.name.endswith("o_proj") and ag.worst.worst_ratio > 4, ag.worst

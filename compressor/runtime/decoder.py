@@ -104,8 +104,8 @@ class StaticDecoder(nn.Module):
     GLUE = "kernels"  # where the runtime kernels take the model's dtype: "kernels" (one launch each) or "torch"
     PREQUANT = True  # with the glue kernels: quantizing producers (kernels/norm_quant.cu); False: the linears quantize
     # with the glue kernels: a decode step's rotary + KV write inside the attention launch (one launch a layer
-    # fewer); off until its GPU tests pass (benchmarks/glue_h200.sh)
-    ROPE_IN_ATTENTION = False
+    # fewer, the same values bit for bit; step time unchanged on an H100: docs/kernels.md, "Decode attention")
+    ROPE_IN_ATTENTION = True
 
     @property
     def glue(self) -> str:
