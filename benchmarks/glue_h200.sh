@@ -20,12 +20,20 @@
 # with o_proj's quantized input), then bench --e2e with it off and on in one process (benchmarks/step_ab.py --switch
 # rope), LLaMA-2-7B and Llama-3-8B (GQA), batch 1, context 512. When the tests pass and the step is faster, set
 # ROPE_IN_ATTENTION = True (compressor/runtime/decoder.py) and update docs/runtime.md's launch table.
+# `bash benchmarks/glue_h200.sh knockout` (about 4 minutes): the step with attention, the norms, SiLU·mul, or all
+# three replaced by views of their inputs, against the intact step (benchmarks/step_knockout.py): what each op
+# costs inside the graph, where the profiler's eager times overlap.
 # `bash benchmarks/glue_h200.sh compile` (about 5 minutes, most of it Inductor compiling): the glue three ways on the
 # same linears, LLaMA-2-7B batch 1 context 512, fp16 and IE-BME W4A16 50% (benchmarks/glue_compile.py): the
 # hand-written kernels, transformers' modules eager, and each glue op through torch.compile.
 set -o pipefail
 MODE="${1:-full}"
 source benchmarks/device_env.sh || exit 1
+if [ "$MODE" = knockout ]; then  # what each glue op costs the graphed step (benchmarks/step_knockout.py)
+  timeout 400 python3 benchmarks/step_knockout.py --kinds "${KINDS:-fp16,iebme-w4a16-50}" --out "$DEST" 2>&1 \
+    | tee "$DEST/step_knockout.log" | tail -8
+  exit 0
+fi
 if [ "$MODE" = compile ]; then  # issue 36 item 3: hand-written glue, torch eager, torch.compile (Inductor)
   timeout 500 python3 benchmarks/glue_compile.py --kinds "${KINDS:-fp16,iebme-w4a16-50}" --out "$DEST" 2>&1 \
     | tee "$DEST/glue_compile.log" | grep -v "^W1\|^I1" | tail -20
