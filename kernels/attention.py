@@ -159,10 +159,10 @@ def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
         return None
     if not (cos.is_contiguous() and sin.is_contiguous()):
         raise KernelError("decode_attention_rope: the rotary tables must be contiguous")
-    rows = [_aligned_rows(t) for t in (q, k, v)]
+    rows = [_aligned_rows(t) for t in (q, k, v)]  # these tensors (and rp) stay alive until the launch is queued
+    rp = rpos.reshape(-1).to(torch.int64).contiguous()
     rope = (*(x for r in rows for x in (np.uint64(r[0].data_ptr()), np.int64(r[1]))),
-            np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()),
-            np.uint64(_int64(rpos.reshape(-1)).data_ptr()))
+            np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()), np.uint64(rp.data_ptr()))
     if rule is not None and not quant_fusable(rule, q.shape[2], k_cache.shape[1], q.shape[3]):
         rule = None
     return _decode(qt, k_cache, v_cache, pos, offset, scale, rule, rope)
@@ -178,10 +178,6 @@ def _aligned_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         r = r if r.data_ptr() % 16 == 0 else r.clone()
         ld = r.shape[1]
     return r, ld
-
-
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int64).contiguous()
 
 
 def _decode(q, k_cache, v_cache, pos, offset, scale, rule, rope=None):

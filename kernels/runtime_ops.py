@@ -71,8 +71,8 @@ class RuntimeKernels(Protocol):
         weight codes, weight scales, group) the 8-bit outlier side groups in order, rounded once."""
 
     def iebme_dense(self, layer: Any, xq: torch.Tensor, sx: torch.Tensor, side: tuple | None = None) -> torch.Tensor:
-        """:meth:`iebme_spmm` for many rows (a prompt): the layer's codes decoded once to a dense matrix, every
-        quantization group's product in one batched GEMM (``kernels.iebme_decode.spmm_dense_int``)."""
+        """:meth:`iebme_spmm` for many rows (a prompt): the layer decoded once to a dense weight, the product as
+        dense GEMMs of exact halves into float32 (``kernels.iebme_decode.spmm_dense_int``)."""
 
     def side_fusable(self, oq: torch.Tensor, wq: torch.Tensor, group: int) -> bool:
         """Whether :meth:`iebme_spmm` takes this side product (else :meth:`side_product` adds it)."""

@@ -11,8 +11,8 @@ ready once (uploaded as they are on a GPU). Per call:
   IE-BME product with the 8-bit outlier side product added in float32 in its epilogue before the one float16
   rounding, as the ``cpu`` backend does (side widths the epilogue does not take, and ``side_kernel`` "kernel" or
   "torch": the product rounded, then the side product added by a second launch and rounded again); with
-  ``IEBME_DENSE`` a prompt of ``iebme_decode.DENSE_FROM_N`` rows or more decodes the codes once and takes every
-  group's product in one batched GEMM, the side product added before the one rounding;
+  ``IEBME_DENSE`` a prompt of ``iebme_decode.DENSE_FROM_N`` rows or more decodes the layer once to a dense weight
+  and takes the product as two GEMMs of exact halves into float32, the side product added before the one rounding;
 * activation-sparse layers (Tiled-CBC): decode steps (``steps``, any batch) apply the stored threshold to every
   row; a prompt of several tokens runs every input active. Up to ``SPMSPV_ROWS`` rows (a decode step of up to
   8 sequences) are the spMspV, whose several-row kernel reads a weight column once for all the rows it is

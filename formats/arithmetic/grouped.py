@@ -37,30 +37,3 @@ def grouped_int_matmul(
         out += (sxf[:, j : j + 1] * swf[:, j].unsqueeze(0)) * partial
     return out
 
-
-#: float32 elements of group products a batched call holds at once (512 MB); more rows are taken in chunks
-BATCHED_ELEMENTS = 1 << 27
-
-
-def grouped_int_matmul_batched(
-    xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, group_size: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`grouped_int_matmul` with every group's product in one batched matmul and the scaled groups summed by
-    one reduction, whose order is not the groups' order: equal to it up to float32 summation order. A handful of
-    launches on a GPU instead of four per group (the runtime's IE-BME prompts, ``kernels/iebme_decode.py``)."""
-    n, k = xq.shape
-    m = wq.shape[0]
-    g = n_groups(k, group_size)
-    pad = g * group_size - k
-    if out is None:
-        out = torch.zeros(n, m, dtype=torch.float32, device=xq.device)
-    wf = torch.nn.functional.pad(wq.float(), (0, pad)).view(m, g, group_size).permute(1, 2, 0)  # [G, gs, M]
-    swt = sw.float().T[:, None, :]  # [G, 1, M]
-    rows = max(1, BATCHED_ELEMENTS // (g * max(m, group_size)))
-    for a in range(0, n, rows):
-        xf = torch.nn.functional.pad(xq[a : a + rows].float(), (0, pad)).view(-1, g, group_size).transpose(0, 1)
-        p = torch.bmm(xf, wf)  # [G, r, M]: exact integers
-        p *= sx[a : a + rows].float().T[:, :, None] * swt  # (s_x * s_w) * P, each product rounded
-        out[a : a + rows] += p.sum(0)
-    return out
