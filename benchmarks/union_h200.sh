@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# IE-BME, this round's open GPU work (issue 37), in ONE device call (about 5 minutes):
-# (1) GPU tests of the IE-BME prompt paths (kernels/iebme_decode.cu: the dense weight and the dense codes bit for bit
-#     their references; W4A16: decode once + cuBLAS; W4A4 / W2A4 / W4A8: the codes once + every group in one batched
-#     GEMM; the runtime's op-by-op agreement with them on). When they pass, set kernels.iebme_decode.DENSE_PREFILL =
-#     True (and say so in docs/kernels.md, "IE-BME prefill").
+# IE-BME prompts and union-structured masks (issue 37), in ONE device call (about 5 minutes):
+# (1) GPU tests of the IE-BME prompt paths (kernels/iebme_decode.cu: the dense weight bit for bit its reference;
+#     W4A16: decode once + cuBLAS; W4A4 / W2A4 / W4A8: the same weight times the inputs' exact halves, two GEMMs into
+#     float32; the runtime's op-by-op agreement with them on: kernels.iebme_decode.DENSE_PREFILL, on by default).
 # (2) their prefill timing against the kernel's 32-token launches (benchmarks/prefill_decode_gemm.py --format iebme
 #     and iebme-int);
 # (3) does sparsity buy time when the bytes shrink? bench --e2e, LLaMA-2-7B, context 512, batch 1 and 8, IE-BME W4A16

@@ -9,7 +9,8 @@
   ``iebme_spmm``'s function up to float32 rounding of the sums (the group scaling is folded into the products).
 
 The IE-BME kernels take 32 tokens a launch, so a prompt of N tokens re-reads the layer N / 32 times; from
-``DENSE_FROM_N`` rows the runtime decodes once instead (``KernelOp``), when ``DENSE_PREFILL`` is on.
+``DENSE_FROM_N`` rows (float16 activations) or ``DENSE_INT_FROM_N`` rows (quantized ones) the runtime decodes once
+instead (``KernelOp``), while ``DENSE_PREFILL`` is on (the default).
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from .cublas_gemm import dense_halves, gemm_decoded
 from .errors import KernelError
 from .loader import require_cupy
 
-#: Off until their GPU tests pass (written 2026-12-07 without a GPU: ``bash benchmarks/union_h200.sh`` runs them);
-#: meanwhile prompts go through the kernel 32 tokens a launch.
-DENSE_PREFILL = False
-DENSE_FROM_N = 64  # rows from which an IE-BME product decodes once (not yet measured: the kernel's N = 32 launches)
+#: On since the runtime's GPU agreement passed with it (H100, 2026-12-07; ``bash benchmarks/union_h200.sh prefill``).
+DENSE_PREFILL = True
+#: Rows from which a prompt decodes once, from the H100 timings of a LLaMA-2-7B block (docs/kernels.md, "IE-BME
+#: prefill"): W4A16 1.42 against the kernel's 1.84 ms at 64 rows; quantized inputs 2.94 against 3.66 at 128 rows, but
+#: 3.03 against 1.73 at 64. Decode steps (at most 32 rows) stay on the kernel either way.
+DENSE_FROM_N = 64
+DENSE_INT_FROM_N = 128
 _WS: dict[tuple, object] = {}  # decode workspaces, one per shape
 
 

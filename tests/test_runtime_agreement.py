@@ -514,8 +514,8 @@ def test_gpu_float16_activation_kernel_agrees(artifacts, smol_shaped, tmp_path, 
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_w4a16_dense_prefill_agrees(artifacts, monkeypatch):
-    """IE-BME W4A16 prompts decoded once to a dense weight + one cuBLAS GEMM (``IEBME_DENSE``, off by default until
-    this passes): every op agrees with the CPU op on a 200-token prompt and the decode steps after it."""
+    """IE-BME W4A16 prompts decoded once to a dense weight + one cuBLAS GEMM (``IEBME_DENSE``, the default since
+    this passed): every op agrees with the CPU op on a 200-token prompt and the decode steps after it."""
     monkeypatch.setattr(KernelOp, "IEBME16", True)
     monkeypatch.setattr(KernelOp, "IEBME_DENSE", True)
     a = artifacts("w4a16")

@@ -93,7 +93,8 @@ def tolerance(op: CpuOp, x2: torch.Tensor, steps: bool | None = None) -> tuple[t
     sum there. Tiled-CBC 4-bit codes in a product of ``DENSE_FROM_N`` rows or more are decoded to two float16 halves
     of each weight first (``tiled_cbc_spmm.decode_dense``), and so may an IE-BME W4A16 prompt of
     ``iebme_decode.DENSE_FROM_N`` rows (``iebme_decode.decode_dense``): twice the terms; a quantized-activation
-    prompt there also splits each input s_x · q_x in two halves and sums every product (``spmm_dense_int``)."""
+    prompt of ``iebme_decode.DENSE_INT_FROM_N`` rows splits each input s_x · q_x in two halves too and sums every
+    product (``spmm_dense_int``)."""
     impl = op.impl
     x = x2.detach().float().cpu()
     y = op(x, steps).float()
@@ -110,7 +111,7 @@ def tolerance(op: CpuOp, x2: torch.Tensor, steps: bool | None = None) -> tuple[t
         xq, sx, oq, osx = impl.quantize(x)
         mag = grouped_int_matmul(xq.abs(), sx.abs(), impl.w_codes.abs(), impl.w_scales.abs(), impl.group_size)
         terms = math.ceil(impl.in_features / impl.group_size)
-        if x.shape[0] >= iebme_decode.DENSE_FROM_N:  # a prompt may take the dense path: every product summed
+        if x.shape[0] >= iebme_decode.DENSE_INT_FROM_N:  # a prompt may take the dense path: every product summed
             terms = 2 * dense_halves(impl.bits) * impl.in_features
         extra = torch.zeros_like(mag)
         if impl.outliers is not None:

@@ -11,7 +11,7 @@ ready once (uploaded as they are on a GPU). Per call:
   IE-BME product with the 8-bit outlier side product added in float32 in its epilogue before the one float16
   rounding, as the ``cpu`` backend does (side widths the epilogue does not take, and ``side_kernel`` "kernel" or
   "torch": the product rounded, then the side product added by a second launch and rounded again); with
-  ``IEBME_DENSE`` a prompt of ``iebme_decode.DENSE_FROM_N`` rows or more decodes the layer once to a dense weight
+  ``IEBME_DENSE`` a prompt of ``iebme_decode.DENSE_INT_FROM_N`` rows or more decodes the layer once to a dense weight
   and takes the product as two GEMMs of exact halves into float32, the side product added before the one rounding;
 * activation-sparse layers (Tiled-CBC): decode steps (``steps``, any batch) apply the stored threshold to every
   row; a prompt of several tokens runs every input active. Up to ``SPMSPV_ROWS`` rows (a decode step of up to
@@ -21,7 +21,7 @@ ready once (uploaded as they are on a GPU). Per call:
   of 8 rows below ``DENSE_FROM_N`` rows and decode once + cuBLAS from there (a prompt);
 * IE-BME W4A16 / W2A16 (float16 activations): the float16-activation IE-BME kernel on the stored arrays, where it
   takes the geometry (``IEBME16``, or ``kernels.iebme_spmm.FLOAT16_ACTIVATIONS``, on by default), and with
-  ``IEBME_DENSE`` (``kernels.iebme_decode.DENSE_PREFILL``, off until its GPU tests pass) a prompt of
+  ``IEBME_DENSE`` (``kernels.iebme_decode.DENSE_PREFILL``, on by default) a prompt of
   ``iebme_decode.DENSE_FROM_N`` rows or more decoded once to a dense weight for one GEMM; otherwise the decoded
   weight in fp16, kept, and one dense product (cuBLAS on a GPU).
 
@@ -54,7 +54,7 @@ class KernelOp(QuantizingOp):
     IEBME16 = None          # IE-BME W4A16 / W2A16 through the kernel: True, False (the decoded weight and cuBLAS),
     #                         None: kernels.iebme_spmm.FLOAT16_ACTIVATIONS (on by default)
     IEBME_DENSE = None      # ...and from iebme_decode.DENSE_FROM_N rows decoded once to a dense weight + one GEMM:
-    #                         True, False, None: kernels.iebme_decode.DENSE_PREFILL (off until its GPU tests pass)
+    #                         True, False, None: kernels.iebme_decode.DENSE_PREFILL (on by default)
     side_kernel = "fused"  # the 8-bit outlier side product: "fused" (in the IE-BME kernel's epilogue, one rounding),
     #                        "kernel" (a second launch) or "torch" (grouped products); both of these round twice
 
@@ -152,7 +152,7 @@ class KernelOp(QuantizingOp):
 
     def _iebme(self, x: torch.Tensor) -> torch.Tensor:
         xq, sx, oq, osx = self._quantize(x)
-        if xq.shape[0] >= iebme_decode.DENSE_FROM_N and self._dense_prefill():  # a prompt: decode once
+        if xq.shape[0] >= iebme_decode.DENSE_INT_FROM_N and self._dense_prefill():  # a prompt: decode once
             side = None if not self.n_side else (oq.contiguous(), osx.float().contiguous(), self.side_codes,
                                                  self.side_scales, self.side_group)
             return self.kernels.iebme_dense(self.layer, xq, sx, side)
