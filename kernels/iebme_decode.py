@@ -101,8 +101,8 @@ def spmm_dense_int(layer, xq, sx, side: tuple | None = None):
 
 def scaled_inputs(xq, sx, group_size: int, k: int):
     """(hi, lo) float16 [N, K] with hi + lo = s_x · q_x exactly: a code of at most 8 bits times a float16-valued scale
-    has at most 19 significant bits, hi = fp16 of it, lo = fp16 of the rest (exact unless it falls below float16's
-    normal range, where it keeps 2^-24 absolute). Any device."""
+    has at most 18 significant bits, hi = fp16 of it (11), lo = fp16 of the rest (exact unless it falls below
+    float16's normal range, where it keeps 2^-24 absolute). Any device."""
     xs = xq[:, :k].float() * sx.float().repeat_interleave(group_size, dim=1)[:, :k]
     hi = xs.half()
     return hi, (xs - hi.float()).half()

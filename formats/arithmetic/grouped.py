@@ -36,4 +36,3 @@ def grouped_int_matmul(
         partial = xf[:, a:b] @ wf[:, a:b].T
         out += (sxf[:, j : j + 1] * swf[:, j].unsqueeze(0)) * partial
     return out
-
