@@ -6,7 +6,8 @@ the dense weight, over the seven linears of a LLaMA-2-7B block (issues 37 and 38
 * ``--format iebme``: IE-BME W4A16, the float16-activation kernel 32 tokens a launch against
   ``iebme_decode.spmm_dense16``;
 * ``--format iebme-int``: IE-BME W4A4 (the inputs quantized once, outside the timing), the kernel 32 tokens a
-  launch against ``iebme_decode.spmm_dense_int`` (codes decoded once, every group in one batched GEMM).
+  launch against ``iebme_decode.spmm_dense_int`` (the decoded weight's exact halves times the inputs' exact
+  halves, two GEMMs into float32).
 
     python benchmarks/prefill_decode_gemm.py --format tcbc|iebme|iebme-int [--rows 8,32,128,512] [--sparsity 0.5]
         [--out DIR]
