@@ -263,9 +263,9 @@ def test_w4a16_prompts_take_the_dense_prefill_when_it_is_on_and_a_fault_of_it_fa
 @pytest.mark.parametrize("case", ["w4a4-outliers", "w2a4-outliers"])
 def test_quantized_prompts_take_the_dense_prefill_when_it_is_on_and_a_fault_of_it_fails(case, artifacts,
                                                                                         monkeypatch):
-    """With the IE-BME prefill on, a W4A4 / W2A4 prompt of 200 tokens runs ``iebme_dense`` (codes decoded once, the
-    groups in one batched GEMM, the outlier side product handed along) and decode steps the kernel; both agree with
-    the CPU op, and a fault of the prompt path (the outlier side product left out) fails the check."""
+    """With the IE-BME prefill on, a W4A4 / W2A4 prompt of 200 tokens runs ``iebme_dense`` (the layer decoded once,
+    the product as GEMMs of exact halves, the outlier side product handed along) and decode steps the kernel; both
+    agree with the CPU op, and a fault of the prompt path (the outlier side product left out) fails the check."""
     from unionsparse.kernels.reference_ops import ReferenceKernels
 
     monkeypatch.setattr(KernelOp, "IEBME_DENSE", True)
@@ -529,8 +529,9 @@ def test_gpu_w4a16_dense_prefill_agrees(artifacts, monkeypatch):
 @needs_gpu
 @pytest.mark.parametrize("case", ["w4a4-outliers", "w2a4-outliers", "w4a8"])
 def test_gpu_quantized_dense_prefill_agrees(case, artifacts, monkeypatch):
-    """The IE-BME prompt path for quantized activations on the GPU (kernels/iebme_decode.cu's codes, one batched
-    GEMM): every op of a 200-token prompt and the decode steps after it agree with the CPU path."""
+    """The IE-BME prompt path for quantized activations on the GPU (kernels/iebme_decode.cu's dense weight, two
+    GEMMs of exact halves into float32): every op of a 200-token prompt and the decode steps after it agree with the
+    CPU path."""
     monkeypatch.setattr(KernelOp, "IEBME_DENSE", True)
     a = artifacts(case)
     ag = _agree(runtime.load(a, device="cuda", fuse=True), runtime.load(a, fuse=True), "prefill200")
