@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from unionsparse.compressor.bench.e2e import e2e_command, format_table
+from unionsparse.compressor.bench.e2e import case_arguments, e2e_command, format_table
 from unionsparse.compressor.runtime.decoder import StaticDecoder
 from unionsparse.kernels.cluster_launch import programmatic_launches
 
@@ -45,13 +45,8 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = case_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]), KINDS)
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="pdl")
-    ap.add_argument("--spec", default="llama2-7b")
-    ap.add_argument("--kinds", default=KINDS)
-    ap.add_argument("--batch", default="1")
-    ap.add_argument("--context", default="512")
-    ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

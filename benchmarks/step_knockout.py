@@ -22,7 +22,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from unionsparse.compressor.bench.e2e import e2e_command
+from unionsparse.compressor.bench.e2e import case_arguments, e2e_command
 
 OPS = ("attention", "norms", "silu")
 
@@ -66,12 +66,7 @@ def knocked_out(ops: tuple[str, ...]) -> Iterator[None]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spec", default="llama2-7b")
-    ap.add_argument("--kinds", default="fp16,iebme-w4a16-50")
-    ap.add_argument("--batch", default="1")
-    ap.add_argument("--context", default="512")
-    ap.add_argument("--out", default="benchmarks/results")
-    args = ap.parse_args()
+    args = case_arguments(ap, "fp16,iebme-w4a16-50").parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cases = {"intact": (), **{op: (op,) for op in OPS}, "glue": OPS}

@@ -90,6 +90,17 @@ TARGETS = (  # (spec, context, kind, against, batches, at least x)
 # ------------------------------------------------------------------------------------------------ arguments
 
 
+def case_arguments(ap, kinds: str):
+    """Add the options of a script that runs `bench --e2e` cases side by side (``benchmarks/step_ab.py``,
+    ``step_knockout.py``): --spec, --kinds (default ``kinds``), --batch, --context, --out."""
+    ap.add_argument("--spec", default="llama2-7b")
+    ap.add_argument("--kinds", default=kinds)
+    ap.add_argument("--batch", default="1")
+    ap.add_argument("--context", default="512")
+    ap.add_argument("--out", default="benchmarks/results")
+    return ap
+
+
 def parse_ints(text: str | None, option: str, default: tuple[int, ...]) -> tuple[int, ...]:
     if text is None:
         return default
