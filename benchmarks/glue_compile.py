@@ -43,16 +43,10 @@ class CompiledGlue:
     name = "compiled"
 
     def __init__(self) -> None:
-        from unionsparse.kernels import attention, glue
+        from unionsparse.compressor.runtime.decoder import _TorchGlue  # the glue's torch references, one place
 
-        def compiled(fn):
-            return torch.compile(fn, dynamic=False)
-
-        self.rms_norm = compiled(glue.rms_norm_reference)
-        self.add_rms_norm = compiled(glue.add_rms_norm_reference)
-        self.silu_mul = compiled(glue.silu_mul_reference)
-        self.rotary_cache = compiled(glue.rotary_cache_reference)
-        self.decode_attention = compiled(attention.decode_attention_reference)
+        for name in ("rms_norm", "add_rms_norm", "silu_mul", "rotary_cache", "decode_attention"):
+            setattr(self, name, torch.compile(getattr(_TorchGlue, name), dynamic=False))
 
     @staticmethod
     def glue_dtypes() -> tuple[torch.dtype, ...]:

@@ -169,11 +169,12 @@ def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 
 
 def _aligned_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """[B, 1, heads, D] as rows [B, heads * D] with a unit column stride, 16-byte aligned rows (copied if not), and
-    the row stride in elements."""
-    r = t.reshape(t.shape[0], -1)
-    ld = r.stride(0) if r.shape[0] > 1 else r.shape[1]
-    if r.stride(-1) != 1 or r.data_ptr() % 16 or ld % 8:
+    """[B, 1, heads, D] as rows [B, heads * D] (``glue._rows``) whose starts are 16-byte aligned (the kernel's
+    vector loads; copied if not), and the row stride in elements."""
+    from .glue import _rows
+
+    r, ld = _rows(t.reshape(t.shape[0], -1))
+    if r.data_ptr() % 16 or ld % 8:
         r = r.contiguous()
         r = r if r.data_ptr() % 16 == 0 else r.clone()
         ld = r.shape[1]

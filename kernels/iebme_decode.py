@@ -59,6 +59,15 @@ def decode_dense(layer, out=None):
     return out
 
 
+def _decoded(layer):
+    """:func:`decode_dense` into the workspace of the layer's shape (one per shape, shared by the layers of it)."""
+    cp = require_cupy()
+    key = (layer.shape[0], dense_halves(layer.bits) * layer.tc * 64)
+    if key not in _WS:
+        _WS[key] = cp.empty(key, dtype=cp.float16)
+    return decode_dense(layer, _WS[key])
+
+
 def spmm_dense16(layer, x, out=None):
     """float16 Y [N, M] (CuPy) of the layer on float16 activations ``x`` [N, K]: decode into a workspace (one per
     shape, shared by the layers of that shape), then one cuBLAS GEMM with float32 accumulation."""
@@ -68,10 +77,7 @@ def spmm_dense16(layer, x, out=None):
     if x.dtype != cp.float16 or x.ndim != 2 or x.shape[1] < k:
         raise KernelError(f"x must be a float16 [N, >= {k}] array, got {x.dtype} {x.shape}")
     kp, halves = layer.tc * 64, dense_halves(layer.bits)
-    key = (m, halves * kp)
-    if key not in _WS:
-        _WS[key] = cp.empty(key, dtype=cp.float16)
-    ws = decode_dense(layer, _WS[key])
+    ws = _decoded(layer)
     if out is None:
         out = cp.empty((x.shape[0], m), dtype=cp.float16)
     gemm_decoded(ws, x, k, kp, halves, out)
@@ -88,10 +94,7 @@ def spmm_dense_int(layer, xq, sx, side: tuple | None = None):
     cp = require_cupy()
     m, k = layer.shape
     kp, halves = layer.tc * 64, dense_halves(layer.bits)
-    key = (m, halves * kp)
-    if key not in _WS:
-        _WS[key] = cp.empty(key, dtype=cp.float16)
-    ws = decode_dense(layer, _WS[key])
+    ws = _decoded(layer)
     y = torch.empty(xq.shape[0], m, dtype=torch.float32, device=xq.device)
     yc = cp.from_dlpack(y)
     for i, part in enumerate(scaled_inputs(xq, sx, min(layer.group_size, k), k)):
