@@ -18,8 +18,8 @@
 # `bash benchmarks/glue_h200.sh rope` (about 4 minutes): rotary + KV write inside the attention launch
 # (StaticDecoder.ROPE_IN_ATTENTION): its GPU tests (bit for bit against rotary_cache then attention, graph replay
 # with o_proj's quantized input), then bench --e2e with it off and on in one process (benchmarks/step_ab.py --switch
-# rope), LLaMA-2-7B and Llama-3-8B (GQA), batch 1, context 512. When the tests pass and the step is faster, set
-# ROPE_IN_ATTENTION = True (compressor/runtime/decoder.py) and update docs/runtime.md's launch table.
+# rope), LLaMA-2-7B and Llama-3-8B (GQA), batch 1, context 512 (on by default since 2026-12-07: the same values, one
+# launch a layer fewer, the same step time).
 # `bash benchmarks/glue_h200.sh knockout` (about 4 minutes): the step with attention, the norms, SiLU·mul, or all
 # three replaced by views of their inputs, against the intact step (benchmarks/step_knockout.py): what each op
 # costs inside the graph, where the profiler's eager times overlap.
