@@ -5,10 +5,12 @@ each of the step's own kernels is scheduled while the kernel before it still run
 ``griddepcontrol.wait``; IE-BME also issues its weight-only prologue before the wait.
 ``--switch rope``: a decode step's rotary embedding and KV-cache write inside the attention launch
 (``StaticDecoder.ROPE_IN_ATTENTION``, kernels/attention.cu): one launch a layer fewer.
+``--switch attention``: decode attention's split form (global partials, the last block combines) against its
+cluster form (``attention.CLUSTER``: the chunks of a head combined through distributed shared memory).
 
 Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
 
-    python benchmarks/step_ab.py --switch pdl|rope --out DIR     (a CUDA machine; benchmarks/glue_h200.sh runs it)
+    python benchmarks/step_ab.py --switch pdl|rope|attention --out DIR   (a CUDA machine; glue_h200.sh runs it)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from unionsparse.compressor.bench.e2e import case_arguments, e2e_command, format_table
 from unionsparse.compressor.runtime.decoder import StaticDecoder
+from unionsparse.kernels import attention
 from unionsparse.kernels.cluster_launch import programmatic_launches
 
 KINDS = "fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50-o128-dp,iebme-w4a4-50,iebme-w4a8-50"
@@ -36,11 +39,23 @@ def _rope(on: bool) -> Iterator[None]:
         StaticDecoder.ROPE_IN_ATTENTION = saved
 
 
+@contextlib.contextmanager
+def _cluster(on: bool) -> Iterator[None]:
+    saved = attention.CLUSTER
+    attention.CLUSTER = on
+    try:
+        yield
+    finally:
+        attention.CLUSTER = saved
+
+
 SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextManager]], ...]] = {
     "pdl": (("pdl off", lambda: programmatic_launches(False)),
             ("pdl on (default)", lambda: programmatic_launches(None))),
     "rope": (("rotary + KV write: own launch", lambda: _rope(False)),
              ("rotary + KV write: in attention", lambda: _rope(True))),
+    "attention": (("attention: split, global partials", lambda: _cluster(False)),
+                  ("attention: cluster, shared-memory combine", lambda: _cluster(True))),
 }
 
 

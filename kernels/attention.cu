@@ -18,6 +18,7 @@
 // Memory-level parallelism is the point at batch 1 (a layer's K and V are a few MB): each lane loads its D/32
 // halves of K and V of all SLOTS slots of its warp before using any (vector loads, one slot's row per warp load).
 #include "fp16.cuh"
+#include "cluster.cuh"
 
 #define CHUNK 32
 #define WARPS 4
@@ -281,6 +282,281 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
         for (int p = HD + threadIdx.x; p < oq.Kp; p += blockDim.x) oq.codes[(long long)b * oq.Kp + p] = 0;
 }
 
+// ---- The cluster form (sm_90; attention.CLUSTER): the chunks of a (row, KV head) combined in shared memory ----
+// Grid (CL, Hkv, B), one cluster of CL CTAs per (row, KV head), CL_WARPS warps of SLOTS slots a CTA: CTA r takes the
+// CL_CHUNK slots at r * CL_CHUNK, then every CL * CL_CHUNK further up to pos (one pass at context <= 512), keeping a
+// running max, sum and weighted V per head (online softmax). At the end rank 0 reads the CL partials from the
+// other CTAs' shared memory (distributed shared memory) and writes the output, rounded to float16 once. No global
+// partials, fence, ticket or second read of them: the split kernel's chain of memory trips after the scores was
+// longer than its K/V loads (15.5 us a layer at context 512 against about 3 us of bytes, H100).
+// Each pass issues its K/V loads first; the first pass's are in flight while q is loaded and rotated.
+#define CL 8
+#define CL_WARPS 8
+#define CL_CHUNK (CL_WARPS * SLOTS)  // 64 slots a CTA a pass
+
+// PER halves at p kept as float16 bits, two a word (word i / 2, low half first): a slot's K or V in half the
+// registers of floats, so every slot's load has its own registers and all are in flight together (as floats the
+// compiler reused the load registers across slots and the loads waited on each other).
+template <int PER>
+__device__ __forceinline__ void load_raw(const u16* __restrict__ p, unsigned int* w) {
+    if (PER % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 8) {
+            const uint4 x = *reinterpret_cast<const uint4*>(p + i);
+            w[i / 2] = x.x;
+            w[i / 2 + 1] = x.y;
+            w[i / 2 + 2] = x.z;
+            w[i / 2 + 3] = x.w;
+        }
+    } else if (PER % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 4) {
+            const uint2 x = *reinterpret_cast<const uint2*>(p + i);
+            w[i / 2] = x.x;
+            w[i / 2 + 1] = x.y;
+        }
+    } else if (PER % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 2) w[i / 2] = *reinterpret_cast<const unsigned int*>(p + i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < PER; i += 2) w[i / 2] = p[i] | (i + 1 < PER ? (unsigned int)p[i + 1] << 16 : 0u);
+    }
+}
+
+// element i of a load_raw word array, as a float
+__device__ __forceinline__ float raw_at(const unsigned int* w, int i) {
+    return h2f((u16)(i & 1 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu));
+}
+
+// float16 bits h as element i of a load_raw word array
+__device__ __forceinline__ void raw_set(unsigned int* w, int i, u16 h) {
+    w[i / 2] = i & 1 ? (w[i / 2] & 0xffffu) | ((unsigned int)h << 16) : (w[i / 2] & 0xffff0000u) | h;
+}
+
+// Load the warp's SLOTS slots of the pass at j0 that row b sees (all loads issued before any use); with the fused
+// rotary the slot holding pos is left to rope_slot (its k and v are this token's, rotated). Returns that slot or -1.
+template <int PER>
+__device__ __forceinline__ int load_slots(const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+                                          long long base, long long j0, int warp, int lane, long long p,
+                                          long long off, bool rope, bool* seen, unsigned int (*kv)[(PER + 1) / 2],
+                                          unsigned int (*vv)[(PER + 1) / 2]) {
+    constexpr int D = PER * 32;
+    int mine = -1;
+#pragma unroll
+    for (int u = 0; u < SLOTS; ++u) {
+        const int jj = warp * SLOTS + u;
+        const long long j = j0 + jj;
+        seen[u] = j <= p && (j >= off || j == p);
+        if (rope && j == p) {
+            mine = u;
+        } else if (seen[u]) {
+            load_raw<PER>(k_cache + base + (j - j0) * D + lane * PER, kv[u]);
+            load_raw<PER>(v_cache + base + (j - j0) * D + lane * PER, vv[u]);
+        }
+    }
+    return mine;
+}
+
+template <int PER>
+__device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const u16* __restrict__ k_cache,
+                                               const u16* __restrict__ v_cache, const long long* __restrict__ pos,
+                                               const long long* __restrict__ offset, int H, int Hkv, int L,
+                                               float scale, u16* __restrict__ out, float* dyn, const OutQuant& oq,
+                                               const Rope& rp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int D = PER * 32;
+    __shared__ float sc[MAX_G][CL_CHUNK];
+    __shared__ float run_m[MAX_G], run_l[MAX_G], alpha[MAX_G], ew[MAX_G][CL];
+    const int r = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;  // r: the rank in the cluster (grid x == CL)
+    const int G = H / Hkv, GD = G * D;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* red = dyn;                        // [CL_WARPS / 2][G * D]: the warps' weighted V of a pass
+    float* acc = dyn + (CL_WARPS / 2) * GD;  // [G * D]: the CTA's running weighted V (read by rank 0 at the end)
+    float* qs = acc + GD;                    // [G * D]: q times the scale
+    const long long p = ld_after_wait(pos);  // written by the step: a load kept after the wait (pdl.cuh)
+    const long long off = offset[b];
+    const long long head0 = (long long)b * H + (long long)hk * G;  // first query head of this KV head
+    const long long row0 = ((long long)b * Hkv + hk) * L * D;       // this (row, KV head)'s cache
+    const bool rope = rp.rq != nullptr;
+
+    long long j0 = (long long)r * CL_CHUNK;
+    bool seen[SLOTS];
+    unsigned int kv[SLOTS][(PER + 1) / 2], vv[SLOTS][(PER + 1) / 2];  // float16 bits (load_raw)
+    int mine = -1;
+    if (j0 <= p)  // the first pass's loads before anything else
+        mine = load_slots<PER>(k_cache, v_cache, row0 + j0 * D, j0, warp, lane, p, off, rope, seen, kv, vv);
+
+    float cs[PER], sn[PER];  // the rotary tables at this row's position (fused form)
+    if (rope) {
+        const long long pr = ld_after_wait(rp.rpos + b);  // written by the step, like pos
+        load_halves<PER>(rp.cos_t + pr * D + lane * PER, cs);
+        load_halves<PER>(rp.sin_t + pr * D + lane * PER, sn);
+    }
+    // q times the scale, in shared memory (registers hold the slots; each lane reads back its own elements)
+    for (int g = warp; g < G; g += CL_WARPS) {
+        float x[PER];
+        if (rope) {  // rotated here, rounded to float16 as rotary_cache writes it
+            u16 h[PER];
+            load_halves<PER>(rp.rq + (long long)b * rp.ld_q + (hk * G + g) * D + lane * PER, x);
+            rotate<PER>(x, cs, sn, lane, h);
+#pragma unroll
+            for (int i = 0; i < PER; ++i) x[i] = h2f(h[i]);
+        } else {
+            load_halves<PER>(q + (head0 + g) * D + lane * PER, x);
+        }
+#pragma unroll
+        for (int i = 0; i < PER; ++i) qs[g * D + lane * PER + i] = x[i] * scale;
+    }
+    for (int e = threadIdx.x; e < GD; e += blockDim.x) acc[e] = 0.f;
+    if (threadIdx.x < MAX_G) {
+        run_m[threadIdx.x] = NEG_INF;
+        run_l[threadIdx.x] = 0.f;
+    }
+
+    __syncthreads();  // qs, acc, run_m and run_l written
+    const int uw = (lane >> 2) & 7;  // the lane's slot after the transposing reduction
+    while (j0 <= p) {
+#pragma unroll
+        for (int u = 0; u < SLOTS; ++u)  // (a constant index: the slots stay in registers)
+            if (u == mine) {  // this token (warp-uniform): rotated k and v into the caches and the registers
+                float x[PER];
+                u16 h[PER];
+                load_halves<PER>(rp.rk + (long long)b * rp.ld_k + hk * D + lane * PER, x);
+                rotate<PER>(x, cs, sn, lane, h);
+                load_raw<PER>(rp.rv + (long long)b * rp.ld_v + hk * D + lane * PER, vv[u]);
+                const long long at = row0 + p * D + lane * PER;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    raw_set(kv[u], i, h[i]);
+                    rp.k_out[at + i] = h[i];
+                    rp.v_out[at + i] = f2h(raw_at(vv[u], i));
+                }
+            }
+        const long long jw = j0 + warp * SLOTS + uw;
+        const bool seen_w = jw <= p && (jw >= off || jw == p);
+#pragma unroll
+        for (int g = 0; g < MAX_G; ++g)
+            if (g < G) {
+                float a[SLOTS];
+#pragma unroll
+                for (int u = 0; u < SLOTS; ++u) a[u] = 0.f;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    const float qi = qs[g * D + lane * PER + i];
+#pragma unroll
+                    for (int u = 0; u < SLOTS; ++u)
+                        if (seen[u]) a[u] = fmaf(qi, raw_at(kv[u], i), a[u]);
+                }
+                const float s = slot_sums(a, lane);
+                if ((lane & 3) == 0) sc[g][warp * SLOTS + uw] = seen_w ? s : NEG_INF;
+            }
+        __syncthreads();
+
+        // per head: the pass's max, the running max, sum and the factor alpha on what was summed before;
+        // sc becomes exp(s - the new max)
+        for (int g = warp; g < G; g += CL_WARPS) {
+            const float s0 = sc[g][lane], s1 = sc[g][lane + 32];
+            const float mo = run_m[g];
+            const float m = fmaxf(mo, warp_max(fmaxf(s0, s1)));
+            const float e0 = s0 == NEG_INF ? 0.f : expf(s0 - m), e1 = s1 == NEG_INF ? 0.f : expf(s1 - m);
+            sc[g][lane] = e0;
+            sc[g][lane + 32] = e1;
+            const float l = warp_sum(e0 + e1);
+            if (lane == 0) {
+                const float a = mo == NEG_INF ? 0.f : expf(mo - m);
+                alpha[g] = a;
+                run_m[g] = m;
+                run_l[g] = run_l[g] * a + l;
+            }
+        }
+        __syncthreads();
+
+        // weighted V: warps CL_WARPS/2.. into red, the others add theirs, then acc = acc * alpha + their sum
+        for (int half = 1; half >= 0; --half) {
+            if ((warp >= CL_WARPS / 2) == (half == 1)) {
+                float* dst = red + (warp % (CL_WARPS / 2)) * GD;
+#pragma unroll
+                for (int g = 0; g < MAX_G; ++g)
+                    if (g < G) {
+                        float o[PER];
+#pragma unroll
+                        for (int i = 0; i < PER; ++i) o[i] = 0.f;
+#pragma unroll
+                        for (int u = 0; u < SLOTS; ++u)
+                            if (seen[u]) {
+                                const float w = sc[g][warp * SLOTS + u];
+#pragma unroll
+                                for (int i = 0; i < PER; ++i) o[i] = fmaf(w, raw_at(vv[u], i), o[i]);
+                            }
+#pragma unroll
+                        for (int i = 0; i < PER; ++i) {
+                            float* at = dst + g * D + lane * PER + i;
+                            *at = half ? o[i] : *at + o[i];
+                        }
+                    }
+            }
+            __syncthreads();
+        }
+        for (int e = threadIdx.x; e < GD; e += blockDim.x) {
+            float o = 0.f;
+#pragma unroll
+            for (int w = 0; w < CL_WARPS / 2; ++w) o += red[w * GD + e];
+            acc[e] = fmaf(acc[e], alpha[e / D], o);
+        }
+        j0 += CL * CL_CHUNK;
+        mine = -1;
+        if (j0 <= p)  // the next pass's loads (red is read above by the same thread that wrote acc: no hazard)
+            mine = load_slots<PER>(k_cache, v_cache, row0 + j0 * D, j0, warp, lane, p, off, rope, seen, kv, vv);
+        __syncthreads();  // sc, alpha and red are rewritten by the next pass
+    }
+
+    // rank 0 combines the CL partials: o = sum_k acc_k exp(m_k - M) / sum_k l_k exp(m_k - M)
+    __syncthreads();
+    cluster_sync();
+    if (r == 0) {
+        for (int g = warp; g < G; g += CL_WARPS) {
+            const float mk = lane < CL ? ld_cluster_f32(smem_addr(run_m + g), lane) : NEG_INF;
+            const float lk = lane < CL ? ld_cluster_f32(smem_addr(run_l + g), lane) : 0.f;
+            const float m = warp_max(mk);
+            const float w = mk == NEG_INF ? 0.f : expf(mk - m);
+            const float l = warp_sum(lk * w);
+            if (lane < CL) ew[g][lane] = w / l;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < GD; e += blockDim.x) {
+            const int g = e / D;
+            float o = 0.f;
+#pragma unroll
+            for (int k = 0; k < CL; ++k) o = fmaf(ld_cluster_f32(smem_addr(acc + e), k), ew[g][k], o);
+            const u16 h = f2h(o);
+            out[(head0 + g) * D + e % D] = h;
+            red[e] = h2f(h);  // red is rank 0's own and free here
+        }
+    }
+    cluster_sync();  // no CTA leaves while rank 0 still reads its shared memory
+    if (r != 0 || oq.codes == nullptr) return;
+    // o_proj's quantized input: this cluster's channels [hk G D, (hk + 1) G D) of row b are whole groups of gm
+    __syncthreads();
+    const int HD = H * D, ng = GD / oq.gm;
+    const int lo = -(1 << (oq.bits - 1)), hi = (1 << (oq.bits - 1)) - 1;
+    for (int gi = warp; gi < ng; gi += CL_WARPS) {
+        const float* v = red + gi * oq.gm;
+        float amax = 0.f;
+        for (int i = lane; i < oq.gm; i += 32) amax = fmaxf(amax, fabsf(v[i]));
+        amax = warp_max(amax);
+        float s = __fdiv_rn(__fmul_rn(amax, oq.clip), oq.grid);
+        s = fmaxf(h2f(f2h(fmaxf(s, oq.tiny))), oq.tiny);
+        const int c0 = hk * GD + gi * oq.gm;  // first channel of the group in the row
+        for (int i = lane; i < oq.gm; i += 32)
+            oq.codes[(long long)b * oq.Kp + c0 + i] = (signed char)min(max(__float2int_rn(__fdiv_rn(v[i], s)), lo), hi);
+        if (lane == 0) oq.scales[(long long)b * (HD / oq.gm) + c0 / oq.gm] = s;
+    }
+    if (hk == 0)
+        for (int c = HD + threadIdx.x; c < oq.Kp; c += blockDim.x) oq.codes[(long long)b * oq.Kp + c] = 0;
+#endif
+}
+
 #define DECODE_ARGS                                                                                             \
     const u16 *__restrict__ q, const u16 *__restrict__ k_cache, const u16 *__restrict__ v_cache,              \
         const long long *__restrict__ pos, const long long *__restrict__ offset, int H, int Hkv, int L, int D, \
@@ -309,3 +585,22 @@ KERNEL(5)
 KERNEL(6)
 KERNEL(7)
 KERNEL(8)
+
+// the cluster form, one kernel per head dimension (attention_decode_cl_<D / 32>); part_o, part_ml and ticket unused
+#define KERNEL_CL(PER)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(CL_WARPS * 32, (PER) <= 4 ? 2 : 1) attention_decode_cl_##PER(DECODE_ARGS) {         \
+        pdl_enter();                                                                                           \
+        extern __shared__ float dyn[];                                                                          \
+        const OutQuant oq{codes, scales, Kp, gm, bits, clip, grid, tiny};                                      \
+        const Rope rp{rq, ld_q, rk, ld_k, rv, ld_v, cos_t, sin_t, rpos, const_cast<u16*>(k_cache),              \
+                      const_cast<u16*>(v_cache)};                                                                 \
+        decode_cluster<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, out, dyn, oq, rp);              \
+    }
+KERNEL_CL(1)
+KERNEL_CL(2)
+KERNEL_CL(3)
+KERNEL_CL(4)
+KERNEL_CL(5)
+KERNEL_CL(6)
+KERNEL_CL(7)
+KERNEL_CL(8)

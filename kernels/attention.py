@@ -24,6 +24,8 @@ from .errors import KernelError
 
 CHUNK = 32  # attention.cu's CHUNK: cache slots per split block
 WARPS = 4  # attention.cu's WARPS: warps per block
+CL, CL_WARPS = 8, 8  # attention.cu's cluster form: CTAs a (row, KV head), warps a CTA
+CLUSTER = False  # the cluster form (combine in distributed shared memory) where the GPU has clusters (sm_90)
 MAX_G = 8  # query heads per KV head
 MAX_D = 256  # head dimension
 
@@ -92,10 +94,17 @@ def decode_attention_rope_reference(q: torch.Tensor, k: torch.Tensor, v: torch.T
     return decode_attention_reference(qr, k_cache, v_cache, pos, offset, scale), None
 
 
-def _function(per: int):
+def _function(per: int, cluster: bool = False):
     from .loader import load_module
 
-    return load_module("attention", ()).get_function(f"attention_decode_{per}")
+    return load_module("attention", ()).get_function(f"attention_decode_{'cl_' if cluster else ''}{per}")
+
+
+def cluster_form() -> bool:
+    """Whether launches take the cluster form: :data:`CLUSTER` on and a GPU with thread-block clusters."""
+    from .cluster_launch import compute_capability
+
+    return CLUSTER and compute_capability() >= 90
 
 
 _tickets: dict[tuple[int, int], torch.Tensor] = {}
@@ -194,14 +203,22 @@ def _decode(q, k_cache, v_cache, pos, offset, scale, rule, rope=None):
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0):
         raise KernelError("decode_attention: the caches must be contiguous and 16-byte aligned")
     q = _aligned(q) if rope is None else q  # fused: q is read raw through the rope arguments
-    chunks = -(-length // CHUNK)
-    part_o = torch.empty(b, h, chunks, d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(b, h, chunks, 2, dtype=torch.float32, device=q.device)
+    g = h // hkv
+    cluster = cluster_form()
     out = torch.empty(b, 1, h * d, dtype=q.dtype, device=q.device)
     pos = pos.to(torch.int64).contiguous()
     offset = offset.to(torch.int64).contiguous()
-    ticket = _ticket(q.device, b * hkv)
-    ptr = [np.uint64(t.data_ptr()) for t in (q, k_cache, v_cache, pos, offset, part_o, part_ml, ticket, out)]
+    if cluster:  # no global partials or tickets (attention.cu, decode_cluster)
+        part_o = part_ml = ticket = None
+        grid, block, smem = (CL, hkv, b), (CL_WARPS * 32,), (CL_WARPS // 2 + 2) * g * d * 4
+    else:
+        chunks = -(-length // CHUNK)
+        part_o = torch.empty(b, h, chunks, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(b, h, chunks, 2, dtype=torch.float32, device=q.device)
+        ticket = _ticket(q.device, b * hkv)
+        grid, block, smem = (chunks, hkv, b), (WARPS * 32,), WARPS * g * d * 4
+    ptr = [np.uint64(0 if t is None else t.data_ptr())
+           for t in (q, k_cache, v_cache, pos, offset, part_o, part_ml, ticket, out)]
     quantized, qargs = None, (np.uint64(0), np.uint64(0), np.int32(0), np.int32(1), np.int32(8), np.float32(1),
                               np.float32(1), np.float32(FP16_TINY))
     if rule is not None:
@@ -211,9 +228,12 @@ def _decode(q, k_cache, v_cache, pos, offset, scale, rule, rope=None):
         quantized = (codes, scales, None, None)
         qargs = (np.uint64(codes.data_ptr()), np.uint64(scales.data_ptr()), np.int32(rule.kp), np.int32(gm),
                  np.int32(rule.bits), np.float32(rule.clip), np.float32(grid_max(rule.bits)), np.float32(FP16_TINY))
+    fn = _function(d // 32, cluster)
+    if smem > 48 * 1024 - 4096 and fn.max_dynamic_shared_size_bytes < smem:  # past the default opt-in
+        fn.max_dynamic_shared_size_bytes = smem
     with cp.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream):
-        launch(_function(d // 32), (chunks, hkv, b), (WARPS * 32,),
+        launch(fn, grid, block,
                (*ptr[:5], np.int32(h), np.int32(hkv), np.int32(length), np.int32(d), np.float32(scale), *ptr[5:],
                 *qargs, *(rope or _NO_ROPE)),
-               shared_mem=WARPS * (h // hkv) * d * 4)
+               shared_mem=smem, cluster=(CL, 1, 1) if cluster else None)
     return out, quantized

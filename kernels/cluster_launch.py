@@ -142,10 +142,11 @@ def programmatic_launches(on: bool | None):
 
 def programmatic_enabled() -> bool:
     """Whether launches on the current GPU are programmatic dependent launches (sm_90+, unless turned off)."""
-    return _PROGRAMMATIC[0] is not False and _compute_capability() >= 90
+    return _PROGRAMMATIC[0] is not False and compute_capability() >= 90
 
 
-def _compute_capability() -> int:
+def compute_capability() -> int:
+    """The current CUDA device's compute capability as an int (90 on H100 / H200), one driver query a device."""
     import cupy as cp
 
     dev = cp.cuda.Device()
@@ -157,11 +158,14 @@ def _compute_capability() -> int:
 _CC: dict[int, int] = {}
 
 
-def launch(fn, grid: tuple[int, ...], block: tuple[int], args, shared_mem: int = 0, stream=None) -> None:
+def launch(fn, grid: tuple[int, ...], block: tuple[int], args, shared_mem: int = 0, stream=None,
+           cluster: tuple[int, int, int] | None = None) -> None:
     """Launch a step kernel (one that starts with ``pdl_enter``) on ``stream`` or CuPy's current stream: a
-    programmatic dependent launch when :func:`programmatic_enabled`, else CuPy's plain launch."""
-    if programmatic_enabled():
-        launch_ex(fn, grid, block, shared_mem, args, programmatic=True, stream=stream)
+    programmatic dependent launch when :func:`programmatic_enabled`, else CuPy's plain launch; ``cluster``: in
+    thread-block clusters of that shape (sm_90)."""
+    if programmatic_enabled() or cluster is not None:
+        launch_ex(fn, grid, block, shared_mem, args, cluster=cluster, programmatic=programmatic_enabled(),
+                  stream=stream)
     elif stream is None:
         fn(grid, block, args, shared_mem=shared_mem)
     else:

@@ -53,6 +53,7 @@ typedef unsigned long long uint64_t;
 #define DEVI __device__ __forceinline__
 
 #include "pdl.cuh"
+#include "cluster.cuh"
 
 #ifndef IEBME_NSTAGE
 #define IEBME_NSTAGE 3   // batches in each warp's ring
@@ -134,19 +135,6 @@ DEVI void mbar_wait(uint32_t bar, uint32_t parity) {
       "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
       " @!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-DEVI void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// fp32 at shared::cta address `off` in the shared memory of cluster CTA `rank`
-DEVI float ld_cluster_f32(uint32_t off, uint32_t rank) {
-  uint32_t ra;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(off), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
-  return v;
-}
-#endif
 // Metadata shuffles. Lane 4w + j holds mask row w of tile j (see spmm); shfl_tile reads lane (lane & ~3) | j.
 DEVI uint32_t shfl_tile(uint32_t v, int j) { return __shfl_sync(0xffffffffu, v, j, 4); }
 // One step of an inclusive warp scan: shuffle-up by D with its in-range predicate (c operand C: 0 = the

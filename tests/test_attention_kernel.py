@@ -1,6 +1,8 @@
-"""Decode attention (kernels/attention.py): the reference against the definition everywhere, the split kernel
-against the definition where CuPy and a GPU are present, also replayed from a CUDA graph at moving positions (its
-combine's ticket counters must be back at zero after every launch)."""
+"""Decode attention (kernels/attention.py): the reference against the definition everywhere, the kernel against the
+definition where CuPy and a GPU are present, also replayed from a CUDA graph at moving positions (the split form's
+ticket counters must be back at zero after every launch). Every GPU test runs both forms of the kernel: the split
+one (global partials, the last block combines) and the cluster one (sm_90: the chunks of a head combined through
+distributed shared memory; on other GPUs the same split launch)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,13 @@ from unionsparse.compressor.runtime.cuda import cuda_problem
 from unionsparse.kernels import attention
 
 needs_gpu = pytest.mark.skipif(cuda_problem() is not None, reason=f"needs CuPy and a CUDA device ({cuda_problem()})")
+
+
+@pytest.fixture(params=[False, True], ids=["split", "cluster"])
+def form(request, monkeypatch):
+    """attention.CLUSTER off and on (the kernel's two forms)."""
+    monkeypatch.setattr(attention, "CLUSTER", request.param)
+    return request.param
 
 
 def exact(q, kc, vc, pos: int, offset: list[int], scale: float) -> torch.Tensor:
@@ -62,7 +71,7 @@ def test_supports_only_what_the_kernel_takes():
     (1, 6, 2, 96, 100, 64, [0]),                 # a head dim that is not a power of two (3 halves a lane)
     (8, 32, 32, 128, 2100, 2047, [0] * 8),       # batch 8, long context: many chunks into one combine
 ])
-def test_kernel_is_attention_over_what_each_row_sees(b, h, hkv, d, length, pos, offset):
+def test_kernel_is_attention_over_what_each_row_sees(b, h, hkv, d, length, pos, offset, form):
     q, kc, vc = _case(b, h, hkv, d, length, pos, torch.float16, "cuda")
     scale = d ** -0.5
     want = exact(q.cpu(), kc.cpu(), vc.cpu(), pos, offset, scale)
@@ -79,7 +88,7 @@ def test_kernel_is_attention_over_what_each_row_sees(b, h, hkv, d, length, pos, 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_kernel_replays_in_a_cuda_graph_at_each_position():
+def test_kernel_replays_in_a_cuda_graph_at_each_position(form):
     b, h, hkv, d, length = 2, 8, 2, 128, 260
     q, kc, vc = _case(b, h, hkv, d, length, 7, torch.float16, "cuda")
     dev = torch.device("cuda")
@@ -138,7 +147,7 @@ def test_fused_reference_is_attention_then_the_rule():
     (3, 8, 2, 128, 4, 1088),     # a padded batch of 3, codes padded past the 1024 inputs
     (2, 4, 4, 64, 8, 256),       # head dim 64, group 64
 ])
-def test_kernel_writes_o_proj_input_as_act_quant_does(b, h, hkv, d, bits, kp):
+def test_kernel_writes_o_proj_input_as_act_quant_does(b, h, hkv, d, bits, kp, form):
     """One launch gives the attention output of decode_attention and act_quant.cu's codes and scales of it, bit for
     bit (the same rule on the same float16 outputs)."""
     from unionsparse.kernels.runtime_ops import get
@@ -209,7 +218,7 @@ def test_rope_reference_is_rotary_cache_then_attention():
     (2, 16, 2, 256, 300, 299, [0, 31], True),       # eight query heads per KV head, head dim 256
     (1, 4, 4, 64, 64, 0, [0], True),                # the first slot
 ])
-def test_rope_kernel_is_rotary_cache_then_attention_bit_for_bit(b, h, hkv, d, length, pos, offset, stacked):
+def test_rope_kernel_is_rotary_cache_then_attention_bit_for_bit(b, h, hkv, d, length, pos, offset, stacked, form):
     """One launch equals glue.cu's rotary_cache then attention.cu, bit for bit: the output and both caches."""
     from unionsparse.kernels import glue
 
@@ -227,7 +236,7 @@ def test_rope_kernel_is_rotary_cache_then_attention_bit_for_bit(b, h, hkv, d, le
 
 @pytest.mark.gpu
 @needs_gpu
-def test_rope_kernel_writes_o_proj_input_and_replays_in_a_graph():
+def test_rope_kernel_writes_o_proj_input_and_replays_in_a_graph(form):
     """LLaMA-2-7B heads, W4A4 o_proj rule, batch 2: captured once, replayed at moving positions, every replay equal
     to rotary_cache + attention + act_quant.cu on the same inputs (the cache written at each position)."""
     from unionsparse.kernels import glue
@@ -261,7 +270,7 @@ def test_rope_kernel_writes_o_proj_input_and_replays_in_a_graph():
 @pytest.mark.gpu
 @needs_gpu
 @torch.inference_mode()
-def test_rope_in_attention_gives_the_decode_steps_bit_for_bit():
+def test_rope_in_attention_gives_the_decode_steps_bit_for_bit(form):
     """A float16 GQA LLaMA (head dim 64) on the GPU glue, batch 3 with left-padded rows: prefill then 6 greedy decode
     steps with ROPE_IN_ATTENTION off and on give the same logits bit for bit (the fused launch is rotary_cache then
     attention exactly), eager and replayed from the CUDA graph."""

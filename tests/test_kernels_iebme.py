@@ -141,11 +141,11 @@ def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
     assert not ks.cluster_split(4)
     monkeypatch.setattr(ks, "_settings", ks.LaunchSettings())
     monkeypatch.setattr(ks, "_cc", lambda: 80)
-    monkeypatch.setattr(cl, "_compute_capability", lambda: 80)
+    monkeypatch.setattr(cl, "compute_capability", lambda: 80)
     assert not ks.cluster_split(4)
     assert not ks.programmatic()  # programmatic dependent launch: sm_90 with bulk-copy rings, unless turned off
     monkeypatch.setattr(ks, "_cc", lambda: 90)
-    monkeypatch.setattr(cl, "_compute_capability", lambda: 90)
+    monkeypatch.setattr(cl, "compute_capability", lambda: 90)
     assert ks.programmatic() and cl.programmatic_enabled()
     with cl.programmatic_launches(False):
         assert not ks.programmatic() and not cl.programmatic_enabled()

@@ -61,7 +61,7 @@ def test_step_kernels_launch_programmatically_where_the_gpu_has_it(monkeypatch):
         calls.append(("cupy", grid, shared_mem, stream))
 
     for cc, off, want in ((90, None, "driver"), (90, False, "cupy"), (80, None, "cupy"), (80, True, "cupy")):
-        monkeypatch.setattr(cl, "_compute_capability", lambda cc=cc: cc)
+        monkeypatch.setattr(cl, "compute_capability", lambda cc=cc: cc)
         with cl.programmatic_launches(off):
             cl.launch(cupy_launch, (3, 2), (128,), (np.int32(1),), shared_mem=64)
         assert calls[-1][0] == want and calls[-1][1] == (3, 2) and calls[-1][2] == 64

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Decode attention's cluster form (issue 36: attention is half of the step outside the linears), in ONE device call
+# (about 6 minutes after the start):
+#   (1) GPU tests of decode attention, both forms (split: global partials and a ticket; cluster: a head's chunks
+#       combined through distributed shared memory, attention.CLUSTER), and of the glue kernels;
+#   (2) with the cluster form on: the runtime's agreement with the CPU path (op by op, o_proj's input from
+#       attention, graph replay against the eager step, the step in one graph);
+#   (3) the decode step with each form, side by side in one process (benchmarks/step_ab.py --switch attention):
+#       LLaMA-2-7B batch 1 context 512 (fp16, IE-BME W4A16 50%), batch 8 context 2048 (fp16), Llama-3-8B (GQA)
+#       batch 1 context 512 (fp16).
+#   device tool:  run(command="bash benchmarks/attention_h200.sh", carry=[".whl"], timeout_s=600)
+set -o pipefail
+source benchmarks/device_env.sh || exit 1
+PYTEST=(-p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu)
+timeout 150 python3 -m pytest "${PYTEST[@]}" tests/test_attention_kernel.py tests/test_glue_kernels.py 2>&1 \
+  | tee "$DEST/attention_gpu_tests.log" | tail -4
+timeout 200 python3 -c "
+import sys, pytest
+from unionsparse.kernels import attention
+attention.CLUSTER = True
+sys.exit(pytest.main(sys.argv[1:]))" "${PYTEST[@]}" \
+  tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op \
+  tests/test_runtime_agreement.py::test_gpu_agrees_with_attention_writing_o_proj_input \
+  tests/test_runtime_agreement.py::test_gpu_graph_replay_equals_the_eager_step \
+  tests/test_runtime.py::test_gpu_decode_step_is_one_graph_without_host_syncs 2>&1 \
+  | tee "$DEST/attention_cluster_runtime_tests.log" | tail -4
+run_ab() {  # DIR, then step_ab.py's case options
+  local dir="$DEST/$1"; shift
+  mkdir -p "$dir"
+  timeout 150 python3 benchmarks/step_ab.py --switch attention "$@" --out "$dir" 2>&1 | tee "$dir/log.txt" \
+    | grep -v "^launches\|^linears:\|^floor"
+}
+run_ab b1 --kinds fp16,iebme-w4a16-50
+run_ab b8-ctx2048 --batch 8 --context 2048 --kinds fp16
+run_ab llama3 --spec llama3-8b --kinds fp16
