@@ -18,7 +18,7 @@ def main(path: str) -> None:
     rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
     cols = ["case", "fuse", "run", "ops", "max_err", "tol", "ratio", "ok", "tokens_agree", "first_near_tie",
             "gpu_vs_cpu16", "cpu16_vs_cpu32", "cpu_ppl", "gpu_ppl", "ppl", "seconds", "load_seconds",
-            "windows_seconds"]
+            "windows_seconds", "first_window_seconds", "later_window_seconds"]
     cols = [c for c in cols if any(c in r for r in rows)]
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))

@@ -230,9 +230,17 @@ def evaluate_source(
                 model.to(device)
         ids = tokenize_eval_text(tok, text)
         t_windows = time.perf_counter()
+        ends: list[float] = []  # when each window finished: the first carries a GPU's kernel compilation
+
+        def advance(n: int) -> None:
+            if n:
+                bar.update(0, n)
+            else:
+                ends.append(time.perf_counter())
+                bar.advance()
+
         with rep.stage(f"perplexity windows of {seqlen} tokens", total=None) as bar:
-            nlls = window_nlls(model, ids, seqlen, max_windows, device,
-                               progress=lambda n: bar.update(0, n) if n else bar.advance())
+            nlls = window_nlls(model, ids, seqlen, max_windows, device, progress=advance)
     from ...formats.arithmetic.sparse_inputs import activation_sparsity_summary
 
     return {
@@ -250,4 +258,7 @@ def evaluate_source(
         "seconds": time.perf_counter() - t0,
         "load_seconds": t_windows - t0,  # rebuilding or loading the model, and tokenizing the text
         "windows_seconds": time.perf_counter() - t_windows,  # the forwards (on a GPU: kernel compilation too)
+        "first_window_seconds": ends[0] - t_windows,
+        # the windows after the first, per window: the steady speed, compilation and first-touch costs left out
+        "later_window_seconds": (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else None,
     }
