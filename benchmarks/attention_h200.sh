@@ -5,7 +5,9 @@
 #       combined through distributed shared memory, attention.CLUSTER), and of the glue kernels;
 #   (2) with the cluster form on: the runtime's agreement with the CPU path (op by op, o_proj's input from
 #       attention, graph replay against the eager step, the step in one graph);
-#   (3) the decode step with each form, side by side in one process (benchmarks/step_ab.py --switch attention):
+#   (3) attention alone against its byte floor, both forms, 32 layers' cold caches in one graph
+#       (benchmarks/attention_bytes.py);
+#   (4) the decode step with each form, side by side in one process (benchmarks/step_ab.py --switch attention):
 #       LLaMA-2-7B batch 1 context 512 (fp16, IE-BME W4A16 50%), batch 8 context 2048 (fp16), batch 1 context
 #       2048 (fp16), Llama-3-8B (GQA) batch 1 context 512 (fp16).
 #   device tool:  run(command="bash benchmarks/attention_h200.sh", carry=[".whl"], timeout_s=600)
@@ -24,6 +26,7 @@ sys.exit(pytest.main(sys.argv[1:]))" "${PYTEST[@]}" \
   tests/test_runtime_agreement.py::test_gpu_graph_replay_equals_the_eager_step \
   tests/test_runtime.py::test_gpu_decode_step_is_one_graph_without_host_syncs 2>&1 \
   | tee "$DEST/attention_cluster_runtime_tests.log" | tail -4
+timeout 120 python3 benchmarks/attention_bytes.py --out "$DEST" 2>&1 | tail -8
 run_ab() {  # DIR, then step_ab.py's case options
   local dir="$DEST/$1"; shift
   mkdir -p "$dir"
