@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from unionsparse.compressor.bench.e2e import copy_bandwidth
+from unionsparse.compressor.bench.tiled_cbc import time_graph_torch
 from unionsparse.kernels import attention
 
 LAYERS = 32
@@ -28,30 +29,6 @@ CASES = {
     "llama3-8b B1 ctx512": (1, 32, 8, 128, 512),
     "llama3-8b B8 ctx2048": (8, 32, 8, 128, 2048),
 }
-
-
-def time_layers(fns, iters: int = 20) -> float:
-    """Microseconds per launch: one graph of every layer's launch, replayed ``iters`` times (median of 5)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    out = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / (iters * len(fns)))
-    return sorted(out)[2]
 
 
 def case(name: str, b: int, h: int, hkv: int, d: int, ctx: int, bw: float, dev) -> dict:
@@ -75,7 +52,7 @@ def case(name: str, b: int, h: int, hkv: int, d: int, ctx: int, bw: float, dev) 
         out = fns[0]()
         ref = out if ref is None else ref
         key = "cluster" if form else "split"
-        row[f"{key}_us"] = t = time_layers(fns)
+        row[f"{key}_us"] = t = time_graph_torch(torch, lambda i: fns[i](), LAYERS, reps=21) * 1e6
         row[f"{key}_of_floor"] = floor_us / t
         row[f"{key}_max_diff_vs_split"] = float((out.float() - ref.float()).abs().max())
     attention.CLUSTER = False

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import torch
+from unionsparse.compressor.bench.tiled_cbc import time_graph_torch
 from unionsparse.kernels import attention, glue, loader, norm_quant, study
 from unionsparse.kernels.cluster_launch import programmatic_launches
 
@@ -59,30 +60,6 @@ def cases(dev):
     }
 
 
-def time_graph(fn, reps: int = 32, iters: int = 50) -> float:
-    """Microseconds per launch, a graph of ``reps`` launches replayed ``iters`` times (median of 5)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    out = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1000 / iters / reps)
-    return sorted(out)[2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True)
@@ -99,7 +76,8 @@ def main() -> None:
         for pdl in (False, None):
             with programmatic_launches(pdl):
                 for name, fn in cases(dev).items():
-                    res[f"{label} | pdl {'off' if pdl is False else 'on'} | {name}"] = time_graph(fn)
+                    res[f"{label} | pdl {'off' if pdl is False else 'on'} | {name}"] = time_graph_torch(
+                        torch, lambda i, fn=fn: fn(), 32, reps=21) * 1e6  # µs a launch, a graph of 32
     for key, us in res.items():
         print(f"{key:70s} {us:7.2f} us")
     (out / "pdl_kernel_ab.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "us": res},
