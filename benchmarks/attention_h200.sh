@@ -9,7 +9,7 @@
 #       (benchmarks/attention_bytes.py);
 #   (4) the decode step with each form, side by side in one process (benchmarks/step_ab.py --switch attention):
 #       LLaMA-2-7B batch 1 context 512 (fp16, IE-BME W4A16 50%), batch 8 context 2048 (fp16), batch 1 context
-#       2048 (fp16), Llama-3-8B (GQA) batch 1 context 512 (fp16).
+#       2048 (fp16) (Llama-3-8B's GQA attention is timed alone in (3)).
 #   device tool:  run(command="bash benchmarks/attention_h200.sh", carry=[".whl"], timeout_s=600)
 set -o pipefail
 source benchmarks/device_env.sh || exit 1
@@ -36,4 +36,3 @@ run_ab() {  # DIR, then step_ab.py's case options
 run_ab b1 --kinds fp16,iebme-w4a16-50
 run_ab b8-ctx2048 --batch 8 --context 2048 --kinds fp16
 run_ab b1-ctx2048 --context 2048 --kinds fp16
-run_ab llama3 --spec llama3-8b --kinds fp16
