@@ -25,7 +25,8 @@ from .errors import KernelError
 CHUNK = 32  # attention.cu's CHUNK: cache slots per split block
 WARPS = 4  # attention.cu's WARPS: warps per block
 CL, CL_WARPS = 8, 8  # attention.cu's cluster form: CTAs a (row, KV head), warps a CTA
-CLUSTER = False  # the cluster form (combine in distributed shared memory) where the GPU has clusters (sm_90)
+CLUSTER: bool | None = None  # the cluster form (sm_90): True, False, or None: where it measured faster (cluster_form)
+CLUSTER_FROM_LEN = 1024  # None: batch-1 MHA caches up to this many slots keep the split form (cluster_form)
 MAX_G = 8  # query heads per KV head
 MAX_D = 256  # head dimension
 
@@ -100,11 +101,20 @@ def _function(per: int, cluster: bool = False):
     return load_module("attention", ()).get_function(f"attention_decode_{'cl_' if cluster else ''}{per}")
 
 
-def cluster_form() -> bool:
-    """Whether launches take the cluster form: :data:`CLUSTER` on and a GPU with thread-block clusters."""
+def cluster_form(batch: int = 1, group: int = 1, length: int = 0) -> bool:
+    """Whether a launch over ``[batch, Hkv, length, D]`` caches with ``group`` query heads a KV head takes the
+    cluster form: never without thread-block clusters (before sm_90); else :data:`CLUSTER` where set; by default
+    (None) wherever it measured faster: every batch above 1, every GQA model, caches longer than
+    :data:`CLUSTER_FROM_LEN`; the split form for batch-1 MHA on shorter caches (H100, 2026-12-07: 11.1 against
+    13.0 µs a layer at context 512; docs/kernels.md, "Decode attention"). The shapes are fixed for a decoder, so a
+    captured graph replays one form."""
     from .cluster_launch import compute_capability
 
-    return CLUSTER and compute_capability() >= 90
+    if compute_capability() < 90:
+        return False
+    if CLUSTER is not None:
+        return CLUSTER
+    return batch > 1 or group > 1 or length > CLUSTER_FROM_LEN
 
 
 _tickets: dict[tuple[int, int], torch.Tensor] = {}
@@ -204,7 +214,7 @@ def _decode(q, k_cache, v_cache, pos, offset, scale, rule, rope=None):
         raise KernelError("decode_attention: the caches must be contiguous and 16-byte aligned")
     q = _aligned(q) if rope is None else q  # fused: q is read raw through the rope arguments
     g = h // hkv
-    cluster = cluster_form()
+    cluster = cluster_form(b, g, length)
     out = torch.empty(b, 1, h * d, dtype=q.dtype, device=q.device)
     pos = pos.to(torch.int64).contiguous()
     offset = offset.to(torch.int64).contiguous()

@@ -21,6 +21,23 @@ def form(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("cc", [80, 90])
+def test_cluster_form_rule(monkeypatch, cc):
+    """The default (CLUSTER None) takes the cluster form where it measured faster (batches, GQA, long caches) and
+    the split form for batch-1 MHA on short caches; CLUSTER forces either; nothing before sm_90 has clusters."""
+    from unionsparse.kernels import cluster_launch
+
+    monkeypatch.setattr(cluster_launch, "compute_capability", lambda: cc)
+    monkeypatch.setattr(attention, "CLUSTER", None)
+    n = attention.CLUSTER_FROM_LEN
+    cases = {(1, 1, 530): False, (1, 1, n): False, (1, 1, n + 1): True, (2, 1, 530): True, (1, 4, 530): True,
+             (8, 1, 2100): True}
+    assert {c: attention.cluster_form(*c) for c in cases} == {c: v and cc >= 90 for c, v in cases.items()}
+    for forced in (False, True):
+        monkeypatch.setattr(attention, "CLUSTER", forced)
+        assert {attention.cluster_form(*c) for c in cases} == {forced and cc >= 90}
+
+
 def exact(q, kc, vc, pos: int, offset: list[int], scale: float) -> torch.Tensor:
     """float64 softmax(q k^T * scale) v over the slots row b sees: offset[b] <= j <= pos, and pos itself."""
     b, h, _, d = q.shape
