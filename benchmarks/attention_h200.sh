@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Decode attention's cluster form (issue 36: attention is half of the step outside the linears), in ONE device call
-# (about 6 minutes after the start):
+# (about 4 minutes after the start; eight files to $OUT, the device tool's most):
 #   (1) GPU tests of decode attention, both forms (split: global partials and a ticket; cluster: a head's chunks
 #       combined through distributed shared memory, attention.CLUSTER), and of the glue kernels;
 #   (2) with the cluster form on: the runtime's agreement with the CPU path (op by op, o_proj's input from
@@ -27,11 +27,11 @@ sys.exit(pytest.main(sys.argv[1:]))" "${PYTEST[@]}" \
   tests/test_runtime.py::test_gpu_decode_step_is_one_graph_without_host_syncs 2>&1 \
   | tee "$DEST/attention_cluster_runtime_tests.log" | tail -4
 timeout 120 python3 benchmarks/attention_bytes.py --out "$DEST" 2>&1 | tail -8
-run_ab() {  # DIR, then step_ab.py's case options
-  local dir="$DEST/$1"; shift
-  mkdir -p "$dir"
-  timeout 150 python3 benchmarks/step_ab.py --switch attention "$@" --out "$dir" 2>&1 | tee "$dir/log.txt" \
-    | grep -v "^launches\|^linears:\|^floor"
+run_ab() {  # NAME, then step_ab.py's case options; the table to $DEST/step_ab_attention_NAME.md
+  local name="$1"; shift
+  timeout 150 python3 benchmarks/step_ab.py --switch attention "$@" --out "/tmp/ab-$name" 2>&1 \
+    | grep -v "^launches\|^linears:\|^floor\|^  not measured"
+  cp "/tmp/ab-$name/step_ab_attention.md" "$DEST/step_ab_attention_$name.md"
 }
 run_ab b1 --kinds fp16,iebme-w4a16-50
 run_ab b8-ctx2048 --batch 8 --context 2048 --kinds fp16

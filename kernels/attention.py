@@ -1,8 +1,10 @@
 """Decode attention over the KV cache's valid length (``attention.cu``), for one query token per sequence.
 
 ``decode_attention_reference`` is what the decoder computed before the kernel existed (torch's SDPA over the
-allocated cache with a visibility mask), on any device; ``decode_attention`` is the split-along-the-sequence
-kernel (one launch), on torch float16 CUDA tensors and torch's current stream. With an o_proj input rule it
+allocated cache with a visibility mask), on any device; ``decode_attention`` is the kernel (one launch), on
+torch float16 CUDA tensors and torch's current stream, in one of two forms (:func:`cluster_form`): split along the
+sequence with global partials and a ticketed combine, or (sm_90) a thread-block cluster a head that combines in
+distributed shared memory. With an o_proj input rule it
 may fuse (:func:`quant_fusable`) and also return o_proj's quantized input from the same launch
 (``decode_attention_quant``; its reference: the attention reference, then the rule's quantization).
 ``decode_attention_rope`` is the same launch fed the raw Q/K/V rows: it also does ``glue.rotary_cache`` for the
