@@ -38,9 +38,11 @@ _SMEM_SET: dict[str, int] = {}
 _EXPR = (
     tuple(f"tcbc_spmm2<{bn}, {GK}, {nst}, {mb}>" for bn, nst, mb in V2_CONFIGS)
     + tuple(f"tcbc_spmm3<{nt}, {nst}, {mb}>" for nt, nst, mb in V3_CONFIGS)
-    + ("tcbc_decode_dense2", "tcbc_decode_dense_int<4>", "tcbc_decode_dense_int<2>")
 )
-DD_G = 4  # GTiles side by side per decode_dense block (DD_G in the .cu)
+# decode to dense (tiled_cbc_decode.cu, a module of its own: a prompt compiles these three kernels in 0.7 s, not the
+# SpMM module's 12 s of tensor-core templates; nvcc for sm_90a on the development VM, 2026-12-07)
+_EXPR_DECODE = ("tcbc_decode_dense2", "tcbc_decode_dense_int<4>", "tcbc_decode_dense_int<2>")
+DD_G = 4  # GTiles side by side per decode_dense block (DD_G in tiled_cbc_decode.cu)
 DENSE_FROM_N = 32  # method="auto": decode once + cuBLAS from this many tokens on (see docs/kernels.md)
 WARP_UP_TO_N = 8  # method="auto": the warp-streamed kernel (v3) up to this many tokens (docs/kernels.md)
 WGMMA_UP_TO_N = 32  # method="auto" on sm_90: the wgmma kernel (v4) above WARP_UP_TO_N up to here (docs/kernels.md)
@@ -83,6 +85,10 @@ def _module():
     return load_module("tiled_cbc_spmm", _EXPR)
 
 
+def _decode_module():
+    return load_module("tiled_cbc_decode", _EXPR_DECODE)
+
+
 def default_config(n: int) -> tuple[int, int, int]:
     """(BN, NST, MINB) of the v2 kernel for N tokens."""
     if n <= 32:
@@ -108,10 +114,10 @@ def decode_dense(dev: DeviceTiledCBC, out=None):
         raise KernelError(f"out must be a contiguous float16 [{M}, {width}] array")
     grid, common = (-(-gc // DD_G), gr), (dev.bitmap, dev.colinfo, dev.tile_offset)
     if dev.bits is None:
-        _module().get_function("tcbc_decode_dense2")(
+        _decode_module().get_function("tcbc_decode_dense2")(
             grid, (256,), (*common, dev.values_u16, out, np.int32(gc), np.int32(M), np.int32(kp)))
     else:
-        _module().get_function(f"tcbc_decode_dense_int<{dev.bits}>")(
+        _decode_module().get_function(f"tcbc_decode_dense_int<{dev.bits}>")(
             grid, (256,), (*common, dev.values_u8, dev.scales_t, out, np.int32(gc), np.int32(M), np.int32(kp),
                            np.int32(dev.Mp), np.int32(dev.group_size)))
     return out

@@ -589,6 +589,7 @@ def _nvrtc():
 
 @pytest.mark.parametrize("name,arch", [("tiled_cbc_spmspv.cu", "compute_90"), ("tiled_cbc_spmspv.cu", "compute_80"),
                                        ("tiled_cbc_spmm.cu", "compute_90"), ("tiled_cbc_spmm.cu", "compute_90a"),
+                                       ("tiled_cbc_decode.cu", "compute_90"), ("tiled_cbc_decode.cu", "compute_80"),
                                        ("act_quant.cu", "compute_90"), ("glue.cu", "compute_90"),
                                        ("norm_quant.cu", "compute_90"), ("outlier_side.cu", "compute_90")])
 def test_kernel_source_compiles(name, arch):
