@@ -100,7 +100,9 @@ def decode_attention_rope_reference(q: torch.Tensor, k: torch.Tensor, v: torch.T
 def _function(per: int, cluster: bool = False):
     from .loader import load_module
 
-    return load_module("attention", ()).get_function(f"attention_decode_{'cl_' if cluster else ''}{per}")
+    # only this head dimension's two kernels (attention.cu, ATTN_PER): about 2 s to compile instead of 15
+    module = load_module("attention", (), options=(f"-DATTN_PER={per}",))
+    return module.get_function(f"attention_decode_{'cl_' if cluster else ''}{per}")
 
 
 def cluster_form(batch: int = 1, group: int = 1, length: int = 0) -> bool:
