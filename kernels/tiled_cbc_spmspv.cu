@@ -527,21 +527,29 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
                                                              int, int, int, int, int, int, int, int, float*,       \
                                                              u32*, void*, int, int, int);
 #define TCBC2(B, W, S, MODE) TCBC2R(B, W, S, MODE, 1)
+// TCBC_BITS (tiled_cbc_spmspv.py passes -DTCBC_BITS=<16, 4 or 2>): only that value type's kernels are built, so a
+// layer compiles its own (a first decode step on a fresh machine; docs/kernels.md, "Compile time")
+// Several input rows (a batched decode step): 2, 4 and 8 rows with each value type's default (warps, stages).
+#if !defined(TCBC_BITS) || TCBC_BITS == 16
 TCBC2(16, 4, 2, 0)
 TCBC2(16, 4, 3, 0)
 TCBC2(16, 8, 2, 0)
 TCBC2(16, 4, 2, 3)
 TCBC2(16, 4, 3, 3)
 TCBC2(16, 8, 2, 3)
-TCBC2(4, 4, 3, 0)
-TCBC2(2, 4, 3, 0)
-// several input rows (a batched decode step): 2, 4 and 8 rows with each value type's default (warps, stages)
 TCBC2R(16, 4, 2, 0, 2)
 TCBC2R(16, 4, 2, 0, 4)
 TCBC2R(16, 4, 2, 0, 8)
+#endif
+#if !defined(TCBC_BITS) || TCBC_BITS == 4
+TCBC2(4, 4, 3, 0)
 TCBC2R(4, 4, 3, 0, 2)
 TCBC2R(4, 4, 3, 0, 4)
 TCBC2R(4, 4, 3, 0, 8)
+#endif
+#if !defined(TCBC_BITS) || TCBC_BITS == 2
+TCBC2(2, 4, 3, 0)
 TCBC2R(2, 4, 3, 0, 2)
 TCBC2R(2, 4, 3, 0, 4)
 TCBC2R(2, 4, 3, 0, 8)
+#endif

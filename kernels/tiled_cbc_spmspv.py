@@ -47,8 +47,10 @@ SMEM_PER_SM = 227 * 1024
 KERNEL = "tiled_cbc_spmspv"  # the .cu file's stem; studies time other revisions of it through kernels/study.py
 
 
-def _module():
-    return load_module(KERNEL, _EXPR)
+def _module(bits: int):
+    """The module of ``bits``-bit values (16: fp16) alone (the .cu file's TCBC_BITS): a layer compiles its own."""
+    return load_module(KERNEL, tuple(e for e in _EXPR if e.startswith(f"tcbc_spmspv2<{bits},")),
+                       options=(f"-DTCBC_BITS={bits}",))
 
 
 def v2_slot_bytes(dev: DeviceTiledCBC, rows: int = 1) -> int:
@@ -197,7 +199,7 @@ def _launch(dev: DeviceTiledCBC, x, nrows: int, out, tau, rows: int, chunk, stag
         nparts = grid[0]
     name = f"tcbc_spmspv2<{bits}, {warps}, {stages}" + (f", 0, {rows}>" if rows > 1 else
                                                          ">" if mode == 0 else f", {mode}>")
-    f = _module().get_function(name)
+    f = _module(bits).get_function(name)
     key = (study.build(KERNEL), name)
     if _SMEM_SET.get(key, -1) < smem:  # once per size: no driver call while a graph is captured
         f.max_dynamic_shared_size_bytes = smem
