@@ -1,0 +1,56 @@
+"""First-launch compile time of the runtime's kernel modules on a fresh CuPy cache (docs/kernels.md, "Compile
+time"): each module as the runtime builds it (one head dimension, one value type, the prompt's decode kernels
+apart), beside the whole file it was built from before.
+
+    CUPY_CACHE_DIR=$(mktemp -d) python benchmarks/compile_times.py --out DIR   (a CUDA machine; compile_h200.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from unionsparse.kernels import attention, tiled_cbc_spmm, tiled_cbc_spmspv
+from unionsparse.kernels.loader import load_module
+
+# label: what the runtime builds now, then the whole file as before (None: nothing to compare)
+CASES = {
+    "attention, head dim 128": (lambda: attention._function(4, False), lambda: load_module("attention", ())),
+    "Tiled-CBC spMspV, fp16 values": (lambda: tiled_cbc_spmspv._module(16),
+                                      lambda: load_module(tiled_cbc_spmspv.KERNEL, tiled_cbc_spmspv._EXPR)),
+    "Tiled-CBC spMspV, int4 codes": (lambda: tiled_cbc_spmspv._module(4), None),
+    "Tiled-CBC prompt decode": (tiled_cbc_spmm._decode_module, tiled_cbc_spmm._module),
+}
+
+
+def seconds(build) -> float:
+    t = time.perf_counter()
+    build()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    rows = []
+    for label, (now, before) in CASES.items():  # the module the runtime builds first, so its cache is cold
+        rows.append({"module": label, "now_s": seconds(now), "whole_file_s": seconds(before) if before else None})
+    head = f"{torch.cuda.get_device_name()}, first build on a fresh CuPy cache (NVRTC, then the driver's load)"
+    lines = [head, "", "| module | as the runtime builds it (s) | the whole file before (s) |", "|---|---|---|"]
+    lines += [f"| {r['module']} | {r['now_s']:.2f} | " + (f"{r['whole_file_s']:.2f}" if r["whole_file_s"] else "")
+              + " |" for r in rows]
+    lines.append("(the prompt decode's 'before' is the SpMM module it was part of, now without it)")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compile_times.md").write_text(text)
+    (out / "compile_times.json").write_text(json.dumps({"machine": head, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
