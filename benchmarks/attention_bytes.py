@@ -11,12 +11,10 @@ step beyond this (its wait for the Q/K/V product, o_proj's wait for it) is the k
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-from pathlib import Path
 
 import torch
-from unionsparse.compressor.bench.e2e import copy_bandwidth
+from unionsparse.compressor.bench.e2e import copy_bandwidth, write_table
 from unionsparse.compressor.bench.tiled_cbc import time_graph_torch
 from unionsparse.kernels import attention
 
@@ -75,10 +73,7 @@ def main() -> None:
                      f"{r['split_of_floor']:.0%} | {r['cluster_us']:.2f} | {r['cluster_of_floor']:.0%} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_bytes.md").write_text(text)
-    (out / "attention_bytes.json").write_text(json.dumps({"machine": head, "rows": rows}, indent=2) + "\n")
+    write_table(args.out, "attention_bytes", text, {"machine": head, "rows": rows})
 
 
 if __name__ == "__main__":

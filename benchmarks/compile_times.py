@@ -8,11 +8,10 @@ apart), beside the whole file it was built from before.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
+from unionsparse.compressor.bench.e2e import write_table
 from unionsparse.kernels import tiled_cbc_spmm, tiled_cbc_spmspv
 from unionsparse.kernels.loader import load_module
 
@@ -52,10 +51,7 @@ def main() -> None:
     lines.append("(the prompt decode was part of the SpMM module before: compare it with that row)")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compile_times.md").write_text(text)
-    (out / "compile_times.json").write_text(json.dumps({"machine": head, "rows": rows}, indent=2) + "\n")
+    write_table(args.out, "compile_times", text, {"machine": head, "rows": rows})
 
 
 if __name__ == "__main__":

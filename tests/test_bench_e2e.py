@@ -550,3 +550,12 @@ def test_launches_outside_the_linears_by_kind():
     assert got["outside_top"][0] == {"name": "rms_norm_quant", "launches": 4, "us": 4.0}
     assert {"name": "rms_norm", "launches": 1, "us": 2.0} in got["outside_top"]
     assert kind_of("side_product") == "outlier side" and kind_of("void at::native::foo") == "other"
+
+
+def test_write_table_writes_the_table_and_its_figures(tmp_path):
+    """A benchmark script's outputs (benchmarks/attention_bytes.py, compile_times.py): the Markdown as given, the
+    figures as JSON, into a folder made for them."""
+    out = tmp_path / "new" / "dir"
+    e2e.write_table(out, "case", "| a |\n", {"machine": "m", "rows": [{"t_us": 1.5}]})
+    assert (out / "case.md").read_text() == "| a |\n"
+    assert json.loads((out / "case.json").read_text()) == {"machine": "m", "rows": [{"t_us": 1.5}]}

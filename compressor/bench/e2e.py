@@ -872,6 +872,15 @@ def write_results(res: dict, out_dir: str | Path) -> Path:
     return path
 
 
+def write_table(out_dir: str | Path, stem: str, text: str, data: dict) -> None:
+    """A benchmark script's Markdown table ``out_dir/<stem>.md`` and its figures ``<stem>.json``, each written whole."""
+    out_dir = Path(out_dir)
+    with environment_errors("--out", out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / f"{stem}.md", text, "--out")
+    atomic_write(out_dir / f"{stem}.json", json.dumps(data, indent=2, default=str) + "\n", "--out")
+
+
 # ------------------------------------------------------------------------------------------- the command
 
 
