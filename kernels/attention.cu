@@ -578,29 +578,19 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
                     rp);                                                                                          \
     }
 // ATTN_PER (attention.py passes -DATTN_PER=<D / 32>): only that head dimension's kernels are built, so a model
-// compiles its two kernels, not all sixteen (15.8 s of nvcc for sm_90a on the development VM, 2026-12-07)
-#if !defined(ATTN_PER) || ATTN_PER == 1
+// compiles its two kernels, not all sixteen (15.8 s of nvcc for sm_90a on the development VM, 2026-12-07); without
+// it every head dimension (compile checks)
+#define ATTN_EXPAND(M, PER) M(PER)  // ATTN_PER expanded before M pastes it into the kernel's name
+#ifdef ATTN_PER
+ATTN_EXPAND(KERNEL, ATTN_PER)
+#else
 KERNEL(1)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 2
 KERNEL(2)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 3
 KERNEL(3)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 4
 KERNEL(4)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 5
 KERNEL(5)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 6
 KERNEL(6)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 7
 KERNEL(7)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 8
 KERNEL(8)
 #endif
 
@@ -614,27 +604,15 @@ KERNEL(8)
                       const_cast<u16*>(v_cache)};                                                                 \
         decode_cluster<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, out, dyn, oq, rp);              \
     }
-#if !defined(ATTN_PER) || ATTN_PER == 1
+#ifdef ATTN_PER
+ATTN_EXPAND(KERNEL_CL, ATTN_PER)
+#else
 KERNEL_CL(1)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 2
 KERNEL_CL(2)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 3
 KERNEL_CL(3)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 4
 KERNEL_CL(4)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 5
 KERNEL_CL(5)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 6
 KERNEL_CL(6)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 7
 KERNEL_CL(7)
-#endif
-#if !defined(ATTN_PER) || ATTN_PER == 8
 KERNEL_CL(8)
 #endif
