@@ -578,7 +578,7 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
                     rp);                                                                                          \
     }
 // ATTN_PER (attention.py passes -DATTN_PER=<D / 32>): only that head dimension's kernels are built, so a model
-// compiles its two kernels, not all sixteen (15.8 s of nvcc for sm_90a on the development VM, 2026-12-07); without
+// compiles its two kernels, not all sixteen (about 15 s of nvcc for sm_90a on the development VM, 2026-12-07); without
 // it every head dimension (compile checks)
 #define ATTN_EXPAND(M, PER) M(PER)  // ATTN_PER expanded before M pastes it into the kernel's name
 #ifdef ATTN_PER
