@@ -6,7 +6,10 @@ still runs; a global load issued before the wait reads stale data. The compiler 
 scales: NaN decode steps on an H100). This compiles each kernel file for sm_90 with nvcc, disassembles it with
 nvdisasm (``pip download nvidia-cuda-nvdisasm``, unzip, pass ``--nvdisasm``) and fails if any global load, store
 or atomic precedes the first ``ACQBULK`` (the wait) of a kernel. IE-BME reads its weights before the wait by
-design and what producers write through ``ld_produced`` (``LDG.E.STRONG.GPU``): none of those may come first.
+design and what producers write through ``ld_produced`` (``LDG.E.STRONG.GPU``): none of those may come first;
+lm_head.cu likewise reads its weight before the wait (read-only ``.CONSTANT`` loads) and nothing else. attention.cu
+reads before it what no kernel of the step writes (the cache's earlier slots, the position, the rotary tables: plain
+loads) and what producers wrote after it (``ld.global.cg``, ``STRONG.GPU``): no store, atomic or strong load before.
 
     python benchmarks/check_pdl_order.py [--nvdisasm PATH]      (no GPU needed; nvcc on PATH)
 """
@@ -22,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
-FILES = ("glue", "attention", "act_quant", "norm_quant", "outlier_side")
+FILES = ("glue", "act_quant", "norm_quant", "outlier_side")
 GLOBAL = re.compile(r"\b(LDG|LD|STG|ST|ATOMG|ATOM|RED|REDG)(\.[A-Z0-9.]+)?\s")
 
 
@@ -60,6 +63,21 @@ def main() -> int:
                 bad += not ok
                 print(f"{'ok  ' if ok else 'BAD '} {name}.cu {fn[:48]}: wait at {acq}, {len(early)} global ops before"
                       + ("" if ok else f": {early[:3]}"))
+        for fn, lines in functions(sass((KERNELS / "attention.cu").read_text(), Path(tmp), args.nvdisasm)).items():
+            acq, early = before_wait(lines)  # loads of what no step kernel writes (plain) may come first
+            late = [ln for ln in lines[acq or 0:] if "LDG" in ln and "STRONG" in ln]
+            wrong = [ln for ln in early if GLOBAL.search(ln).group(1) != "LDG" or "STRONG" in ln]
+            ok = acq is not None and not wrong and bool(late)
+            bad += not ok
+            print(f"{'ok  ' if ok else 'BAD '} attention.cu {fn[:40]}: wait at {acq}, {len(early)} cache/position "
+                  f"loads before it, {len(late)} loads of what producers wrote after it"
+                  + ("" if ok else f": {wrong[:3]}"))
+        for fn, lines in functions(sass((KERNELS / "lm_head.cu").read_text(), Path(tmp), args.nvdisasm)).items():
+            acq, early = before_wait(lines)  # the weight's loads (read-only, .CONSTANT) may come first; nothing else
+            ok = acq is not None and all("LDG" in ln and "CONSTANT" in ln for ln in early)
+            bad += not ok
+            print(f"{'ok  ' if ok else 'BAD '} lm_head.cu {fn}: wait at {acq}, {len(early)} weight loads before it"
+                  + ("" if ok else f": {[ln for ln in early if 'CONSTANT' not in ln][:3]}"))
         src = (KERNELS / "iebme_spmm.cu").read_text() + "\nIEBME_ENTRY(4, 1, 0, 0)\nIEBME_ENTRY(4, 4, 1, 0)\n"
         text = sass(src, Path(tmp), args.nvdisasm, ("-DIEBME_PDL=1",))
         for fn, lines in functions(text).items():

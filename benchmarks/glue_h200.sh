@@ -26,9 +26,40 @@
 # `bash benchmarks/glue_h200.sh compile` (about 5 minutes, most of it Inductor compiling): the glue three ways on the
 # same linears, LLaMA-2-7B batch 1 context 512, fp16 and IE-BME W4A16 50% (benchmarks/glue_compile.py): the
 # hand-written kernels, transformers' modules eager, and each glue op through torch.compile.
+# `bash benchmarks/glue_h200.sh head` (about 4 minutes): lm_head and the greedy choice in one launch
+# (kernels/lm_head.cu, StaticDecoder.HEAD_KERNEL): its GPU tests and the glue's,
+# then bench --e2e with it off and on in one process (benchmarks/step_ab.py --switch head), LLaMA-2-7B at
+# batch 1, context 512 and batch 8, context 2048, Llama-3-8B (a 128256-token vocabulary) at batch 1.
+# `bash benchmarks/glue_h200.sh early` (about 5 minutes): decode attention's cache loads before its wait against
+# waiting first (benchmarks/step_ab.py --switch early), LLaMA-2-7B batch 1 context 512 (fp16, W4A16, IE-BME W4A16
+# 50%) and batch 8 context 2048 (fp16), then the head switch above at batch 1; run after the GPU tests of
+# `compile_h200.sh`, which cover both changes.
 set -o pipefail
 MODE="${1:-full}"
 source benchmarks/device_env.sh || exit 1
+if [ "$MODE" = early ]; then
+  SKIP="^launches\\|^linears:\\|^floor"
+  timeout 200 python3 benchmarks/step_ab.py --switch early --kinds fp16,w4a16,iebme-w4a16-50 --out "$DEST" 2>&1 \
+    | tee "$DEST/step_ab_early.log" | grep -v "$SKIP"
+  mkdir -p "$DEST/b8"
+  timeout 100 python3 benchmarks/step_ab.py --switch early --batch 8 --context 2048 --kinds fp16 --out "$DEST/b8" \
+    2>&1 | tee "$DEST/b8/step_ab_early.log" | grep -v "$SKIP"
+  timeout 150 python3 benchmarks/step_ab.py --switch head --kinds fp16,iebme-w4a16-50 --out "$DEST" 2>&1 \
+    | tee "$DEST/step_ab_head.log" | grep -v "$SKIP"
+  exit 0
+fi
+if [ "$MODE" = head ]; then
+  timeout 120 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
+    tests/test_lm_head.py tests/test_glue_kernels.py 2>&1 | tee "$DEST/head_gpu_tests.log" | tail -3
+  timeout 200 python3 benchmarks/step_ab.py --switch head --kinds fp16,w4a16,iebme-w4a16-50 \
+    --out "$DEST" 2>&1 | tee "$DEST/step_ab_head.log" | grep -v "^launches\|^linears:\|^floor"
+  mkdir -p "$DEST/b8" "$DEST/llama3"
+  timeout 120 python3 benchmarks/step_ab.py --switch head --batch 8 --context 2048 --kinds fp16,iebme-w4a16-50 \
+    --out "$DEST/b8" 2>&1 | tee "$DEST/b8/step_ab_head.log" | grep -v "^launches\|^linears:\|^floor"
+  timeout 120 python3 benchmarks/step_ab.py --switch head --spec llama3-8b --kinds fp16,iebme-w4a16-50 \
+    --out "$DEST/llama3" 2>&1 | tee "$DEST/llama3/step_ab_head.log" | grep -v "^launches\|^linears:\|^floor"
+  exit 0
+fi
 if [ "$MODE" = knockout ]; then  # what each glue op costs the graphed step (benchmarks/step_knockout.py)
   timeout 400 python3 benchmarks/step_knockout.py --kinds "${KINDS:-fp16,iebme-w4a16-50}" --out "$DEST" 2>&1 \
     | tee "$DEST/step_knockout.log" | tail -8

@@ -7,10 +7,14 @@ each of the step's own kernels is scheduled while the kernel before it still run
 (``StaticDecoder.ROPE_IN_ATTENTION``, kernels/attention.cu): one launch a layer fewer.
 ``--switch attention``: decode attention's split form (global partials, the last block combines) against its
 cluster form (``attention.CLUSTER``: the chunks of a head combined through distributed shared memory).
+``--switch early``: decode attention waiting for the Q/K/V product before any load against loading the cache's earlier
+slots, the position and the rotary tables before the wait (``attention.EARLY``, attention.cu's ATTN_EARLY).
+``--switch head``: the final norm's rows through the model's lm_head (cuBLAS), ``.float()`` and ``torch.argmax``
+against lm_head and the greedy choice in one launch (``StaticDecoder.HEAD_KERNEL``, kernels/lm_head.cu).
 
 Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
 
-    python benchmarks/step_ab.py --switch pdl|rope|attention --out DIR   (a CUDA machine; glue_h200.sh runs it)
+    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head --out DIR   (a CUDA machine; glue_h200.sh)
 """
 
 from __future__ import annotations
@@ -40,6 +44,26 @@ def _rope(on: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _head(on: bool) -> Iterator[None]:
+    saved = StaticDecoder.HEAD_KERNEL
+    StaticDecoder.HEAD_KERNEL = on
+    try:
+        yield
+    finally:
+        StaticDecoder.HEAD_KERNEL = saved
+
+
+@contextlib.contextmanager
+def _early(on: bool) -> Iterator[None]:
+    saved = attention.EARLY
+    attention.EARLY = on
+    try:
+        yield
+    finally:
+        attention.EARLY = saved
+
+
+@contextlib.contextmanager
 def _cluster(on: bool) -> Iterator[None]:
     saved = attention.CLUSTER
     attention.CLUSTER = on
@@ -56,6 +80,10 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
              ("rotary + KV write: in attention", lambda: _rope(True))),
     "attention": (("attention: split, global partials", lambda: _cluster(False)),
                   ("attention: cluster, shared-memory combine", lambda: _cluster(True))),
+    "early": (("attention: wait first", lambda: _early(False)),
+              ("attention: cache loads before the wait", lambda: _early(True))),
+    "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _head(False)),
+             ("lm_head + greedy choice: one launch", lambda: _head(True))),
 }
 
 

@@ -26,6 +26,9 @@
 #define MAX_G 8
 #define MAX_D 256
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY macro
+#ifndef ATTN_EARLY
+#define ATTN_EARLY 1  // attention.py passes -DATTN_EARLY=<attention.EARLY>; 0: wait first, every load after it
+#endif
 
 // The warp's sums of a[0..7] over its 32 lanes in 9 shuffles instead of 40: a transposing butterfly in which
 // each exchange halves the slots a lane carries. Lane l ends with the sum of slot ((l >> 2) & 7).
@@ -47,6 +50,49 @@ __device__ __forceinline__ float slot_sums(const float* a, int lane) {
     d += __shfl_xor_sync(0xffffffffu, d, 2);
     d += __shfl_xor_sync(0xffffffffu, d, 1);
     return d;
+}
+
+// What the kernel before wrote (q, the raw Q/K/V rows, the cache slot pos that glue.cu's rotary_cache wrote), read
+// after the wait with ld.global.cg (volatile: the compiler keeps them after it, pdl.cuh), PER halves at p into
+// (PER + 1) / 2 words as load_raw lays them out below, or as floats.
+__device__ __forceinline__ unsigned int ld_cg_u32(const u16* p) {
+    unsigned int v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ unsigned int ld_cg_u16(const u16* p) {
+    unsigned short v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+template <int PER>
+__device__ __forceinline__ void load_raw_produced(const u16* p, unsigned int* w) {
+    if (PER % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 8) {
+            const int4 x = ld_after_wait(reinterpret_cast<const int4*>(p + i));
+            w[i / 2] = x.x;
+            w[i / 2 + 1] = x.y;
+            w[i / 2 + 2] = x.z;
+            w[i / 2 + 3] = x.w;
+        }
+    } else if (PER % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 2) w[i / 2] = ld_cg_u32(p + i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < PER; i += 2) w[i / 2] = ld_cg_u16(p + i) | (i + 1 < PER ? ld_cg_u16(p + i + 1) << 16 : 0u);
+    }
+}
+
+template <int PER>
+__device__ __forceinline__ void load_produced(const u16* p, float* out) {
+    unsigned int w[(PER + 1) / 2];
+    load_raw_produced<PER>(p, w);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) out[i] = h2f((u16)(i & 1 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu));
 }
 
 // o_proj's input rule for the combine's quantized output (codes == nullptr: none): codes int8 [B, Kp] (Kp >= H * D,
@@ -86,6 +132,46 @@ __device__ __forceinline__ void rotate(const float* x, const float* cs, const fl
     }
 }
 
+// PER halves at p kept as float16 bits, two a word (word i / 2, low half first): a slot's K or V in half the
+// registers of floats, so every slot's load has its own registers and all are in flight together (as floats the
+// compiler reused the load registers across slots and the loads waited on each other).
+template <int PER>
+__device__ __forceinline__ void load_raw(const u16* __restrict__ p, unsigned int* w) {
+    if (PER % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 8) {
+            const uint4 x = *reinterpret_cast<const uint4*>(p + i);
+            w[i / 2] = x.x;
+            w[i / 2 + 1] = x.y;
+            w[i / 2 + 2] = x.z;
+            w[i / 2 + 3] = x.w;
+        }
+    } else if (PER % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 4) {
+            const uint2 x = *reinterpret_cast<const uint2*>(p + i);
+            w[i / 2] = x.x;
+            w[i / 2 + 1] = x.y;
+        }
+    } else if (PER % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < PER; i += 2) w[i / 2] = *reinterpret_cast<const unsigned int*>(p + i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < PER; i += 2) w[i / 2] = p[i] | (i + 1 < PER ? (unsigned int)p[i + 1] << 16 : 0u);
+    }
+}
+
+// element i of a load_raw word array, as a float
+__device__ __forceinline__ float raw_at(const unsigned int* w, int i) {
+    return h2f((u16)(i & 1 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu));
+}
+
+// float16 bits h as element i of a load_raw word array
+__device__ __forceinline__ void raw_set(unsigned int* w, int i, u16 h) {
+    w[i / 2] = i & 1 ? (w[i / 2] & 0xffffu) | ((unsigned int)h << 16) : (w[i / 2] & 0xffff0000u) | h;
+}
+
 // q [B, H, 1, D]; caches [B, Hkv, L, D]; part_o [B, H, chunks, D] and part_ml [B, H, chunks, 2] (float32);
 // ticket [B * Hkv] int32, zero between launches; out [B, 1, H * D]. Dynamic shared memory: WARPS * G * D floats.
 template <int PER>
@@ -101,21 +187,49 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
     __shared__ int last;
     const int c = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int G = H / Hkv, chunks = gridDim.x;
-    const long long p = ld_after_wait(pos);  // written by the step: a load kept after the wait (pdl.cuh)
+    // Before the wait (the kernel's first statement was allow_dependents) only what no kernel of the step writes
+    // (docs/kernels.md, "Decode attention"): pos, offset and rpos (torch operations before the step's first
+    // kernel), the rotary tables, and the cache's slots other than pos (earlier steps' launches). So a layer's
+    // K/V reads overlap the Q/K/V product instead of following it.
+#if !ATTN_EARLY
+    wait_for_producer();
+#endif
+    const long long p = *pos;
     const int j0 = c * CHUNK;
     if (j0 > p) return;  // past the valid length: no ticket, the combine does not read this chunk
     const int used = (int)min((long long)chunks, p / CHUNK + 1);
     const long long off = offset[b];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long head0 = (long long)b * H + (long long)hk * G;  // first query head of this KV head
-
     const bool rope = rp.rq != nullptr;
+
+    // the warp's SLOTS slots but pos, all loads first; slot pos is `mine` (read or made after the wait)
+    const long long base = (((long long)b * Hkv + hk) * L + j0) * D;
+    bool seen[SLOTS];
+    unsigned int kv[SLOTS][(PER + 1) / 2], vv[SLOTS][(PER + 1) / 2];  // float16 bits (load_raw), all in flight
+    int mine = -1;
+#pragma unroll
+    for (int u = 0; u < SLOTS; ++u) {
+        const int jj = warp * SLOTS + u;
+        const long long j = j0 + jj;
+        seen[u] = j <= p && (j >= off || j == p);
+        if (j == p) {
+            mine = u;
+        } else if (seen[u]) {
+            load_raw<PER>(k_cache + base + (long long)jj * D + lane * PER, kv[u]);
+            load_raw<PER>(v_cache + base + (long long)jj * D + lane * PER, vv[u]);
+        }
+    }
     float cs[PER], sn[PER];  // the rotary tables at this row's position (fused form)
     if (rope) {
-        const long long pr = ld_after_wait(rp.rpos + b);  // written by the step, like pos
+        const long long pr = rp.rpos[b];
         load_halves<PER>(rp.cos_t + pr * D + lane * PER, cs);
         load_halves<PER>(rp.sin_t + pr * D + lane * PER, sn);
     }
+#if ATTN_EARLY
+    wait_for_producer();
+#endif
+
     float qr[MAX_G][PER];
 #pragma unroll
     for (int g = 0; g < MAX_G; ++g)
@@ -123,44 +237,37 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
             if (rope) {  // rotated here, rounded to float16 as rotary_cache writes it
                 float x[PER];
                 u16 h[PER];
-                load_halves<PER>(rp.rq + (long long)b * rp.ld_q + (hk * G + g) * D + lane * PER, x);
+                load_produced<PER>(rp.rq + (long long)b * rp.ld_q + (hk * G + g) * D + lane * PER, x);
                 rotate<PER>(x, cs, sn, lane, h);
 #pragma unroll
                 for (int i = 0; i < PER; ++i) qr[g][i] = h2f(h[i]);
             } else {
-                load_halves<PER>(q + (head0 + g) * D + lane * PER, qr[g]);
+                load_produced<PER>(q + (head0 + g) * D + lane * PER, qr[g]);
             }
 #pragma unroll
             for (int i = 0; i < PER; ++i) qr[g][i] *= scale;
         }
-
-    // scores: the warp's SLOTS slots, all loads first
-    const long long base = (((long long)b * Hkv + hk) * L + j0) * D;
-    bool seen[SLOTS];
-    float kv[SLOTS][PER], vv[SLOTS][PER];  // V loaded with K: both in flight before the first use
 #pragma unroll
-    for (int u = 0; u < SLOTS; ++u) {
-        const int jj = warp * SLOTS + u;
-        const long long j = j0 + jj;
-        seen[u] = j <= p && (j >= off || j == p);
-        if (rope && j == p) {  // this token (warp-uniform): rotated k and v into the caches and the registers
-            float x[PER];
-            u16 h[PER];
-            load_halves<PER>(rp.rk + (long long)b * rp.ld_k + hk * D + lane * PER, x);
-            rotate<PER>(x, cs, sn, lane, h);
-            load_halves<PER>(rp.rv + (long long)b * rp.ld_v + hk * D + lane * PER, vv[u]);
-            const long long at = base + (long long)jj * D + lane * PER;
+    for (int u = 0; u < SLOTS; ++u)  // (a constant index: the slots stay in registers)
+        if (u == mine) {  // slot pos (warp-uniform)
+            const long long at = base + (long long)(warp * SLOTS + u) * D + lane * PER;
+            if (rope) {  // this token: rotated k and v into the caches and the registers
+                float x[PER];
+                u16 h[PER];
+                load_produced<PER>(rp.rk + (long long)b * rp.ld_k + hk * D + lane * PER, x);
+                rotate<PER>(x, cs, sn, lane, h);
+                load_raw_produced<PER>(rp.rv + (long long)b * rp.ld_v + hk * D + lane * PER, vv[u]);
 #pragma unroll
-            for (int i = 0; i < PER; ++i) {
-                kv[u][i] = h2f(h[i]);
-                rp.k_out[at + i] = h[i];
-                rp.v_out[at + i] = f2h(vv[u][i]);
+                for (int i = 0; i < PER; ++i) {
+                    raw_set(kv[u], i, h[i]);
+                    rp.k_out[at + i] = h[i];
+                    rp.v_out[at + i] = f2h(raw_at(vv[u], i));
+                }
+            } else {  // written by rotary_cache, the launch before
+                load_raw_produced<PER>(k_cache + at, kv[u]);
+                load_raw_produced<PER>(v_cache + at, vv[u]);
             }
-        } else if (seen[u]) {
-            load_halves<PER>(k_cache + base + (long long)jj * D + lane * PER, kv[u]);
-            load_halves<PER>(v_cache + base + (long long)jj * D + lane * PER, vv[u]);
         }
-    }
     // lane's slot after the transposing reduction, and whether the row sees it
     const int uw = (lane >> 2) & 7;
     const long long jw = j0 + warp * SLOTS + uw;
@@ -174,7 +281,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
                 a[u] = 0.f;
                 if (seen[u]) {
 #pragma unroll
-                    for (int i = 0; i < PER; ++i) a[u] = fmaf(qr[g][i], kv[u][i], a[u]);
+                    for (int i = 0; i < PER; ++i) a[u] = fmaf(qr[g][i], raw_at(kv[u], i), a[u]);
                 }
             }
             const float s = slot_sums(a, lane);
@@ -209,7 +316,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
                 if (seen[u]) {
                     const float w = sc[g][warp * SLOTS + u];
 #pragma unroll
-                    for (int i = 0; i < PER; ++i) acc[i] = fmaf(w, vv[u][i], acc[i]);
+                    for (int i = 0; i < PER; ++i) acc[i] = fmaf(w, raw_at(vv[u], i), acc[i]);
                 }
 #pragma unroll
             for (int i = 0; i < PER; ++i) red[(warp * G + g) * D + lane * PER + i] = acc[i];
@@ -294,52 +401,13 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
 #define CL_WARPS 8
 #define CL_CHUNK (CL_WARPS * SLOTS)  // 64 slots a CTA a pass
 
-// PER halves at p kept as float16 bits, two a word (word i / 2, low half first): a slot's K or V in half the
-// registers of floats, so every slot's load has its own registers and all are in flight together (as floats the
-// compiler reused the load registers across slots and the loads waited on each other).
-template <int PER>
-__device__ __forceinline__ void load_raw(const u16* __restrict__ p, unsigned int* w) {
-    if (PER % 8 == 0) {
-#pragma unroll
-        for (int i = 0; i < PER; i += 8) {
-            const uint4 x = *reinterpret_cast<const uint4*>(p + i);
-            w[i / 2] = x.x;
-            w[i / 2 + 1] = x.y;
-            w[i / 2 + 2] = x.z;
-            w[i / 2 + 3] = x.w;
-        }
-    } else if (PER % 4 == 0) {
-#pragma unroll
-        for (int i = 0; i < PER; i += 4) {
-            const uint2 x = *reinterpret_cast<const uint2*>(p + i);
-            w[i / 2] = x.x;
-            w[i / 2 + 1] = x.y;
-        }
-    } else if (PER % 2 == 0) {
-#pragma unroll
-        for (int i = 0; i < PER; i += 2) w[i / 2] = *reinterpret_cast<const unsigned int*>(p + i);
-    } else {
-#pragma unroll
-        for (int i = 0; i < PER; i += 2) w[i / 2] = p[i] | (i + 1 < PER ? (unsigned int)p[i + 1] << 16 : 0u);
-    }
-}
-
-// element i of a load_raw word array, as a float
-__device__ __forceinline__ float raw_at(const unsigned int* w, int i) {
-    return h2f((u16)(i & 1 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu));
-}
-
-// float16 bits h as element i of a load_raw word array
-__device__ __forceinline__ void raw_set(unsigned int* w, int i, u16 h) {
-    w[i / 2] = i & 1 ? (w[i / 2] & 0xffffu) | ((unsigned int)h << 16) : (w[i / 2] & 0xffff0000u) | h;
-}
-
-// Load the warp's SLOTS slots of the pass at j0 that row b sees (all loads issued before any use); with the fused
-// rotary the slot holding pos is left to rope_slot (its k and v are this token's, rotated). Returns that slot or -1.
+// Load the warp's SLOTS slots of the pass at j0 that row b sees (all loads issued before any use), but the slot
+// holding pos, which the pass's loop reads or makes after the wait (this token's k and v, rotated, with the fused
+// rotary; else what rotary_cache, the launch before, wrote). Returns that slot or -1.
 template <int PER>
 __device__ __forceinline__ int load_slots(const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
                                           long long base, long long j0, int warp, int lane, long long p,
-                                          long long off, bool rope, bool* seen, unsigned int (*kv)[(PER + 1) / 2],
+                                          long long off, bool* seen, unsigned int (*kv)[(PER + 1) / 2],
                                           unsigned int (*vv)[(PER + 1) / 2]) {
     constexpr int D = PER * 32;
     int mine = -1;
@@ -348,7 +416,7 @@ __device__ __forceinline__ int load_slots(const u16* __restrict__ k_cache, const
         const int jj = warp * SLOTS + u;
         const long long j = j0 + jj;
         seen[u] = j <= p && (j >= off || j == p);
-        if (rope && j == p) {
+        if (j == p) {
             mine = u;
         } else if (seen[u]) {
             load_raw<PER>(k_cache + base + (j - j0) * D + lane * PER, kv[u]);
@@ -374,7 +442,11 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
     float* red = dyn;                        // [CL_WARPS / 2][G * D]: the warps' weighted V of a pass
     float* acc = dyn + (CL_WARPS / 2) * GD;  // [G * D]: the CTA's running weighted V (read by rank 0 at the end)
     float* qs = acc + GD;                    // [G * D]: q times the scale
-    const long long p = ld_after_wait(pos);  // written by the step: a load kept after the wait (pdl.cuh)
+    // before the wait only what no kernel of the step writes, as in decode above
+#if !ATTN_EARLY
+    wait_for_producer();
+#endif
+    const long long p = *pos;
     const long long off = offset[b];
     const long long head0 = (long long)b * H + (long long)hk * G;  // first query head of this KV head
     const long long row0 = ((long long)b * Hkv + hk) * L * D;       // this (row, KV head)'s cache
@@ -385,25 +457,28 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
     unsigned int kv[SLOTS][(PER + 1) / 2], vv[SLOTS][(PER + 1) / 2];  // float16 bits (load_raw)
     int mine = -1;
     if (j0 <= p)  // the first pass's loads before anything else
-        mine = load_slots<PER>(k_cache, v_cache, row0 + j0 * D, j0, warp, lane, p, off, rope, seen, kv, vv);
+        mine = load_slots<PER>(k_cache, v_cache, row0 + j0 * D, j0, warp, lane, p, off, seen, kv, vv);
 
     float cs[PER], sn[PER];  // the rotary tables at this row's position (fused form)
     if (rope) {
-        const long long pr = ld_after_wait(rp.rpos + b);  // written by the step, like pos
+        const long long pr = rp.rpos[b];
         load_halves<PER>(rp.cos_t + pr * D + lane * PER, cs);
         load_halves<PER>(rp.sin_t + pr * D + lane * PER, sn);
     }
+#if ATTN_EARLY
+    wait_for_producer();
+#endif
     // q times the scale, in shared memory (registers hold the slots; each lane reads back its own elements)
     for (int g = warp; g < G; g += CL_WARPS) {
         float x[PER];
         if (rope) {  // rotated here, rounded to float16 as rotary_cache writes it
             u16 h[PER];
-            load_halves<PER>(rp.rq + (long long)b * rp.ld_q + (hk * G + g) * D + lane * PER, x);
+            load_produced<PER>(rp.rq + (long long)b * rp.ld_q + (hk * G + g) * D + lane * PER, x);
             rotate<PER>(x, cs, sn, lane, h);
 #pragma unroll
             for (int i = 0; i < PER; ++i) x[i] = h2f(h[i]);
         } else {
-            load_halves<PER>(q + (head0 + g) * D + lane * PER, x);
+            load_produced<PER>(q + (head0 + g) * D + lane * PER, x);
         }
 #pragma unroll
         for (int i = 0; i < PER; ++i) qs[g * D + lane * PER + i] = x[i] * scale;
@@ -419,18 +494,23 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
     while (j0 <= p) {
 #pragma unroll
         for (int u = 0; u < SLOTS; ++u)  // (a constant index: the slots stay in registers)
-            if (u == mine) {  // this token (warp-uniform): rotated k and v into the caches and the registers
-                float x[PER];
-                u16 h[PER];
-                load_halves<PER>(rp.rk + (long long)b * rp.ld_k + hk * D + lane * PER, x);
-                rotate<PER>(x, cs, sn, lane, h);
-                load_raw<PER>(rp.rv + (long long)b * rp.ld_v + hk * D + lane * PER, vv[u]);
+            if (u == mine) {  // slot pos (warp-uniform)
                 const long long at = row0 + p * D + lane * PER;
+                if (rope) {  // this token: rotated k and v into the caches and the registers
+                    float x[PER];
+                    u16 h[PER];
+                    load_produced<PER>(rp.rk + (long long)b * rp.ld_k + hk * D + lane * PER, x);
+                    rotate<PER>(x, cs, sn, lane, h);
+                    load_raw_produced<PER>(rp.rv + (long long)b * rp.ld_v + hk * D + lane * PER, vv[u]);
 #pragma unroll
-                for (int i = 0; i < PER; ++i) {
-                    raw_set(kv[u], i, h[i]);
-                    rp.k_out[at + i] = h[i];
-                    rp.v_out[at + i] = f2h(raw_at(vv[u], i));
+                    for (int i = 0; i < PER; ++i) {
+                        raw_set(kv[u], i, h[i]);
+                        rp.k_out[at + i] = h[i];
+                        rp.v_out[at + i] = f2h(raw_at(vv[u], i));
+                    }
+                } else {  // written by rotary_cache, the launch before
+                    load_raw_produced<PER>(k_cache + at, kv[u]);
+                    load_raw_produced<PER>(v_cache + at, vv[u]);
                 }
             }
         const long long jw = j0 + warp * SLOTS + uw;
@@ -507,7 +587,7 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
         j0 += CL * CL_CHUNK;
         mine = -1;
         if (j0 <= p)  // the next pass's loads (red is read above by the same thread that wrote acc: no hazard)
-            mine = load_slots<PER>(k_cache, v_cache, row0 + j0 * D, j0, warp, lane, p, off, rope, seen, kv, vv);
+            mine = load_slots<PER>(k_cache, v_cache, row0 + j0 * D, j0, warp, lane, p, off, seen, kv, vv);
         __syncthreads();  // sc, alpha and red are rewritten by the next pass
     }
 
@@ -569,7 +649,7 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
 // one kernel per head dimension (attention_decode_<D / 32>), so each gets the registers it needs
 #define KERNEL(PER)                                                                                               \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_decode_##PER(DECODE_ARGS) {               \
-        pdl_enter();                                                                                           \
+        allow_dependents(); /* the wait: in decode, after the loads that may come first */                       \
         extern __shared__ float red[];                                                                          \
         const OutQuant oq{codes, scales, Kp, gm, bits, clip, grid, tiny};                                      \
         const Rope rp{rq, ld_q, rk, ld_k, rv, ld_v, cos_t, sin_t, rpos, const_cast<u16*>(k_cache),              \
@@ -597,7 +677,7 @@ KERNEL(8)
 // the cluster form, one kernel per head dimension (attention_decode_cl_<D / 32>); part_o, part_ml and ticket unused
 #define KERNEL_CL(PER)                                                                                            \
     extern "C" __global__ void __launch_bounds__(CL_WARPS * 32, (PER) <= 4 ? 2 : 1) attention_decode_cl_##PER(DECODE_ARGS) {         \
-        pdl_enter();                                                                                           \
+        allow_dependents(); /* the wait: in decode_cluster */                                                    \
         extern __shared__ float dyn[];                                                                          \
         const OutQuant oq{codes, scales, Kp, gm, bits, clip, grid, tiny};                                      \
         const Rope rp{rq, ld_q, rk, ld_k, rv, ld_v, cos_t, sin_t, rpos, const_cast<u16*>(k_cache),              \

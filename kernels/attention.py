@@ -29,6 +29,9 @@ WARPS = 4  # attention.cu's WARPS: warps per block
 CL, CL_WARPS = 8, 8  # attention.cu's cluster form: CTAs a (row, KV head), warps a CTA
 CLUSTER: bool | None = None  # the cluster form (sm_90): True, False, or None: where it measured faster (cluster_form)
 CLUSTER_FROM_LEN = 1024  # None: batch-1 MHA caches up to this many slots keep the split form (cluster_form)
+# the cache's earlier slots, the position and the rotary tables loaded before the wait for the Q/K/V product
+# (attention.cu, ATTN_EARLY; docs/kernels.md, "Decode attention"): off until its GPU tests pass
+EARLY = False
 MAX_G = 8  # query heads per KV head
 MAX_D = 256  # head dimension
 
@@ -98,10 +101,19 @@ def decode_attention_rope_reference(q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 
 def _function(per: int, cluster: bool = False):
+    from . import study
+
+    return _build_function(per, cluster, EARLY, study.build("attention"))
+
+
+@cache
+def _build_function(per: int, cluster: bool, early: bool, build):
+    """The kernel of this head dimension and form, with the cache loads before the wait or not (:data:`EARLY`), as
+    ``build`` has it (the shipped file unless a study set another: keyed by it, kernels/study.py)."""
     from .loader import load_module
 
     # only this head dimension's two kernels (attention.cu, ATTN_PER): about 2 s to compile instead of 15
-    module = load_module("attention", (), options=(f"-DATTN_PER={per}",))
+    module = load_module("attention", (), options=(f"-DATTN_PER={per}", f"-DATTN_EARLY={int(early)}"))
     return module.get_function(f"attention_decode_{'cl_' if cluster else ''}{per}")
 
 

@@ -16,7 +16,7 @@ from functools import cache
 
 import torch
 
-from . import attention, glue, norm_quant
+from . import attention, glue, lm_head, norm_quant
 from .norm_quant import InputRule, QuantizedInput
 
 _SHARED_ALLOCATOR = False
@@ -91,6 +91,13 @@ class CudaKernels:
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant)
     add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant)
+
+    @staticmethod
+    def lm_head_greedy(x: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """lm_head.cu for the cases it takes, the torch product and argmax otherwise."""
+        if lm_head.supports(x, weight):
+            return lm_head.lm_head_greedy(x, weight, tokens)
+        return lm_head.lm_head_greedy_reference(x, weight, tokens)
 
     def act_quant(self, x: torch.Tensor, rule: InputRule) -> QuantizedInput:
         from .act_quant import quantize_inputs

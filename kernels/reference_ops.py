@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..formats.arithmetic.grouped import grouped_int_matmul
-from . import attention, glue, norm_quant
+from . import attention, glue, lm_head, norm_quant
 from .norm_quant import InputRule, QuantizedInput
 
 
@@ -59,6 +59,7 @@ class ReferenceKernels:
     rms_norm_quant = staticmethod(norm_quant.rms_norm_quant_reference)
     add_rms_norm_quant = staticmethod(norm_quant.add_rms_norm_quant_reference)
     silu_mul_quant = staticmethod(norm_quant.silu_mul_quant_reference)
+    lm_head_greedy = staticmethod(lm_head.lm_head_greedy_reference)
 
     def act_quant(self, x: torch.Tensor, rule: InputRule) -> QuantizedInput:
         return rule.reference(x)

@@ -58,6 +58,10 @@ class RuntimeKernels(Protocol):
                            rule: InputRule) -> tuple[torch.Tensor, torch.Tensor, QuantizedInput]: ...
     def silu_mul_quant(self, gate: torch.Tensor, up: torch.Tensor,
                        rule: InputRule) -> tuple[torch.Tensor, QuantizedInput]: ...
+    def lm_head_greedy(self, x: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits [B, V] of the final norm's rows ``x`` [B, K] by the lm_head ``weight`` [V, K], and with
+        ``tokens`` each row's argmax written into it (``lm_head.lm_head_greedy_reference``), in one launch where
+        the kernel takes the case (``lm_head.shape_supported``)."""
 
     # ---- IE-BME with quantized activations
     def act_quant(self, x: torch.Tensor, rule: InputRule) -> QuantizedInput:

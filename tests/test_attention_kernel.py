@@ -14,11 +14,15 @@ from unionsparse.kernels import attention
 needs_gpu = pytest.mark.skipif(cuda_problem() is not None, reason=f"needs CuPy and a CUDA device ({cuda_problem()})")
 
 
-@pytest.fixture(params=[False, True], ids=["split", "cluster"])
+@pytest.fixture(params=[(False, False), (False, True), (True, False), (True, True)],
+                ids=["split", "split-early", "cluster", "cluster-early"])
 def form(request, monkeypatch):
-    """attention.CLUSTER off and on (the kernel's two forms)."""
-    monkeypatch.setattr(attention, "CLUSTER", request.param)
-    return request.param
+    """attention.CLUSTER off and on (the kernel's two forms), each waiting for the Q/K/V product before any load
+    or loading the cache's earlier slots before the wait (attention.EARLY)."""
+    cluster, early = request.param
+    monkeypatch.setattr(attention, "CLUSTER", cluster)
+    monkeypatch.setattr(attention, "EARLY", early)
+    return cluster
 
 
 @pytest.mark.parametrize("cc", [80, 90])

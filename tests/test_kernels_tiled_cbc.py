@@ -591,7 +591,8 @@ def _nvrtc():
                                        ("tiled_cbc_spmm.cu", "compute_90"), ("tiled_cbc_spmm.cu", "compute_90a"),
                                        ("tiled_cbc_decode.cu", "compute_90"), ("tiled_cbc_decode.cu", "compute_80"),
                                        ("act_quant.cu", "compute_90"), ("glue.cu", "compute_90"),
-                                       ("attention.cu", "compute_90"),
+                                       ("attention.cu", "compute_90"), ("lm_head.cu", "compute_90"),
+                                       ("lm_head.cu", "compute_80"),
                                        ("norm_quant.cu", "compute_90"), ("outlier_side.cu", "compute_90")])
 def test_kernel_source_compiles(name, arch):
     """Front-end compile (PTX, no GPU) of every explicitly instantiated kernel; spMspV also before sm_90,

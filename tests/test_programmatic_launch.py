@@ -16,7 +16,10 @@ import pytest
 from unionsparse.kernels import cluster_launch as cl
 
 KERNELS = Path(cl.__file__).parent
-STEP_FILES = ("glue.cu", "attention.cu", "act_quant.cu", "norm_quant.cu", "outlier_side.cu")
+STEP_FILES = ("glue.cu", "attention.cu", "act_quant.cu", "norm_quant.cu", "outlier_side.cu", "lm_head.cu")
+# kernels that issue loads of what no step kernel writes before their wait (docs/kernels.md): they start with
+# allow_dependents() and wait later; benchmarks/check_pdl_order.py checks their SASS
+EARLY = ("attention.cu", "lm_head.cu")
 
 
 def kernel_bodies(text: str) -> list[tuple[str, list[str], str]]:
@@ -39,9 +42,24 @@ def test_every_step_kernel_waits_first(name):
         text = text.replace("##PER(DECODE_ARGS)", "(" + args.split("DECODE_ARGS", 1)[1] + ")")
     bodies = kernel_bodies(text)
     assert bodies, f"no kernels found in {name}"
+    want = "allow_dependents()" if name in EARLY else "pdl_enter()"
     for kernel, params, first in bodies:
         assert params, f"{name}:{kernel}: no pointer parameters parsed"
-        assert first == "pdl_enter()", f"{name}:{kernel} does not start with pdl_enter(): {first!r}"
+        assert first.split("/*")[0].strip() == want, f"{name}:{kernel} does not start with {want}: {first!r}"
+    if name in EARLY:
+        assert "wait_for_producer();" in text
+
+
+def test_attention_reads_what_producers_wrote_after_the_wait_only():
+    """attention.cu loads the cache's earlier slots before its wait; q, the raw Q/K/V rows and the slot at pos (what
+    the launch before wrote) only through load_produced / load_raw_produced (ld.global.cg after the wait), which
+    the SASS check then finds after it."""
+    text = (KERNELS / "attention.cu").read_text()
+    produced = re.compile(r"(rp\.r[qkv] \+|[(\s]q \+ \(head0|_cache \+ at\b)")
+    uses = [ln.strip() for ln in text.splitlines() if produced.search(ln)]
+    assert len(uses) >= 8, uses  # q, rq, rk, rv and slot pos of k and v, in both forms
+    bad = [ln for ln in uses if not re.match(r"load_(raw_)?produced<PER>\(", ln)]
+    assert not bad, bad
 
 
 def test_the_check_finds_a_kernel_that_reads_first():

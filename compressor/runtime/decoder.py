@@ -21,6 +21,7 @@ from torch import nn
 
 from ...kernels import attention as attention_ops
 from ...kernels import glue as glue_ops
+from ...kernels import lm_head as lm_head_ops
 from ...kernels import norm_quant, runtime_ops
 from ..errors import UserError
 
@@ -106,6 +107,10 @@ class StaticDecoder(nn.Module):
     # with the glue kernels: a decode step's rotary + KV write inside the attention launch (one launch a layer
     # fewer, the same values bit for bit; step time unchanged on an H100: docs/kernels.md, "Decode attention")
     ROPE_IN_ATTENTION = True
+    # with the glue kernels: lm_head and the greedy choice in one launch (kernels/lm_head.cu); False: the model's
+    # lm_head, .float() and torch.argmax (docs/kernels.md, "lm_head and the greedy choice"); off until its GPU tests
+    # pass
+    HEAD_KERNEL = False
 
     @property
     def glue(self) -> str:
@@ -181,15 +186,18 @@ class StaticDecoder(nn.Module):
         self.position.fill_(t)
         return logits
 
-    def step(self) -> torch.Tensor:
-        """One decode step on ``tokens`` at ``position``: logits [B, V] (a static buffer when captured)."""
-        logits = self._forward(self.tokens[:, None], self.position.view(1))
+    def step(self, choose: bool = False) -> torch.Tensor:
+        """One decode step on ``tokens`` at ``position``: logits [B, V] (a static buffer when captured). With
+        ``choose``, each row's greedy token (the first of its largest logits) replaces ``tokens``, in the lm_head's
+        launch with the glue kernels (``kernels/lm_head.cu``)."""
+        logits = self._forward(self.tokens[:, None], self.position.view(1), self.tokens if choose else None)
         self.position.add_(1)
         self.logits = logits
         return logits
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] of the last of the rows ``ids`` [B, T] at positions ``pos`` [T] (device tensors)."""
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, choose: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] of the last of the rows ``ids`` [B, T] at positions ``pos`` [T] (device tensors); with
+        ``choose`` ([B] long), each row's argmax written into it."""
         inner = self.model.model
         b, t = ids.shape
         glue = self._glue
@@ -215,7 +223,20 @@ class StaticDecoder(nn.Module):
             x, h = self._norm(layer.post_attention_layernorm, x, o, getattr(layer.mlp, "gate_proj", None))
             pending = self._mlp(layer.mlp, h)
         _, x = self._norm(inner.norm, x[:, -1], None if pending is None else pending[:, -1])
-        return self.model.lm_head(x).float()
+        return self._head(x, choose)
+
+    def _head(self, x: torch.Tensor, choose: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits of the final norm's rows ``x`` [B, K], and with ``choose`` the greedy tokens written into
+        it: one launch with the glue kernels where lm_head is a plain float linear the kernel takes
+        (``kernels/lm_head.py``), the model's lm_head, ``.float()`` and ``torch.argmax`` otherwise."""
+        head = self.model.lm_head
+        if (self.glue == "kernels" and self.HEAD_KERNEL and type(head) is nn.Linear and head.bias is None
+                and x.dtype in self._glue.glue_dtypes() and lm_head_ops.shape_supported(x, head.weight)):
+            return self._glue.lm_head_greedy(x, head.weight, choose)
+        logits = head(x).float()
+        if choose is not None:
+            choose.copy_(torch.argmax(logits, dim=-1))
+        return logits
 
     def _attend(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: int, pos: torch.Tensor,
                 rpos: torch.Tensor) -> torch.Tensor:
@@ -319,10 +340,7 @@ class GraphedStep:
                 self.capture_error = " ".join(str(e).split())[:300]
 
     def _run(self) -> torch.Tensor:
-        logits = self.decoder.step()
-        if self.greedy:
-            self.decoder.tokens.copy_(torch.argmax(logits, dim=-1))
-        return logits
+        return self.decoder.step(choose=self.greedy)
 
     def _capture(self) -> None:
         d = self.decoder
