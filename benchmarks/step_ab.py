@@ -8,7 +8,8 @@ each of the step's own kernels is scheduled while the kernel before it still run
 ``--switch attention``: decode attention's split form (global partials, the last block combines) against its
 cluster form (``attention.CLUSTER``: the chunks of a head combined through distributed shared memory).
 ``--switch early``: decode attention waiting for the Q/K/V product before any load against loading the cache's earlier
-slots, the position and the rotary tables before the wait (``attention.EARLY``, attention.cu's ATTN_EARLY).
+slots, the position and the rotary tables before the wait (``attention.EARLY``, attention.cu's ATTN_EARLY), and that
+with the IE-BME kernel letting the next kernel start once its weights have landed (study build ``IEBME_TRIGGER=1``).
 ``--switch head``: the final norm's rows through the model's lm_head (cuBLAS), ``.float()`` and ``torch.argmax``
 against lm_head and the greedy choice in one launch (``StaticDecoder.HEAD_KERNEL``, kernels/lm_head.cu).
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from unionsparse.compressor.bench.e2e import case_arguments, e2e_command, format_table
 from unionsparse.compressor.runtime.decoder import StaticDecoder
-from unionsparse.kernels import attention
+from unionsparse.kernels import attention, study
 from unionsparse.kernels.cluster_launch import programmatic_launches
 
 KINDS = "fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50-o128-dp,iebme-w4a4-50,iebme-w4a8-50"
@@ -54,11 +55,13 @@ def _head(on: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _early(on: bool) -> Iterator[None]:
+def _early(on: bool, trigger: bool = False) -> Iterator[None]:
     saved = attention.EARLY
     attention.EARLY = on
+    build = study.Build(defines=(("IEBME_TRIGGER", 1),)) if trigger else None
     try:
-        yield
+        with study.building("iebme_spmm", build):
+            yield
     finally:
         attention.EARLY = saved
 
@@ -81,7 +84,8 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
     "attention": (("attention: split, global partials", lambda: _cluster(False)),
                   ("attention: cluster, shared-memory combine", lambda: _cluster(True))),
     "early": (("attention: wait first", lambda: _early(False)),
-              ("attention: cache loads before the wait", lambda: _early(True))),
+              ("attention: cache loads before the wait", lambda: _early(True)),
+              ("... and IE-BME lets it start once its weights landed", lambda: _early(True, trigger=True))),
     "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _head(False)),
              ("lm_head + greedy choice: one launch", lambda: _head(True))),
 }

@@ -73,6 +73,9 @@ typedef unsigned long long uint64_t;
 #ifndef IEBME_PDL        // 1: built for programmatic dependent launch (see PDL below)
 #define IEBME_PDL 0
 #endif
+#ifndef IEBME_TRIGGER    // 1 (studies: benchmarks/step_ab.py --switch early): with PDL, let the next kernel be
+#define IEBME_TRIGGER 0  // scheduled once every CTA's weight stream has landed (its epilogue and tail overlap it)
+#endif
 #ifndef IEBME_TMA        // ring copies by cp.async.bulk (one lane, mbarrier) on sm_90; cp.async below
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define IEBME_TMA 1
@@ -677,6 +680,7 @@ DEVI void spmm(const Args& a) {
   }
   }
   cp_wait<0>();
+  if (PDL && IEBME_TRIGGER) allow_dependents();
   if (DEBUG) return;
   if (TRACE) tt[2] = gtimer();
   // The outlier side product, added once (by the first K chunk's CTA) after the main groups and before the one
