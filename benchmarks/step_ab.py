@@ -7,9 +7,9 @@ each of the step's own kernels is scheduled while the kernel before it still run
 (``StaticDecoder.ROPE_IN_ATTENTION``, kernels/attention.cu): one launch a layer fewer.
 ``--switch attention``: decode attention's split form (global partials, the last block combines) against its
 cluster form (``attention.CLUSTER``: the chunks of a head combined through distributed shared memory).
-``--switch early``: decode attention waiting for the Q/K/V product before any load against loading the cache's earlier
-slots, the position and the rotary tables before the wait (``attention.EARLY``, attention.cu's ATTN_EARLY), and that
-with the IE-BME kernel letting the next kernel start once its weights have landed (study build ``IEBME_TRIGGER=1``).
+``--switch early``: the IE-BME kernel letting the next kernel start only at its end (study build ``IEBME_TRIGGER=0``)
+or once its weights have landed (the default), then with decode attention also loading the cache's earlier slots, the
+position and the rotary tables before its wait (``attention.EARLY``, attention.cu's ATTN_EARLY; the default).
 ``--switch head``: the final norm's rows through the model's lm_head (cuBLAS), ``.float()`` and ``torch.argmax``
 against lm_head and the greedy choice in one launch (``StaticDecoder.HEAD_KERNEL``, kernels/lm_head.cu).
 
@@ -55,10 +55,10 @@ def _head(on: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _early(on: bool, trigger: bool = False) -> Iterator[None]:
+def _early(on: bool, trigger: bool) -> Iterator[None]:
     saved = attention.EARLY
     attention.EARLY = on
-    build = study.Build(defines=(("IEBME_TRIGGER", 1),)) if trigger else None
+    build = None if trigger else study.Build(defines=(("IEBME_TRIGGER", 0),))
     try:
         with study.building("iebme_spmm", build):
             yield
@@ -83,9 +83,9 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
              ("rotary + KV write: in attention", lambda: _rope(True))),
     "attention": (("attention: split, global partials", lambda: _cluster(False)),
                   ("attention: cluster, shared-memory combine", lambda: _cluster(True))),
-    "early": (("attention: wait first", lambda: _early(False)),
-              ("attention: cache loads before the wait", lambda: _early(True)),
-              ("... and IE-BME lets it start once its weights landed", lambda: _early(True, trigger=True))),
+    "early": (("attention waits first; IE-BME lets the next kernel start at its end", lambda: _early(False, False)),
+              ("... IE-BME lets it start once its weights landed", lambda: _early(False, True)),
+              ("... and attention loads its cache before the wait (default)", lambda: _early(True, True))),
     "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _head(False)),
              ("lm_head + greedy choice: one launch", lambda: _head(True))),
 }

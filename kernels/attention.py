@@ -30,8 +30,8 @@ CL, CL_WARPS = 8, 8  # attention.cu's cluster form: CTAs a (row, KV head), warps
 CLUSTER: bool | None = None  # the cluster form (sm_90): True, False, or None: where it measured faster (cluster_form)
 CLUSTER_FROM_LEN = 1024  # None: batch-1 MHA caches up to this many slots keep the split form (cluster_form)
 # the cache's earlier slots, the position and the rotary tables loaded before the wait for the Q/K/V product
-# (attention.cu, ATTN_EARLY; docs/kernels.md, "Decode attention"): off until its GPU tests pass
-EARLY = False
+# (attention.cu, ATTN_EARLY; docs/kernels.md, "Decode attention"); False: wait first, every load after it
+EARLY = True
 MAX_G = 8  # query heads per KV head
 MAX_D = 256  # head dimension
 

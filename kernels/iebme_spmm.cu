@@ -73,8 +73,8 @@ typedef unsigned long long uint64_t;
 #ifndef IEBME_PDL        // 1: built for programmatic dependent launch (see PDL below)
 #define IEBME_PDL 0
 #endif
-#ifndef IEBME_TRIGGER    // 1 (studies: benchmarks/step_ab.py --switch early): with PDL, let the next kernel be
-#define IEBME_TRIGGER 0  // scheduled once every CTA's weight stream has landed (its epilogue and tail overlap it)
+#ifndef IEBME_TRIGGER    // 1: with PDL, let the next kernel be scheduled once every CTA's weight stream has landed
+#define IEBME_TRIGGER 1  // (its epilogue and tail overlap the next one's start; docs/kernels.md); 0: at completion
 #endif
 #ifndef IEBME_TMA        // ring copies by cp.async.bulk (one lane, mbarrier) on sm_90; cp.async below
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -325,7 +325,8 @@ DEVI void spmm(const Args& a) {
   uint64_t tt[3] = {0, 0, 0};
   if (TRACE) tt[0] = gtimer();
   // No allow_dependents() here: the next IE-BME launch (two launches later) would then be scheduled while this one
-  // still streams, and the whole-step A/B lost 2.5% with it (docs/kernels.md, programmatic dependent launch).
+  // still streams, and the whole-step A/B lost 2.5% with it; it comes once the CTA's weights have landed
+  // (IEBME_TRIGGER, after the main loop; docs/kernels.md, programmatic dependent launch).
   // trace: thread 0 records its exit (every return below goes through here)
   auto trace_exit = [&]() {
     if (TRACE && threadIdx.x == 0) {

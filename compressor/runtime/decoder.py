@@ -108,9 +108,8 @@ class StaticDecoder(nn.Module):
     # fewer, the same values bit for bit; step time unchanged on an H100: docs/kernels.md, "Decode attention")
     ROPE_IN_ATTENTION = True
     # with the glue kernels: lm_head and the greedy choice in one launch (kernels/lm_head.cu); False: the model's
-    # lm_head, .float() and torch.argmax (docs/kernels.md, "lm_head and the greedy choice"); off until its GPU tests
-    # pass
-    HEAD_KERNEL = False
+    # lm_head, .float() and torch.argmax (docs/kernels.md, "lm_head and the greedy choice")
+    HEAD_KERNEL = True
 
     @property
     def glue(self) -> str:
