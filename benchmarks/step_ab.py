@@ -25,6 +25,7 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest.mock import patch
 
 from unionsparse.compressor.bench.e2e import case_arguments, e2e_command, format_table
 from unionsparse.compressor.runtime.decoder import StaticDecoder
@@ -34,60 +35,30 @@ from unionsparse.kernels.cluster_launch import programmatic_launches
 KINDS = "fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50-o128-dp,iebme-w4a4-50,iebme-w4a8-50"
 
 
-@contextlib.contextmanager
-def _rope(on: bool) -> Iterator[None]:
-    saved = StaticDecoder.ROPE_IN_ATTENTION
-    StaticDecoder.ROPE_IN_ATTENTION = on
-    try:
-        yield
-    finally:
-        StaticDecoder.ROPE_IN_ATTENTION = saved
-
-
-@contextlib.contextmanager
-def _head(on: bool) -> Iterator[None]:
-    saved = StaticDecoder.HEAD_KERNEL
-    StaticDecoder.HEAD_KERNEL = on
-    try:
-        yield
-    finally:
-        StaticDecoder.HEAD_KERNEL = saved
+def _set(owner: object, name: str, value: object) -> contextlib.AbstractContextManager:
+    """``owner.name = value`` for the duration of a ``with`` block."""
+    return patch.object(owner, name, value)
 
 
 @contextlib.contextmanager
 def _early(on: bool, trigger: bool) -> Iterator[None]:
-    saved = attention.EARLY
-    attention.EARLY = on
     build = None if trigger else study.Build(defines=(("IEBME_TRIGGER", 0),))
-    try:
-        with study.building("iebme_spmm", build):
-            yield
-    finally:
-        attention.EARLY = saved
-
-
-@contextlib.contextmanager
-def _cluster(on: bool) -> Iterator[None]:
-    saved = attention.CLUSTER
-    attention.CLUSTER = on
-    try:
+    with _set(attention, "EARLY", on), study.building("iebme_spmm", build):
         yield
-    finally:
-        attention.CLUSTER = saved
 
 
 SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextManager]], ...]] = {
     "pdl": (("pdl off", lambda: programmatic_launches(False)),
             ("pdl on (default)", lambda: programmatic_launches(None))),
-    "rope": (("rotary + KV write: own launch", lambda: _rope(False)),
-             ("rotary + KV write: in attention", lambda: _rope(True))),
-    "attention": (("attention: split, global partials", lambda: _cluster(False)),
-                  ("attention: cluster, shared-memory combine", lambda: _cluster(True))),
+    "rope": (("rotary + KV write: own launch", lambda: _set(StaticDecoder, "ROPE_IN_ATTENTION", False)),
+             ("rotary + KV write: in attention", lambda: _set(StaticDecoder, "ROPE_IN_ATTENTION", True))),
+    "attention": (("attention: split, global partials", lambda: _set(attention, "CLUSTER", False)),
+                  ("attention: cluster, shared-memory combine", lambda: _set(attention, "CLUSTER", True))),
     "early": (("attention waits first; IE-BME lets the next kernel start at its end", lambda: _early(False, False)),
               ("... IE-BME lets it start once its weights landed", lambda: _early(False, True)),
               ("... and attention loads its cache before the wait (default)", lambda: _early(True, True))),
-    "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _head(False)),
-             ("lm_head + greedy choice: one launch", lambda: _head(True))),
+    "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _set(StaticDecoder, "HEAD_KERNEL", False)),
+             ("lm_head + greedy choice: one launch", lambda: _set(StaticDecoder, "HEAD_KERNEL", True))),
 }
 
 
