@@ -442,6 +442,36 @@ def test_static_generation_equals_the_transformers_cache_path(loaded, case):
     assert not torch.equal(static_logits[1], static_logits[2])  # the steps really differ
 
 
+def _second_best(x, weight, tokens):
+    """A head that writes each row's second-best token."""
+    from unionsparse.kernels import lm_head
+
+    logits = lm_head.lm_head_greedy_reference(x, weight, None)
+    if tokens is not None:
+        tokens.copy_(logits.topk(2, dim=-1).indices[:, 1])
+    return logits
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["step chooses", "planted: second-best"])
+def test_greedy_generation_takes_the_steps_own_tokens(artifacts, fault, monkeypatch):
+    """At temperature 0 the static path chooses only the prefill's token itself; every later one is the step's
+    greedy choice (the lm_head launch with the glue kernels, here their CPU references): the same tokens as the
+    CPU path's, and a head that chooses wrongly changes them."""
+    from unionsparse.compressor.runtime import generate as gen_mod
+    from unionsparse.kernels.reference_ops import ReferenceKernels
+
+    if fault:
+        monkeypatch.setattr(ReferenceKernels, "lm_head_greedy", staticmethod(_second_best))
+    want = runtime.load(artifacts("w4a16")).generate(PROMPT, max_new_tokens=8, ignore_eos=True).ids
+    rt = runtime.load(artifacts("w4a16"), backend="reference")
+    calls = []
+    choose = gen_mod.choose
+    monkeypatch.setattr(gen_mod, "choose", lambda *a: calls.append(1) or choose(*a))
+    g = rt.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+    assert g.stats["decoder"] == "static" and len(calls) == 1
+    assert (g.ids != want) if fault else (g.ids == want)
+
+
 def test_static_cache_is_reused_and_grown(loaded):
     rt = loaded("w4a16")
     rt.generate(PROMPT, max_new_tokens=4, ignore_eos=True)

@@ -204,7 +204,9 @@ class Runtime:
                 self._decoder = self._graph = None
                 self._decoder = StaticDecoder(self.model, 1, self.decoder_length(need), self.kernels)
             if self._graph is None:
-                self._graph = GraphedStep(self._decoder, greedy=False, strict=False, capture=self.graphs)
+                # greedy: every step also writes its greedy tokens (in the lm_head launch with the glue kernels),
+                # which generate takes at temperature 0; sampling overwrites them before the next step
+                self._graph = GraphedStep(self._decoder, greedy=True, strict=False, capture=self.graphs)
             return _StaticSession(self._decoder, self._graph, prompt_ids)
         return _CacheSession(self, prompt_ids)
 
@@ -280,8 +282,10 @@ class Runtime:
         new: list[int] = []
         stop, t_first, steps = "length", None, 0
         while True:
-            chosen = choose(logits, temperature, top_p, gen)  # on the device
-            s.feed(chosen)
+            chosen = s.chosen if temperature == 0 else None  # the step's own greedy tokens
+            if chosen is None:
+                chosen = choose(logits, temperature, top_p, gen)  # on the device
+                s.feed(chosen)
             n_after = len(prompt_ids) + len(new) + 1  # positions used once this token is fed
             ahead = s.overlaps and len(new) + 1 < max_new_tokens and n_after < limit
             if ahead:  # the GPU runs the next step while the host reads, checks and streams this token
@@ -398,12 +402,15 @@ class _StaticSession:
         self.overlaps = decoder.device.type == "cuda"
         self.logits = decoder.prefill(torch.tensor([list(prompt_ids)], dtype=torch.long))
         self._host = torch.empty(1, dtype=torch.long, pin_memory=self.overlaps)
+        self.chosen: torch.Tensor | None = None  # the last step's greedy tokens (none after the prefill)
 
     def feed(self, token: torch.Tensor) -> None:
         self.decoder.tokens.copy_(token)
 
     def advance(self) -> torch.Tensor:
-        return self.graph()
+        out = self.graph()
+        self.chosen = self.decoder.tokens if self.graph.greedy else None
+        return out
 
     def to_host(self, token: torch.Tensor) -> torch.cuda.Event:
         self._host.copy_(token, non_blocking=True)
@@ -420,6 +427,7 @@ class _CacheSession:
     """One sequence through the model's own forward and transformers' DynamicCache (other architectures)."""
 
     overlaps = False
+    chosen = None  # no step chooses a token here: generate does
 
     def __init__(self, rt: Runtime, prompt_ids: Sequence[int]) -> None:
         self.rt = rt
