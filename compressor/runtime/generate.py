@@ -191,6 +191,14 @@ class Runtime:
             out["graph_error"] = self._graph.capture_error
         return out
 
+    def _generator(self, temperature: float, seed: int | None) -> tuple[int | None, torch.Generator | None]:
+        """(the seed, a generator on the device seeded with it) for sampling; (None, None) at temperature 0. A
+        seed is drawn from the OS when none is given, and reported, so that the draw can be repeated."""
+        if temperature == 0:
+            return None, None
+        seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
+        return seed, torch.Generator(device=self.device).manual_seed(seed)
+
     def decoder_length(self, need: int) -> int:
         """The static cache length for ``need`` positions: rounded up to whole 256s (one cache and one captured
         graph serve every later generation that fits), at most the model's positions."""
@@ -266,12 +274,7 @@ class Runtime:
         check_sampling(max_new_tokens, temperature, top_p)
         t0 = time.perf_counter()
         prompt_ids = self.encode(prompt, chat)
-        gen = None
-        if temperature > 0:
-            seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-        else:
-            seed = None
+        seed, gen = self._generator(temperature, seed)
         text = TextStream(self.tokenizer) if self.tokenizer is not None else None
         eos = set() if ignore_eos else self.eos_ids
         limit = len(prompt_ids) + max_new_tokens
@@ -349,12 +352,7 @@ class Runtime:
         rows = [self.encode(p, chat) for p in prompts]
         b, t = len(rows), max(len(r) for r in rows)
         limit = t + max_new_tokens if self.max_positions is None else min(t + max_new_tokens, self.max_positions)
-        gen = None
-        if temperature > 0:
-            seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-        else:
-            seed = None
+        seed, gen = self._generator(temperature, seed)
         eos = set() if ignore_eos else self.eos_ids
         dec, graph = self._batch_decoder(b, limit)
         ids = torch.tensor([[0] * (t - len(r)) + r for r in rows], dtype=torch.long)
