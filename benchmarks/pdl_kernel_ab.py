@@ -26,7 +26,7 @@ def use_sources(sources: dict[str, str]) -> None:
     kernels/study.py; a name not in ``sources``: the shipped file)."""
     for name in NAMES:
         study.use_build(name, study.Build(source=sources[name]) if name in sources else None)
-    for f in (glue._functions, norm_quant._functions):  # attention looks its kernels up at every launch
+    for f in (glue._functions, norm_quant._functions):  # attention keys its kernels by the build in force
         f.cache_clear()
 
 
