@@ -15,7 +15,8 @@ scalars and ctypes objects (a tensor map: passed by value).
 
 The decode step's kernels go through :func:`launch`: a programmatic launch where the GPU has it (sm_90+) unless
 :func:`programmatic_launches` turned it off, else CuPy's own launch. Every kernel launched so starts with
-``pdl_enter`` (kernels/pdl.cuh).
+``pdl_enter`` (kernels/pdl.cuh), or with ``allow_dependents`` where it loads what no kernel of the step writes before
+its ``wait_for_producer`` (attention, lm_head; docs/kernels.md).
 """
 
 from __future__ import annotations

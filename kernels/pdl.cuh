@@ -22,7 +22,8 @@ __device__ __forceinline__ void wait_for_producer() {
 #endif
 }
 
-// The first statement of a step kernel.
+// The first statement of a step kernel; attention.cu and lm_head.cu instead start with allow_dependents() and load
+// what no kernel of the step writes (earlier cache slots, the lm_head weight) before their wait_for_producer().
 __device__ __forceinline__ void pdl_enter() {
     allow_dependents();
     wait_for_producer();
