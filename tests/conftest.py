@@ -85,6 +85,16 @@ def load_json(text: str) -> dict:
 REFERENCE_FLAGS = ("--quiet", "--prune", "magnitude", "--quant", "w4a4", "--reorder", "dp")
 
 
+def second_best_head(x, weight, tokens):
+    """A planted fault for the lm_head op (``lm_head_greedy``): the right logits, each row's second-best token."""
+    from unionsparse.kernels import lm_head
+
+    logits = lm_head.lm_head_greedy_reference(x, weight, None)
+    if tokens is not None:
+        tokens.copy_(logits.topk(2, dim=-1).indices[:, 1])
+    return logits
+
+
 def assert_same_artifacts(a_path, b_path) -> None:
     """Two artifacts hold the same layers, dense tensors and index: every array equal, dtype included."""
     import numpy as np

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import second_best_head
 from unionsparse.compressor.runtime.cuda import cuda_problem
 from unionsparse.compressor.runtime.decoder import GraphedStep, StaticDecoder
 from unionsparse.kernels import lm_head
@@ -35,14 +36,6 @@ def test_shape_rule():
     assert lm_head.grid_blocks(32000, 132) == 250 and lm_head.grid_blocks(128256, 132) == 264
 
 
-def _wrong_choice(x, weight, tokens):
-    """A head that writes each row's second-best token."""
-    logits = lm_head.lm_head_greedy_reference(x, weight, None)
-    if tokens is not None:
-        tokens.copy_(logits.topk(2, dim=-1).indices[:, 1])
-    return logits
-
-
 @pytest.mark.parametrize("fault", [False, True], ids=["head", "planted: second-best token"])
 @torch.inference_mode()
 def test_the_step_chooses_in_the_head_launch(fault, monkeypatch):
@@ -53,7 +46,7 @@ def test_the_step_chooses_in_the_head_launch(fault, monkeypatch):
 
     monkeypatch.setattr(StaticDecoder, "HEAD_KERNEL", True)
     calls = []
-    head = _wrong_choice if fault else ReferenceKernels.lm_head_greedy
+    head = second_best_head if fault else ReferenceKernels.lm_head_greedy
     monkeypatch.setattr(ReferenceKernels, "lm_head_greedy",
                         staticmethod(lambda x, w, tokens: calls.append(tokens is not None) or head(x, w, tokens)))
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import second_best_head, tiny_model
 from unionsparse.compressor import runtime
 from unionsparse.compressor.artifact.store import Artifact, check_manifest, write_manifest
 from unionsparse.compressor.artifact.tokenizer import has_tokenizer, load_generation_config, load_tokenizer
@@ -442,16 +442,6 @@ def test_static_generation_equals_the_transformers_cache_path(loaded, case):
     assert not torch.equal(static_logits[1], static_logits[2])  # the steps really differ
 
 
-def _second_best(x, weight, tokens):
-    """A head that writes each row's second-best token."""
-    from unionsparse.kernels import lm_head
-
-    logits = lm_head.lm_head_greedy_reference(x, weight, None)
-    if tokens is not None:
-        tokens.copy_(logits.topk(2, dim=-1).indices[:, 1])
-    return logits
-
-
 @pytest.mark.parametrize("fault", [False, True], ids=["step chooses", "planted: second-best"])
 def test_greedy_generation_takes_the_steps_own_tokens(artifacts, fault, monkeypatch):
     """At temperature 0 the static path chooses only the prefill's token itself; every later one is the step's
@@ -461,7 +451,7 @@ def test_greedy_generation_takes_the_steps_own_tokens(artifacts, fault, monkeypa
     from unionsparse.kernels.reference_ops import ReferenceKernels
 
     if fault:
-        monkeypatch.setattr(ReferenceKernels, "lm_head_greedy", staticmethod(_second_best))
+        monkeypatch.setattr(ReferenceKernels, "lm_head_greedy", staticmethod(second_best_head))
     want = runtime.load(artifacts("w4a16")).generate(PROMPT, max_new_tokens=8, ignore_eos=True).ids
     rt = runtime.load(artifacts("w4a16"), backend="reference")
     calls = []
