@@ -30,17 +30,17 @@
 # (kernels/lm_head.cu, StaticDecoder.HEAD_KERNEL): its GPU tests and the glue's,
 # then bench --e2e with it off and on in one process (benchmarks/step_ab.py --switch head), LLaMA-2-7B at
 # batch 1, context 512 and batch 8, context 2048, Llama-3-8B (a 128256-token vocabulary) at batch 1.
-# `bash benchmarks/glue_h200.sh early` (about 5 minutes): decode attention's cache loads before its wait against
-# waiting first (benchmarks/step_ab.py --switch early), LLaMA-2-7B batch 1 context 512 (fp16, W4A16, IE-BME W4A16
-# 50%) and batch 8 context 2048 (fp16), then the head switch above at batch 1; run after the GPU tests of
-# `compile_h200.sh`, which cover both changes.
+# `bash benchmarks/glue_h200.sh early` (about 4 minutes): the IE-BME kernel letting the next kernel start only at its
+# end, then once its weights landed, then with decode attention's cache loads before its wait (benchmarks/step_ab.py
+# --switch early; the last is the default), LLaMA-2-7B batch 1 context 512 (fp16, W4A16, IE-BME W4A16 50%, IE-BME
+# W4A4 50% with 128 outlier channels) and batch 8 context 2048 (fp16), then the head switch above at batch 1.
 set -o pipefail
 MODE="${1:-full}"
 source benchmarks/device_env.sh || exit 1
 if [ "$MODE" = early ]; then
   SKIP="^launches\\|^linears:\\|^floor"
-  timeout 200 python3 benchmarks/step_ab.py --switch early --kinds fp16,w4a16,iebme-w4a16-50 --out "$DEST" 2>&1 \
-    | tee "$DEST/step_ab_early.log" | grep -v "$SKIP"
+  timeout 260 python3 benchmarks/step_ab.py --switch early --kinds fp16,w4a16,iebme-w4a16-50,iebme-w4a4-50-o128 \
+    --out "$DEST" 2>&1 | tee "$DEST/step_ab_early.log" | grep -v "$SKIP"
   mkdir -p "$DEST/b8"
   timeout 100 python3 benchmarks/step_ab.py --switch early --batch 8 --context 2048 --kinds fp16 --out "$DEST/b8" \
     2>&1 | tee "$DEST/b8/step_ab_early.log" | grep -v "$SKIP"
