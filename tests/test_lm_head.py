@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-from conftest import second_best_head
+from conftest import second_best_head, tiny_model
 from unionsparse.compressor.runtime.cuda import cuda_problem
 from unionsparse.compressor.runtime.decoder import GraphedStep, StaticDecoder
 from unionsparse.kernels import lm_head
@@ -49,10 +48,7 @@ def test_the_step_chooses_in_the_head_launch(fault, monkeypatch):
     head = second_best_head if fault else ReferenceKernels.lm_head_greedy
     monkeypatch.setattr(ReferenceKernels, "lm_head_greedy",
                         staticmethod(lambda x, w, tokens: calls.append(tokens is not None) or head(x, w, tokens)))
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    m = tiny_model("llama", hidden=64, vocab=97)
     ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
     dec = StaticDecoder(m, 2, 24, kernels=runtime_ops.get("reference"))
     logits = dec.prefill(ids)
@@ -144,10 +140,7 @@ def test_kernel_replays_in_a_graph():
 def test_gpu_greedy_steps_are_transformers_greedy_tokens(monkeypatch):
     monkeypatch.setattr(StaticDecoder, "HEAD_KERNEL", True)
     dev = torch.device("cuda")
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    m = transformers.AutoModelForCausalLM.from_config(cfg).eval().half().to(dev)
+    m = tiny_model("llama", hidden=128, vocab=1000).half().to(dev)
     ids = torch.randint(0, 1000, (3, 6), generator=torch.Generator().manual_seed(2)).to(dev)
     dec = StaticDecoder(m, 3, 32)
     assert dec.glue == "kernels"
