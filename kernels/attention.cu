@@ -29,6 +29,9 @@
 #ifndef ATTN_EARLY
 #define ATTN_EARLY 1  // attention.py passes -DATTN_EARLY=<attention.EARLY>; 0: wait first, every load after it
 #endif
+#ifndef ATTN_WARPWISE
+#define ATTN_WARPWISE 0  // attention.py passes -DATTN_WARPWISE=<attention.WARPWISE>: the cluster form's softmax a warp at a time
+#endif
 
 // The warp's sums of a[0..7] over its 32 lanes in 9 shuffles instead of 40: a transposing butterfly in which
 // each exchange halves the slots a lane carries. Lane l ends with the sum of slot ((l >> 2) & 7).
@@ -172,6 +175,37 @@ __device__ __forceinline__ void raw_set(unsigned int* w, int i, u16 h) {
     w[i / 2] = i & 1 ? (w[i / 2] & 0xffffu) | ((unsigned int)h << 16) : (w[i / 2] & 0xffff0000u) | h;
 }
 
+// The warp's slot pos (mine; -1: none of its slots) into its registers, after the wait: with the fused rotary this
+// token's k, rotated, and v, also written into the caches at element `at`; else what rotary_cache, the launch
+// before, wrote there. Both forms call it where a pass begins.
+template <int PER>
+__device__ __forceinline__ void slot_pos(int mine, unsigned int (*kv)[(PER + 1) / 2],
+                                         unsigned int (*vv)[(PER + 1) / 2], const u16* __restrict__ k_cache,
+                                         const u16* __restrict__ v_cache, long long at, int b, int hk, int lane,
+                                         const float* cs, const float* sn, const Rope& rp) {
+    constexpr int D = PER * 32;
+#pragma unroll
+    for (int u = 0; u < SLOTS; ++u)  // (a constant index: the slots stay in registers)
+        if (u == mine) {  // (warp-uniform)
+            if (rp.rq != nullptr) {
+                float x[PER];
+                u16 h[PER];
+                load_produced<PER>(rp.rk + (long long)b * rp.ld_k + hk * D + lane * PER, x);
+                rotate<PER>(x, cs, sn, lane, h);
+                load_raw_produced<PER>(rp.rv + (long long)b * rp.ld_v + hk * D + lane * PER, vv[u]);
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    raw_set(kv[u], i, h[i]);
+                    rp.k_out[at + i] = h[i];
+                    rp.v_out[at + i] = f2h(raw_at(vv[u], i));
+                }
+            } else {
+                load_raw_produced<PER>(k_cache + at, kv[u]);
+                load_raw_produced<PER>(v_cache + at, vv[u]);
+            }
+        }
+}
+
 // q [B, H, 1, D]; caches [B, Hkv, L, D]; part_o [B, H, chunks, D] and part_ml [B, H, chunks, 2] (float32);
 // ticket [B * Hkv] int32, zero between launches; out [B, 1, H * D]. Dynamic shared memory: WARPS * G * D floats.
 template <int PER>
@@ -247,27 +281,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
 #pragma unroll
             for (int i = 0; i < PER; ++i) qr[g][i] *= scale;
         }
-#pragma unroll
-    for (int u = 0; u < SLOTS; ++u)  // (a constant index: the slots stay in registers)
-        if (u == mine) {  // slot pos (warp-uniform)
-            const long long at = base + (long long)(warp * SLOTS + u) * D + lane * PER;
-            if (rope) {  // this token: rotated k and v into the caches and the registers
-                float x[PER];
-                u16 h[PER];
-                load_produced<PER>(rp.rk + (long long)b * rp.ld_k + hk * D + lane * PER, x);
-                rotate<PER>(x, cs, sn, lane, h);
-                load_raw_produced<PER>(rp.rv + (long long)b * rp.ld_v + hk * D + lane * PER, vv[u]);
-#pragma unroll
-                for (int i = 0; i < PER; ++i) {
-                    raw_set(kv[u], i, h[i]);
-                    rp.k_out[at + i] = h[i];
-                    rp.v_out[at + i] = f2h(raw_at(vv[u], i));
-                }
-            } else {  // written by rotary_cache, the launch before
-                load_raw_produced<PER>(k_cache + at, kv[u]);
-                load_raw_produced<PER>(v_cache + at, vv[u]);
-            }
-        }
+    slot_pos<PER>(mine, kv, vv, k_cache, v_cache, base + (p - j0) * D + lane * PER, b, hk, lane, cs, sn, rp);
     // lane's slot after the transposing reduction, and whether the row sees it
     const int uw = (lane >> 2) & 7;
     const long long jw = j0 + warp * SLOTS + uw;
@@ -401,6 +415,36 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
 #define CL_WARPS 8
 #define CL_CHUNK (CL_WARPS * SLOTS)  // 64 slots a CTA a pass
 
+// load_slots in two halves, so that a warp can load the next pass's K once its scores are made and V once its
+// weighted V is: which slots row b sees and their K (but slot pos), returning slot pos or -1; then their V.
+template <int PER>
+__device__ __forceinline__ int load_k_slots(const u16* __restrict__ k_cache, long long base, long long j0, int warp,
+                                            int lane, long long p, long long off, bool* seen,
+                                            unsigned int (*kv)[(PER + 1) / 2]) {
+    constexpr int D = PER * 32;
+    int mine = -1;
+#pragma unroll
+    for (int u = 0; u < SLOTS; ++u) {
+        const long long j = j0 + warp * SLOTS + u;
+        seen[u] = j <= p && (j >= off || j == p);
+        if (j == p) mine = u;
+        else if (seen[u]) load_raw<PER>(k_cache + base + (j - j0) * D + lane * PER, kv[u]);
+    }
+    return mine;
+}
+
+template <int PER>
+__device__ __forceinline__ void load_v_slots(const u16* __restrict__ v_cache, long long base, long long j0, int warp,
+                                             int lane, long long p, const bool* seen,
+                                             unsigned int (*vv)[(PER + 1) / 2]) {
+    constexpr int D = PER * 32;
+#pragma unroll
+    for (int u = 0; u < SLOTS; ++u) {
+        const long long j = j0 + warp * SLOTS + u;
+        if (seen[u] && j != p) load_raw<PER>(v_cache + base + (j - j0) * D + lane * PER, vv[u]);
+    }
+}
+
 // Load the warp's SLOTS slots of the pass at j0 that row b sees (all loads issued before any use), but the slot
 // holding pos, which the pass's loop reads or makes after the wait (this token's k and v, rotated, with the fused
 // rotary; else what rotary_cache, the launch before, wrote). Returns that slot or -1.
@@ -426,7 +470,7 @@ __device__ __forceinline__ int load_slots(const u16* __restrict__ k_cache, const
     return mine;
 }
 
-template <int PER>
+template <int PER, int GM>  // GM: at least the query heads a KV head (the unrolled head loops; fewer registers)
 __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                                                const u16* __restrict__ v_cache, const long long* __restrict__ pos,
                                                const long long* __restrict__ offset, int H, int Hkv, int L,
@@ -434,8 +478,7 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
                                                const Rope& rp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int D = PER * 32;
-    __shared__ float sc[MAX_G][CL_CHUNK];
-    __shared__ float run_m[MAX_G], run_l[MAX_G], alpha[MAX_G], ew[MAX_G][CL];
+    __shared__ float run_m[MAX_G], run_l[MAX_G], ew[MAX_G][CL];
     const int r = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;  // r: the rank in the cluster (grid x == CL)
     const int G = H / Hkv, GD = G * D;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -491,32 +534,126 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
 
     __syncthreads();  // qs, acc, run_m and run_l written
     const int uw = (lane >> 2) & 7;  // the lane's slot after the transposing reduction
-    while (j0 <= p) {
+#if ATTN_WARPWISE
+    // Each warp its own online softmax over its slots of every pass: per query head its running max, sum and
+    // weighted V in registers, so a pass needs no barrier; the next pass's K is loaded once this pass's scores are
+    // made, its V once this pass's weighted V is. The CTA combines its warps at the end.
+    float m[GM], l[GM], o[GM][PER];
 #pragma unroll
-        for (int u = 0; u < SLOTS; ++u)  // (a constant index: the slots stay in registers)
-            if (u == mine) {  // slot pos (warp-uniform)
-                const long long at = row0 + p * D + lane * PER;
-                if (rope) {  // this token: rotated k and v into the caches and the registers
-                    float x[PER];
-                    u16 h[PER];
-                    load_produced<PER>(rp.rk + (long long)b * rp.ld_k + hk * D + lane * PER, x);
-                    rotate<PER>(x, cs, sn, lane, h);
-                    load_raw_produced<PER>(rp.rv + (long long)b * rp.ld_v + hk * D + lane * PER, vv[u]);
+    for (int g = 0; g < GM; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) o[g][i] = 0.f;
+    }
+    while (j0 <= p) {
+        slot_pos<PER>(mine, kv, vv, k_cache, v_cache, row0 + p * D + lane * PER, b, hk, lane, cs, sn, rp);
+        const long long jw = j0 + warp * SLOTS + uw;
+        const bool seen_w = jw <= p && (jw >= off || jw == p);
+        float sm[GM];  // the score of the lane's slot uw, per head
+#pragma unroll
+        for (int g = 0; g < GM; ++g)
+            if (g < G) {
+                float a[SLOTS];
+#pragma unroll
+                for (int u = 0; u < SLOTS; ++u) a[u] = 0.f;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    const float qi = qs[g * D + lane * PER + i];
+#pragma unroll
+                    for (int u = 0; u < SLOTS; ++u)
+                        if (seen[u]) a[u] = fmaf(qi, raw_at(kv[u], i), a[u]);
+                }
+                const float sg = slot_sums(a, lane);
+                sm[g] = seen_w ? sg : NEG_INF;
+            }
+        const long long jn = j0 + CL * CL_CHUNK;
+        bool seen_n[SLOTS];
+#pragma unroll
+        for (int u = 0; u < SLOTS; ++u) seen_n[u] = false;
+        int mine_n = -1;
+        if (jn <= p) mine_n = load_k_slots<PER>(k_cache, row0 + jn * D, jn, warp, lane, p, off, seen_n, kv);
+#pragma unroll
+        for (int g = 0; g < GM; ++g)
+            if (g < G) {
+                const float mn = fmaxf(m[g], warp_max(sm[g]));
+                if (mn != NEG_INF) {  // warp-uniform: some slot seen so far
+                    const float alpha = m[g] == NEG_INF ? 0.f : expf(m[g] - mn);
+                    const float e = sm[g] == NEG_INF ? 0.f : expf(sm[g] - mn);
+                    float w[SLOTS], sum = 0.f;
+#pragma unroll
+                    for (int u = 0; u < SLOTS; ++u) {
+                        w[u] = __shfl_sync(0xffffffffu, e, 4 * u);  // slot u's weight (lanes 4u.. hold its score)
+                        sum += w[u];
+                    }
+                    l[g] = l[g] * alpha + sum;
 #pragma unroll
                     for (int i = 0; i < PER; ++i) {
-                        raw_set(kv[u], i, h[i]);
-                        rp.k_out[at + i] = h[i];
-                        rp.v_out[at + i] = f2h(raw_at(vv[u], i));
+                        float t = o[g][i] * alpha;
+#pragma unroll
+                        for (int u = 0; u < SLOTS; ++u)
+                            if (seen[u]) t = fmaf(w[u], raw_at(vv[u], i), t);
+                        o[g][i] = t;
                     }
-                } else {  // written by rotary_cache, the launch before
-                    load_raw_produced<PER>(k_cache + at, kv[u]);
-                    load_raw_produced<PER>(v_cache + at, vv[u]);
+                    m[g] = mn;
                 }
             }
+        if (jn <= p) load_v_slots<PER>(v_cache, row0 + jn * D, jn, warp, lane, p, seen_n, vv);
+        j0 = jn;
+        mine = mine_n;
+#pragma unroll
+        for (int u = 0; u < SLOTS; ++u) seen[u] = seen_n[u];
+    }
+    // the CTA's warps combined: per head the CTA's max and sum (run_m, run_l), then its weighted V (acc) as the sum
+    // of the warps' scaled by exp(their max - the CTA's), warps CL_WARPS/2.. into red, then the others added
+    __shared__ float wm[CL_WARPS][MAX_G], wl[CL_WARPS][MAX_G];
+    if (lane == 0)
+#pragma unroll
+        for (int g = 0; g < GM; ++g)
+            if (g < G) {
+                wm[warp][g] = m[g];
+                wl[warp][g] = l[g];
+            }
+    __syncthreads();
+    if (threadIdx.x < G) {
+        const int g = threadIdx.x;
+        float mx = NEG_INF, sum = 0.f;
+        for (int w = 0; w < CL_WARPS; ++w) mx = fmaxf(mx, wm[w][g]);
+        for (int w = 0; w < CL_WARPS; ++w) sum += wm[w][g] == NEG_INF ? 0.f : wl[w][g] * expf(wm[w][g] - mx);
+        run_m[g] = mx;
+        run_l[g] = sum;
+    }
+    __syncthreads();
+    for (int half = 1; half >= 0; --half) {
+        if ((warp >= CL_WARPS / 2) == (half == 1)) {
+            float* dst = red + (warp % (CL_WARPS / 2)) * GD;
+#pragma unroll
+            for (int g = 0; g < GM; ++g)
+                if (g < G) {
+                    const float f = m[g] == NEG_INF ? 0.f : expf(m[g] - run_m[g]);
+#pragma unroll
+                    for (int i = 0; i < PER; ++i) {
+                        float* at = dst + g * D + lane * PER + i;
+                        *at = half ? o[g][i] * f : fmaf(o[g][i], f, *at);
+                    }
+                }
+        }
+        __syncthreads();
+    }
+    for (int e = threadIdx.x; e < GD; e += blockDim.x) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < CL_WARPS / 2; ++w) t += red[w * GD + e];
+        acc[e] = t;
+    }
+#else
+    __shared__ float sc[MAX_G][CL_CHUNK], alpha[MAX_G];
+    while (j0 <= p) {
+        slot_pos<PER>(mine, kv, vv, k_cache, v_cache, row0 + p * D + lane * PER, b, hk, lane, cs, sn, rp);
         const long long jw = j0 + warp * SLOTS + uw;
         const bool seen_w = jw <= p && (jw >= off || jw == p);
 #pragma unroll
-        for (int g = 0; g < MAX_G; ++g)
+        for (int g = 0; g < GM; ++g)
             if (g < G) {
                 float a[SLOTS];
 #pragma unroll
@@ -557,7 +694,7 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
             if ((warp >= CL_WARPS / 2) == (half == 1)) {
                 float* dst = red + (warp % (CL_WARPS / 2)) * GD;
 #pragma unroll
-                for (int g = 0; g < MAX_G; ++g)
+                for (int g = 0; g < GM; ++g)
                     if (g < G) {
                         float o[PER];
 #pragma unroll
@@ -590,6 +727,8 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
             mine = load_slots<PER>(k_cache, v_cache, row0 + j0 * D, j0, warp, lane, p, off, seen, kv, vv);
         __syncthreads();  // sc, alpha and red are rewritten by the next pass
     }
+
+#endif
 
     // rank 0 combines the CL partials: o = sum_k acc_k exp(m_k - M) / sum_k l_k exp(m_k - M)
     __syncthreads();
@@ -674,25 +813,27 @@ KERNEL(7)
 KERNEL(8)
 #endif
 
-// the cluster form, one kernel per head dimension (attention_decode_cl_<D / 32>); part_o, part_ml and ticket unused
-#define KERNEL_CL(PER)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(CL_WARPS * 32, (PER) <= 4 ? 2 : 1) attention_decode_cl_##PER(DECODE_ARGS) {         \
+// the cluster form, one kernel per head dimension and bound GM on the query heads a KV head (1: MHA; 4; 8:
+// attention.py picks the least that holds G), attention_decode_cl_<D / 32>_g<GM>; part_o, part_ml and ticket unused
+#define KERNEL_CL(PER, GM)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(CL_WARPS * 32, (PER) <= 4 ? 2 : 1) attention_decode_cl_##PER##_g##GM(DECODE_ARGS) { \
         allow_dependents(); /* the wait: in decode_cluster */                                                    \
         extern __shared__ float dyn[];                                                                          \
         const OutQuant oq{codes, scales, Kp, gm, bits, clip, grid, tiny};                                      \
         const Rope rp{rq, ld_q, rk, ld_k, rv, ld_v, cos_t, sin_t, rpos, const_cast<u16*>(k_cache),              \
                       const_cast<u16*>(v_cache)};                                                                 \
-        decode_cluster<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, out, dyn, oq, rp);              \
+        decode_cluster<PER, GM>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, out, dyn, oq, rp);          \
     }
+#define KERNELS_CL(PER) KERNEL_CL(PER, 1) KERNEL_CL(PER, 4) KERNEL_CL(PER, 8)
 #ifdef ATTN_PER
-ATTN_EXPAND(KERNEL_CL, ATTN_PER)
+ATTN_EXPAND(KERNELS_CL, ATTN_PER)
 #else
-KERNEL_CL(1)
-KERNEL_CL(2)
-KERNEL_CL(3)
-KERNEL_CL(4)
-KERNEL_CL(5)
-KERNEL_CL(6)
-KERNEL_CL(7)
-KERNEL_CL(8)
+KERNELS_CL(1)
+KERNELS_CL(2)
+KERNELS_CL(3)
+KERNELS_CL(4)
+KERNELS_CL(5)
+KERNELS_CL(6)
+KERNELS_CL(7)
+KERNELS_CL(8)
 #endif

@@ -25,7 +25,8 @@ EARLY = ("attention.cu", "lm_head.cu")
 def kernel_bodies(text: str) -> list[tuple[str, list[str], str]]:
     """(name, pointer parameters, its first statement that is not a shared-memory declaration)."""
     out = []
-    for m in re.finditer(r"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)\s*\{", text):
+    bounds = r"__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*"  # one level of parentheses inside: (PER) <= 4 ? 2 : 1
+    for m in re.finditer(rf"__global__ void (?:{bounds})?(\w+)\(([^)]*)\)\s*\{{", text):
         params = [p.split()[-1].lstrip("*&") for p in m.group(2).replace("\\", " ").split(",") if "*" in p]
         body = text[m.end():m.end() + 600].replace("\\\n", "\n")  # macro line continuations
         stmts = [s.strip() for s in body.split(";")]
@@ -39,7 +40,8 @@ def test_every_step_kernel_waits_first(name):
     text = (KERNELS / name).read_text()
     if name == "attention.cu":  # the kernels are one macro over the arguments of DECODE_ARGS
         args = text[text.index("#define DECODE_ARGS"):text.index("//", text.index("#define DECODE_ARGS"))]
-        text = text.replace("##PER(DECODE_ARGS)", "(" + args.split("DECODE_ARGS", 1)[1] + ")")
+        text = re.sub(r"(##\w+)+\(DECODE_ARGS\)", "(" + args.split("DECODE_ARGS", 1)[1].replace("\\", "\\\\") + ")",
+                      text)
     bodies = kernel_bodies(text)
     assert bodies, f"no kernels found in {name}"
     want = "allow_dependents()" if name in EARLY else "pdl_enter()"
