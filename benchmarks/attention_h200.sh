@@ -4,7 +4,7 @@
 #   (1) GPU tests of decode attention in every form (split: global partials and a ticket; cluster: a head's chunks
 #       combined through distributed shared memory, attention.CLUSTER; with the CTA's softmax over each pass or
 #       each warp's own, attention.WARPWISE), and of the glue kernels;
-#   (2) with the cluster form on: the runtime's agreement with the CPU path (op by op, o_proj's input from
+#   (2) with the cluster form and its warp softmax on: the runtime's agreement with the CPU path (op by op, o_proj's input from
 #       attention, graph replay against the eager step, the step in one graph);
 #   (3) attention alone against its byte floor, every form, 32 layers' cold caches in one graph
 #       (benchmarks/attention_bytes.py);
@@ -21,7 +21,7 @@ timeout 150 python3 -m pytest "${PYTEST[@]}" tests/test_attention_kernel.py test
 timeout 200 python3 -c "
 import sys, pytest
 from unionsparse.kernels import attention
-attention.CLUSTER = True
+attention.CLUSTER = attention.WARPWISE = True
 sys.exit(pytest.main(sys.argv[1:]))" "${PYTEST[@]}" \
   tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op \
   tests/test_runtime_agreement.py::test_gpu_agrees_with_attention_writing_o_proj_input \
