@@ -30,7 +30,7 @@
 #define ATTN_EARLY 1  // attention.py passes -DATTN_EARLY=<attention.EARLY>; 0: wait first, every load after it
 #endif
 #ifndef ATTN_WARPWISE
-#define ATTN_WARPWISE 0  // attention.py passes -DATTN_WARPWISE=<attention.WARPWISE>: the cluster form's softmax a warp at a time
+#define ATTN_WARPWISE 1  // attention.py passes -DATTN_WARPWISE=<attention.WARPWISE>: the cluster form's softmax a warp at a time
 #endif
 
 // The warp's sums of a[0..7] over its 32 lanes in 9 shuffles instead of 40: a transposing butterfly in which

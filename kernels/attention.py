@@ -34,7 +34,7 @@ CLUSTER_FROM_LEN = 1024  # None: batch-1 MHA caches up to this many slots keep t
 EARLY = True
 # the cluster form's softmax a warp at a time, with no barrier a pass (attention.cu, ATTN_WARPWISE; docs/kernels.md,
 # "Decode attention"); False: the CTA's softmax over each pass, four barriers a pass
-WARPWISE = False  # on once its GPU tests pass
+WARPWISE = True
 CL_GM = (1, 4, 8)  # attention.cu's cluster kernels: bounds on the query heads a KV head (the last is MAX_G)
 MAX_G = 8  # query heads per KV head
 MAX_D = 256  # head dimension
