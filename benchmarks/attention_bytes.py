@@ -1,6 +1,5 @@
 """Decode attention alone against its byte floor: 32 launches, each over its own layer's K/V cache (cold in L2,
-as in a step), in one CUDA graph, for the split and the cluster form (``attention.CLUSTER``) side by side, the
-cluster form with the CTA's softmax over each pass and with each warp's own (``attention.WARPWISE``).
+as in a step), in one CUDA graph, for the split and the cluster form (``attention.CLUSTER``) side by side.
 
     python benchmarks/attention_bytes.py --out DIR      (a CUDA machine; attention_h200.sh runs it)
 
@@ -28,8 +27,7 @@ CASES = {
     "llama3-8b B1 ctx512": (1, 32, 8, 128, 512),
     "llama3-8b B8 ctx2048": (8, 32, 8, 128, 2048),
 }
-# key, attention.CLUSTER, attention.WARPWISE
-FORMS = (("split", False, True), ("cluster_cta", True, False), ("cluster", True, True))
+FORMS = (("split", False), ("cluster", True))  # key, attention.CLUSTER
 
 
 def case(name: str, b: int, h: int, hkv: int, d: int, ctx: int, bw: float, dev) -> dict:
@@ -47,15 +45,15 @@ def case(name: str, b: int, h: int, hkv: int, d: int, ctx: int, bw: float, dev) 
     kv_bytes = 2 * b * hkv * ctx * d * 2
     floor_us = kv_bytes / bw * 1e6
     row = {"case": name, "kv_mb": kv_bytes / 1e6, "floor_us": floor_us}
-    ref, default = None, (attention.CLUSTER, attention.WARPWISE)
-    for key, cluster, warpwise in FORMS:
-        attention.CLUSTER, attention.WARPWISE = cluster, warpwise
+    ref, default = None, attention.CLUSTER
+    for key, cluster in FORMS:
+        attention.CLUSTER = cluster
         out = fns[0]()
         ref = out if ref is None else ref
         row[f"{key}_us"] = t = time_graph_torch(torch, lambda i: fns[i](), LAYERS, reps=21) * 1e6
         row[f"{key}_of_floor"] = floor_us / t
         row[f"{key}_max_diff_vs_split"] = float((out.float() - ref.float()).abs().max())
-    attention.CLUSTER, attention.WARPWISE = default
+    attention.CLUSTER = default
     return row
 
 
@@ -68,11 +66,11 @@ def main() -> None:
     rows = [case(n, *c, bw, dev) for n, c in CASES.items()]
     head = (f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, {platform.python_version()}; "
             f"copy bandwidth {bw / 1e12:.2f} TB/s; {LAYERS} layers' caches, one graph")
-    lines = [head, "", "| case | K/V read (MB) | floor (µs) | split (µs) | of floor | cluster, CTA softmax (µs) | "
-             "of floor | cluster, warp softmax (µs) | of floor |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| case | K/V read (MB) | floor (µs) | split (µs) | of floor | cluster (µs) | of floor |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['kv_mb']:.1f} | {r['floor_us']:.2f} | "
-                     + " | ".join(f"{r[f'{k}_us']:.2f} | {r[f'{k}_of_floor']:.0%}" for k, _, _ in FORMS) + " |")
+                     + " | ".join(f"{r[f'{k}_us']:.2f} | {r[f'{k}_of_floor']:.0%}" for k, _ in FORMS) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     write_table(args.out, "attention_bytes", text, {"machine": head, "rows": rows})

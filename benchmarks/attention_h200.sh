@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # Decode attention (issue 36: attention is half of the step outside the linears), in ONE device call (about 6
-# minutes after the start; seven files to $OUT, the device tool takes eight):
-#   (1) GPU tests of decode attention in every form (split: global partials and a ticket; cluster: a head's chunks
-#       combined through distributed shared memory, attention.CLUSTER; with the CTA's softmax over each pass or
-#       each warp's own, attention.WARPWISE), and of the glue kernels;
-#   (2) with the cluster form and its warp softmax on: the runtime's agreement with the CPU path (op by op, o_proj's input from
+# minutes after the start; eight files to $OUT, the device tool's most):
+#   (1) GPU tests of decode attention in both forms (split: global partials and a ticket; cluster: a head's chunks
+#       combined through distributed shared memory, attention.CLUSTER), each waiting first or loading early, and of
+#       the glue kernels;
+#   (2) with the cluster form on: the runtime's agreement with the CPU path (op by op, o_proj's input from
 #       attention, graph replay against the eager step, the step in one graph);
-#   (3) attention alone against its byte floor, every form, 32 layers' cold caches in one graph
+#   (3) attention alone against its byte floor, both forms, 32 layers' cold caches in one graph
 #       (benchmarks/attention_bytes.py);
-#   (4) the decode step with the cluster form's two softmaxes, side by side in one process
-#       (benchmarks/step_ab.py --switch warpwise): LLaMA-2-7B batch 8 context 2048 (fp16, IE-BME W4A16 50%), batch 1
-#       context 2048 (fp16), Llama-3-8B batch 1 context 512 (fp16, IE-BME W4A16 50%); batch-1 MHA at context 512
-#       takes the split form, which has one pass.
+#   (4) the decode step with each form, side by side in one process (benchmarks/step_ab.py --switch attention):
+#       LLaMA-2-7B batch 1 context 512 (fp16, IE-BME W4A16 50%), batch 8 context 2048 (fp16), batch 1 context
+#       2048 (fp16).
 #   device tool:  run(command="bash benchmarks/attention_h200.sh", carry=[".whl"], timeout_s=600)
 set -o pipefail
 source benchmarks/device_env.sh || exit 1
@@ -21,7 +20,7 @@ timeout 150 python3 -m pytest "${PYTEST[@]}" tests/test_attention_kernel.py test
 timeout 200 python3 -c "
 import sys, pytest
 from unionsparse.kernels import attention
-attention.CLUSTER = attention.WARPWISE = True
+attention.CLUSTER = True
 sys.exit(pytest.main(sys.argv[1:]))" "${PYTEST[@]}" \
   tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op \
   tests/test_runtime_agreement.py::test_gpu_agrees_with_attention_writing_o_proj_input \
@@ -29,12 +28,12 @@ sys.exit(pytest.main(sys.argv[1:]))" "${PYTEST[@]}" \
   tests/test_runtime.py::test_gpu_decode_step_is_one_graph_without_host_syncs 2>&1 \
   | tee "$DEST/attention_cluster_runtime_tests.log" | tail -4
 timeout 120 python3 benchmarks/attention_bytes.py --out "$DEST" 2>&1 | tail -8
-run_ab() {  # NAME, then step_ab.py's case options; the table to $DEST/step_ab_warpwise_NAME.md
+run_ab() {  # NAME, then step_ab.py's case options; the table to $DEST/step_ab_attention_NAME.md
   local name="$1"; shift
-  timeout 150 python3 benchmarks/step_ab.py --switch warpwise "$@" --out "/tmp/ab-$name" 2>&1 \
+  timeout 150 python3 benchmarks/step_ab.py --switch attention "$@" --out "/tmp/ab-$name" 2>&1 \
     | grep -v "^launches\|^linears:\|^floor\|^  not measured"
-  cp "/tmp/ab-$name/step_ab_warpwise.md" "$DEST/step_ab_warpwise_$name.md"
+  cp "/tmp/ab-$name/step_ab_attention.md" "$DEST/step_ab_attention_$name.md"
 }
-run_ab b8-ctx2048 --batch 8 --context 2048 --kinds fp16,iebme-w4a16-50
+run_ab b1 --kinds fp16,iebme-w4a16-50
+run_ab b8-ctx2048 --batch 8 --context 2048 --kinds fp16
 run_ab b1-ctx2048 --context 2048 --kinds fp16
-run_ab llama3-b1 --spec llama3-8b --kinds fp16,iebme-w4a16-50

@@ -63,19 +63,15 @@ def main() -> int:
                 bad += not ok
                 print(f"{'ok  ' if ok else 'BAD '} {name}.cu {fn[:48]}: wait at {acq}, {len(early)} global ops before"
                       + ("" if ok else f": {early[:3]}"))
-        for ww in (0, 1):  # the cluster form's two softmaxes (attention.WARPWISE)
-            text = sass((KERNELS / "attention.cu").read_text(), Path(tmp), args.nvdisasm, (f"-DATTN_WARPWISE={ww}",))
-            for fn, lines in functions(text).items():
-                if ww and "_cl_" not in fn:
-                    continue  # the split form does not depend on it
-                acq, early = before_wait(lines)  # loads of what no step kernel writes (plain) may come first
-                late = [ln for ln in lines[acq or 0:] if "LDG" in ln and "STRONG" in ln]
-                wrong = [ln for ln in early if GLOBAL.search(ln).group(1) != "LDG" or "STRONG" in ln]
-                ok = acq is not None and not wrong and bool(late)
-                bad += not ok
-                print(f"{'ok  ' if ok else 'BAD '} attention.cu {fn[:40]}{' (warp softmax)' if ww else ''}: wait at "
-                      f"{acq}, {len(early)} cache/position loads before it, {len(late)} loads of what producers "
-                      "wrote after it" + ("" if ok else f": {wrong[:3]}"))
+        for fn, lines in functions(sass((KERNELS / "attention.cu").read_text(), Path(tmp), args.nvdisasm)).items():
+            acq, early = before_wait(lines)  # loads of what no step kernel writes (plain) may come first
+            late = [ln for ln in lines[acq or 0:] if "LDG" in ln and "STRONG" in ln]
+            wrong = [ln for ln in early if GLOBAL.search(ln).group(1) != "LDG" or "STRONG" in ln]
+            ok = acq is not None and not wrong and bool(late)
+            bad += not ok
+            print(f"{'ok  ' if ok else 'BAD '} attention.cu {fn[:40]}: wait at {acq}, {len(early)} cache/position "
+                  f"loads before it, {len(late)} loads of what producers wrote after it"
+                  + ("" if ok else f": {wrong[:3]}"))
         for fn, lines in functions(sass((KERNELS / "lm_head.cu").read_text(), Path(tmp), args.nvdisasm)).items():
             acq, early = before_wait(lines)  # the weight's loads (read-only, .CONSTANT) may come first; nothing else
             ok = acq is not None and all("LDG" in ln and "CONSTANT" in ln for ln in early)

@@ -12,13 +12,10 @@ or once its weights have landed (the default), then with decode attention also l
 position and the rotary tables before its wait (``attention.EARLY``, attention.cu's ATTN_EARLY; the default).
 ``--switch head``: the final norm's rows through the model's lm_head (cuBLAS), ``.float()`` and ``torch.argmax``
 against lm_head and the greedy choice in one launch (``StaticDecoder.HEAD_KERNEL``, kernels/lm_head.cu).
-``--switch warpwise``: decode attention's cluster form with the CTA's softmax over each pass (four barriers a
-pass) or each warp's own online softmax, no barrier a pass (``attention.WARPWISE``, attention.cu's ATTN_WARPWISE;
-the default).
 
 Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
 
-    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|warpwise --out DIR
+    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head --out DIR
     (a CUDA machine; glue_h200.sh, attention_h200.sh)
 """
 
@@ -61,8 +58,6 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
     "early": (("attention waits first; IE-BME lets the next kernel start at its end", lambda: _early(False, False)),
               ("... IE-BME lets it start once its weights landed", lambda: _early(False, True)),
               ("... and attention loads its cache before the wait (default)", lambda: _early(True, True))),
-    "warpwise": (("cluster attention: the CTA's softmax a pass", lambda: _set(attention, "WARPWISE", False)),
-                 ("cluster attention: each warp's softmax (default)", lambda: _set(attention, "WARPWISE", True))),
     "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _set(StaticDecoder, "HEAD_KERNEL", False)),
              ("lm_head + greedy choice: one launch", lambda: _set(StaticDecoder, "HEAD_KERNEL", True))),
 }

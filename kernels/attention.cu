@@ -29,9 +29,6 @@
 #ifndef ATTN_EARLY
 #define ATTN_EARLY 1  // attention.py passes -DATTN_EARLY=<attention.EARLY>; 0: wait first, every load after it
 #endif
-#ifndef ATTN_WARPWISE
-#define ATTN_WARPWISE 1  // attention.py passes -DATTN_WARPWISE=<attention.WARPWISE>: the cluster form's softmax a warp at a time
-#endif
 
 // The warp's sums of a[0..7] over its 32 lanes in 9 shuffles instead of 40: a transposing butterfly in which
 // each exchange halves the slots a lane carries. Lane l ends with the sum of slot ((l >> 2) & 7).
@@ -534,7 +531,6 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
 
     __syncthreads();  // qs, acc, run_m and run_l written
     const int uw = (lane >> 2) & 7;  // the lane's slot after the transposing reduction
-#if ATTN_WARPWISE
     // Each warp its own online softmax over its slots of every pass: per query head its running max, sum and
     // weighted V in registers, so a pass needs no barrier; the next pass's K is loaded once this pass's scores are
     // made, its V once this pass's weighted V is. The CTA combines its warps at the end.
@@ -646,89 +642,6 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
         for (int w = 0; w < CL_WARPS / 2; ++w) t += red[w * GD + e];
         acc[e] = t;
     }
-#else
-    __shared__ float sc[MAX_G][CL_CHUNK], alpha[MAX_G];
-    while (j0 <= p) {
-        slot_pos<PER>(mine, kv, vv, k_cache, v_cache, row0 + p * D + lane * PER, b, hk, lane, cs, sn, rp);
-        const long long jw = j0 + warp * SLOTS + uw;
-        const bool seen_w = jw <= p && (jw >= off || jw == p);
-#pragma unroll
-        for (int g = 0; g < GM; ++g)
-            if (g < G) {
-                float a[SLOTS];
-#pragma unroll
-                for (int u = 0; u < SLOTS; ++u) a[u] = 0.f;
-#pragma unroll
-                for (int i = 0; i < PER; ++i) {
-                    const float qi = qs[g * D + lane * PER + i];
-#pragma unroll
-                    for (int u = 0; u < SLOTS; ++u)
-                        if (seen[u]) a[u] = fmaf(qi, raw_at(kv[u], i), a[u]);
-                }
-                const float s = slot_sums(a, lane);
-                if ((lane & 3) == 0) sc[g][warp * SLOTS + uw] = seen_w ? s : NEG_INF;
-            }
-        __syncthreads();
-
-        // per head: the pass's max, the running max, sum and the factor alpha on what was summed before;
-        // sc becomes exp(s - the new max)
-        for (int g = warp; g < G; g += CL_WARPS) {
-            const float s0 = sc[g][lane], s1 = sc[g][lane + 32];
-            const float mo = run_m[g];
-            const float m = fmaxf(mo, warp_max(fmaxf(s0, s1)));
-            const float e0 = s0 == NEG_INF ? 0.f : expf(s0 - m), e1 = s1 == NEG_INF ? 0.f : expf(s1 - m);
-            sc[g][lane] = e0;
-            sc[g][lane + 32] = e1;
-            const float l = warp_sum(e0 + e1);
-            if (lane == 0) {
-                const float a = mo == NEG_INF ? 0.f : expf(mo - m);
-                alpha[g] = a;
-                run_m[g] = m;
-                run_l[g] = run_l[g] * a + l;
-            }
-        }
-        __syncthreads();
-
-        // weighted V: warps CL_WARPS/2.. into red, the others add theirs, then acc = acc * alpha + their sum
-        for (int half = 1; half >= 0; --half) {
-            if ((warp >= CL_WARPS / 2) == (half == 1)) {
-                float* dst = red + (warp % (CL_WARPS / 2)) * GD;
-#pragma unroll
-                for (int g = 0; g < GM; ++g)
-                    if (g < G) {
-                        float o[PER];
-#pragma unroll
-                        for (int i = 0; i < PER; ++i) o[i] = 0.f;
-#pragma unroll
-                        for (int u = 0; u < SLOTS; ++u)
-                            if (seen[u]) {
-                                const float w = sc[g][warp * SLOTS + u];
-#pragma unroll
-                                for (int i = 0; i < PER; ++i) o[i] = fmaf(w, raw_at(vv[u], i), o[i]);
-                            }
-#pragma unroll
-                        for (int i = 0; i < PER; ++i) {
-                            float* at = dst + g * D + lane * PER + i;
-                            *at = half ? o[i] : *at + o[i];
-                        }
-                    }
-            }
-            __syncthreads();
-        }
-        for (int e = threadIdx.x; e < GD; e += blockDim.x) {
-            float o = 0.f;
-#pragma unroll
-            for (int w = 0; w < CL_WARPS / 2; ++w) o += red[w * GD + e];
-            acc[e] = fmaf(acc[e], alpha[e / D], o);
-        }
-        j0 += CL * CL_CHUNK;
-        mine = -1;
-        if (j0 <= p)  // the next pass's loads (red is read above by the same thread that wrote acc: no hazard)
-            mine = load_slots<PER>(k_cache, v_cache, row0 + j0 * D, j0, warp, lane, p, off, seen, kv, vv);
-        __syncthreads();  // sc, alpha and red are rewritten by the next pass
-    }
-
-#endif
 
     // rank 0 combines the CL partials: o = sum_k acc_k exp(m_k - M) / sum_k l_k exp(m_k - M)
     __syncthreads();

@@ -32,9 +32,6 @@ CLUSTER_FROM_LEN = 1024  # None: batch-1 MHA caches up to this many slots keep t
 # the cache's earlier slots, the position and the rotary tables loaded before the wait for the Q/K/V product
 # (attention.cu, ATTN_EARLY; docs/kernels.md, "Decode attention"); False: wait first, every load after it
 EARLY = True
-# the cluster form's softmax a warp at a time, with no barrier a pass (attention.cu, ATTN_WARPWISE; docs/kernels.md,
-# "Decode attention"); False: the CTA's softmax over each pass, four barriers a pass
-WARPWISE = True
 CL_GM = (1, 4, 8)  # attention.cu's cluster kernels: bounds on the query heads a KV head (the last is MAX_G)
 MAX_G = 8  # query heads per KV head
 MAX_D = 256  # head dimension
@@ -109,19 +106,17 @@ def _function(per: int, cluster: bool = False, group: int = 1):
 
     name = f"attention_decode_cl_{per}_g{next(g for g in CL_GM if g >= group)}" if cluster else \
         f"attention_decode_{per}"
-    return _build_function(per, name, EARLY, WARPWISE, study.build("attention"))
+    return _build_function(per, name, EARLY, study.build("attention"))
 
 
 @cache
-def _build_function(per: int, name: str, early: bool, warpwise: bool, build):
-    """Kernel ``name`` of this head dimension's module, with the cache loads before the wait or not (:data:`EARLY`) and
-    the cluster form's softmax a warp or a CTA at a time (:data:`WARPWISE`), as ``build`` has it (the shipped file
-    unless a study set another: keyed by it, kernels/study.py)."""
+def _build_function(per: int, name: str, early: bool, build):
+    """Kernel ``name`` of this head dimension's module, with the cache loads before the wait or not (:data:`EARLY`),
+    as ``build`` has it (the shipped file unless a study set another: keyed by it, kernels/study.py)."""
     from .loader import load_module
 
     # only this head dimension's kernels (attention.cu, ATTN_PER): about 2 s to compile instead of 15
-    return load_module("attention", (), options=(f"-DATTN_PER={per}", f"-DATTN_EARLY={int(early)}",
-                                                 f"-DATTN_WARPWISE={int(warpwise)}")).get_function(name)
+    return load_module("attention", (), options=(f"-DATTN_PER={per}", f"-DATTN_EARLY={int(early)}")).get_function(name)
 
 
 def cluster_form(batch: int = 1, group: int = 1, length: int = 0) -> bool:

@@ -14,17 +14,14 @@ from unionsparse.kernels import attention
 needs_gpu = pytest.mark.skipif(cuda_problem() is not None, reason=f"needs CuPy and a CUDA device ({cuda_problem()})")
 
 
-@pytest.fixture(params=[(False, False, True), (False, True, True), (True, False, True), (True, True, True),
-                        (True, True, False)],
-                ids=["split", "split-early", "cluster", "cluster-early", "cluster-early-cta"])
+@pytest.fixture(params=[(False, False), (False, True), (True, False), (True, True)],
+                ids=["split", "split-early", "cluster", "cluster-early"])
 def form(request, monkeypatch):
     """attention.CLUSTER off and on (the kernel's two forms), each waiting for the Q/K/V product before any load
-    or loading the cache's earlier slots before the wait (attention.EARLY); the cluster form also with the CTA's
-    softmax over each pass instead of each warp's own (attention.WARPWISE off, the benchmarks' control)."""
-    cluster, early, warpwise = request.param
+    or loading the cache's earlier slots before the wait (attention.EARLY)."""
+    cluster, early = request.param
     monkeypatch.setattr(attention, "CLUSTER", cluster)
     monkeypatch.setattr(attention, "EARLY", early)
-    monkeypatch.setattr(attention, "WARPWISE", warpwise)
     return cluster
 
 
