@@ -34,6 +34,10 @@
 # end, then once its weights landed, then with decode attention's cache loads before its wait (benchmarks/step_ab.py
 # --switch early; the last is the default), LLaMA-2-7B batch 1 context 512 (fp16, W4A16, IE-BME W4A16 50%, IE-BME
 # W4A4 50% with 128 outlier channels) and batch 8 context 2048 (fp16).
+# `bash benchmarks/glue_h200.sh prefetch` (about 4 minutes): the norms and the quantizing SiLU·mul pulling their
+# weight and channel permutation into L2 before their wait (kernels/pdl.cuh, pdl_enter(w, bytes)): the glue GPU tests,
+# then the step with it off and on in one process (benchmarks/step_ab.py --switch prefetch), LLaMA-2-7B batch 1,
+# context 512: fp16, IE-BME W4A16 50%, IE-BME W4A4 50% with 128 outlier channels.
 set -o pipefail
 MODE="${1:-full}"
 source benchmarks/device_env.sh || exit 1
@@ -44,6 +48,13 @@ if [ "$MODE" = early ]; then
   mkdir -p "$DEST/b8"
   timeout 100 python3 benchmarks/step_ab.py --switch early --batch 8 --context 2048 --kinds fp16 --out "$DEST/b8" \
     2>&1 | tee "$DEST/b8/step_ab_early.log" | grep -v "$SKIP"
+  exit 0
+fi
+if [ "$MODE" = prefetch ]; then
+  timeout 70 python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
+    tests/test_glue_kernels.py 2>&1 | tee "$DEST/prefetch_gpu_tests.log" | tail -2
+  timeout 220 python3 benchmarks/step_ab.py --switch prefetch --kinds fp16,iebme-w4a16-50,iebme-w4a4-50-o128 \
+    --out "$DEST" 2>&1 | tee "$DEST/step_ab_prefetch.log" | grep -v "^launches\|^linears:\|^floor\|^  not measured"
   exit 0
 fi
 if [ "$MODE" = head ]; then

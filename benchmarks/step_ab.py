@@ -12,10 +12,13 @@ or once its weights have landed (the default), then with decode attention also l
 position and the rotary tables before its wait (``attention.EARLY``, attention.cu's ATTN_EARLY; the default).
 ``--switch head``: the final norm's rows through the model's lm_head (cuBLAS), ``.float()`` and ``torch.argmax``
 against lm_head and the greedy choice in one launch (``StaticDecoder.HEAD_KERNEL``, kernels/lm_head.cu).
+``--switch prefetch``: the norms (and the quantizing SiLU·mul) reading their weight and channel permutation only
+after their wait, or pulled into L2 before it (kernels/pdl.cuh, ``pdl_enter(w, bytes)``; the default; study build
+``PDL_PREFETCH=0`` for the first).
 
 Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
 
-    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head --out DIR
+    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|prefetch --out DIR
     (a CUDA machine; glue_h200.sh, attention_h200.sh)
 """
 
@@ -48,6 +51,13 @@ def _early(on: bool, trigger: bool) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _prefetch(on: bool) -> Iterator[None]:
+    build = None if on else study.Build(defines=(("PDL_PREFETCH", 0),))
+    with study.building("glue", build), study.building("norm_quant", build):
+        yield
+
+
 SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextManager]], ...]] = {
     "pdl": (("pdl off", lambda: programmatic_launches(False)),
             ("pdl on (default)", lambda: programmatic_launches(None))),
@@ -58,6 +68,8 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
     "early": (("attention waits first; IE-BME lets the next kernel start at its end", lambda: _early(False, False)),
               ("... IE-BME lets it start once its weights landed", lambda: _early(False, True)),
               ("... and attention loads its cache before the wait (default)", lambda: _early(True, True))),
+    "prefetch": (("norms and SiLU·mul read their weight and permutation after the wait", lambda: _prefetch(False)),
+                 ("... pulled into L2 before it (default)", lambda: _prefetch(True))),
     "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _set(StaticDecoder, "HEAD_KERNEL", False)),
              ("lm_head + greedy choice: one launch", lambda: _set(StaticDecoder, "HEAD_KERNEL", True))),
 }

@@ -13,7 +13,7 @@
 extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ delta,
                                     long long ld_d, u16* __restrict__ x_out, const u16* __restrict__ w,
                                     u16* __restrict__ y, int K, float eps) {
-    pdl_enter();
+    pdl_enter(w, 2LL * K);
     const u16* xr = x + (long long)blockIdx.y * ld_x;
     const u16* dr = delta == nullptr ? nullptr : delta + (long long)blockIdx.y * ld_d;
     const float r = row_rsqrt(xr, dr, K, eps);

@@ -64,8 +64,15 @@ def rotary_cache_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
 # ---------------------------------------------------------------------------------------------------- kernels
 
 
-@cache
 def _functions():
+    from . import study
+
+    return _module_functions(study.build("glue"))
+
+
+@cache
+def _module_functions(build):
+    """glue.cu's kernels as ``build`` has them (the shipped file unless a study set another: keyed by it)."""
     from .loader import load_module
 
     mod = load_module("glue", ())

@@ -112,7 +112,7 @@ extern "C" __global__ void rms_norm_quant(const u16* __restrict__ x, long long l
                                           float side_grid, float tiny, signed char* __restrict__ codes,
                                           float* __restrict__ scales, signed char* __restrict__ side_codes,
                                           float* __restrict__ side_scales) {
-    pdl_enter();
+    pdl_enter(w, 2LL * K, perm, perm == nullptr ? 0 : 4LL * K);
     const QuantArgs a{perm, K, Kp, n_side, gm, bits, gs, side_bits, clip, grid, side_clip, side_grid, tiny, codes,
                       scales, side_codes, side_scales};
     const int r = blockIdx.y;
@@ -131,7 +131,7 @@ extern "C" __global__ void silu_mul_quant(const u16* __restrict__ gate, long lon
                                           float side_grid, float tiny, signed char* __restrict__ codes,
                                           float* __restrict__ scales, signed char* __restrict__ side_codes,
                                           float* __restrict__ side_scales) {
-    pdl_enter();
+    pdl_enter(perm, perm == nullptr ? 0 : 4LL * K);
     const QuantArgs a{perm, K, Kp, n_side, gm, bits, gs, side_bits, clip, grid, side_clip, side_grid, tiny, codes,
                       scales, side_codes, side_scales};
     const int r = blockIdx.y;

@@ -73,8 +73,15 @@ def _launch(name: str, rows: int, k: int, rule: InputRule, args: tuple) -> None:
     launch(_functions()[name], (-(-groups // warps), rows), (NORM_THREADS,), args)
 
 
-@cache
 def _functions():
+    from . import study
+
+    return _module_functions(study.build("norm_quant"))
+
+
+@cache
+def _module_functions(build):
+    """norm_quant.cu's kernels as ``build`` has them (the shipped file unless a study set another: keyed by it)."""
     from .loader import load_module
 
     mod = load_module("norm_quant", ())

@@ -29,6 +29,27 @@ __device__ __forceinline__ void pdl_enter() {
     wait_for_producer();
 }
 
+#ifndef PDL_PREFETCH
+#define PDL_PREFETCH 1  // study builds pass -DPDL_PREFETCH=0 (benchmarks/step_ab.py --switch prefetch)
+#endif
+
+// pdl_enter, with read-only data that no kernel of the step writes (a norm's weight, a channel permutation: `bytes`
+// at p, and at q) pulled into L2 between the two, one 128-byte line a thread: the kernel reads it after the wait from
+// L2 instead of DRAM (weights stream through L2 between two steps, so a layer's norm weight is not there). A prefetch
+// is no load: nothing reaches a register, and the SASS check still finds no load before the wait.
+__device__ __forceinline__ void pdl_enter(const void* p, long long bytes, const void* q = nullptr,
+                                          long long q_bytes = 0) {
+    allow_dependents();
+#if PDL_PREFETCH
+    for (long long o = threadIdx.x * 128LL; o < bytes; o += blockDim.x * 128LL)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o));
+    if (q != nullptr)
+        for (long long o = threadIdx.x * 128LL; o < q_bytes; o += blockDim.x * 128LL)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(q) + o));
+#endif
+    wait_for_producer();
+}
+
 // What an earlier kernel wrote, read after the wait: volatile L2 loads, which the compiler keeps after the wait
 // (both are volatile asm). It hoisted plain read-only loads above it: attention's `pos`, IE-BME's activation scales
 // (NaN decode steps on an H100). Pinning every pointer after the wait instead (an empty asm on each) kept all
