@@ -56,13 +56,14 @@ def main() -> int:
     args = ap.parse_args()
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for name in FILES:
-            for fn, lines in functions(sass((KERNELS / f"{name}.cu").read_text(), Path(tmp), args.nvdisasm)).items():
+        for name, opts in ((f, o) for f in FILES for o in ((), ("-DPDL_PREFETCH=1",))):  # and with L2 prefetches
+            text = sass((KERNELS / f"{name}.cu").read_text(), Path(tmp), args.nvdisasm, opts)
+            for fn, lines in functions(text).items():
                 acq, early = before_wait(lines)
                 ok = acq is not None and not early
                 bad += not ok
-                print(f"{'ok  ' if ok else 'BAD '} {name}.cu {fn[:48]}: wait at {acq}, {len(early)} global ops before"
-                      + ("" if ok else f": {early[:3]}"))
+                print(f"{'ok  ' if ok else 'BAD '} {name}.cu {fn[:48]}{' (prefetch)' if opts else ''}: wait at {acq}, "
+                      f"{len(early)} global ops before" + ("" if ok else f": {early[:3]}"))
         for fn, lines in functions(sass((KERNELS / "attention.cu").read_text(), Path(tmp), args.nvdisasm)).items():
             acq, early = before_wait(lines)  # loads of what no step kernel writes (plain) may come first
             late = [ln for ln in lines[acq or 0:] if "LDG" in ln and "STRONG" in ln]

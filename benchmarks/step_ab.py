@@ -13,8 +13,8 @@ position and the rotary tables before its wait (``attention.EARLY``, attention.c
 ``--switch head``: the final norm's rows through the model's lm_head (cuBLAS), ``.float()`` and ``torch.argmax``
 against lm_head and the greedy choice in one launch (``StaticDecoder.HEAD_KERNEL``, kernels/lm_head.cu).
 ``--switch prefetch``: the norms (and the quantizing SiLU·mul) reading their weight and channel permutation only
-after their wait, or pulled into L2 before it (kernels/pdl.cuh, ``pdl_enter(w, bytes)``; the default; study build
-``PDL_PREFETCH=0`` for the first).
+after their wait, or pulled into L2 before it (kernels/pdl.cuh, ``pdl_enter(w, bytes)``; study builds with
+``PDL_PREFETCH`` 0 and 1; off by default until this switch has measured it).
 
 Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
 
@@ -53,7 +53,7 @@ def _early(on: bool, trigger: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _prefetch(on: bool) -> Iterator[None]:
-    build = None if on else study.Build(defines=(("PDL_PREFETCH", 0),))
+    build = study.Build(defines=(("PDL_PREFETCH", int(on)),))
     with study.building("glue", build), study.building("norm_quant", build):
         yield
 
@@ -69,7 +69,7 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
               ("... IE-BME lets it start once its weights landed", lambda: _early(False, True)),
               ("... and attention loads its cache before the wait (default)", lambda: _early(True, True))),
     "prefetch": (("norms and SiLU·mul read their weight and permutation after the wait", lambda: _prefetch(False)),
-                 ("... pulled into L2 before it (default)", lambda: _prefetch(True))),
+                 ("... pulled into L2 before it", lambda: _prefetch(True))),
     "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _set(StaticDecoder, "HEAD_KERNEL", False)),
              ("lm_head + greedy choice: one launch", lambda: _set(StaticDecoder, "HEAD_KERNEL", True))),
 }

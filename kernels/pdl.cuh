@@ -29,8 +29,8 @@ __device__ __forceinline__ void pdl_enter() {
     wait_for_producer();
 }
 
-#ifndef PDL_PREFETCH
-#define PDL_PREFETCH 1  // study builds pass -DPDL_PREFETCH=0 (benchmarks/step_ab.py --switch prefetch)
+#ifndef PDL_PREFETCH  // off until measured on a GPU: benchmarks/step_ab.py --switch prefetch builds it both ways
+#define PDL_PREFETCH 0
 #endif
 
 // pdl_enter, with read-only data that no kernel of the step writes (a norm's weight, a channel permutation: `bytes`

@@ -87,3 +87,30 @@ def test_step_kernels_launch_programmatically_where_the_gpu_has_it(monkeypatch):
         assert calls[-1][0] == want and calls[-1][1] == (3, 2) and calls[-1][2] == 64
     assert calls[0][3] is True
     assert cl._PROGRAMMATIC[0] is None  # the block restores the default
+
+
+def test_glue_modules_follow_the_study_build(monkeypatch):
+    """benchmarks/step_ab.py --switch prefetch builds glue.cu and norm_quant.cu with PDL_PREFETCH 0 and 1 in one
+    process: each kernel set is keyed by the study build in force, not made once."""
+    from unionsparse.kernels import glue, loader, norm_quant, study
+
+    built = []
+
+    class Module:
+        def __init__(self, name):
+            self.name = name
+
+        def get_function(self, fn):
+            return (self.name, study.build(self.name).options(), fn)
+
+    monkeypatch.setattr(loader, "load_module", lambda name, expressions=(), **kw: built.append(name) or Module(name))
+    try:
+        for mod, name in ((glue, "glue"), (norm_quant, "norm_quant")):
+            for on in (0, 1):
+                with study.building(name, study.Build(defines=(("PDL_PREFETCH", on),))):
+                    fns = mod._functions()
+                    assert {opts for _, opts, _ in fns.values()} == {(f"-DPDL_PREFETCH={on}",)}
+        assert built == ["glue", "glue", "norm_quant", "norm_quant"]
+    finally:  # no fake module stays cached for a later test
+        glue._module_functions.cache_clear()
+        norm_quant._module_functions.cache_clear()
