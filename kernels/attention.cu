@@ -738,7 +738,10 @@ KERNEL(8)
         decode_cluster<PER, GM>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, out, dyn, oq, rp);          \
     }
 #define KERNELS_CL(PER) KERNEL_CL(PER, 1) KERNEL_CL(PER, 4) KERNEL_CL(PER, 8)
-#ifdef ATTN_PER
+#define ATTN_EXPAND2(M, PER, GM) M(PER, GM)
+#if defined(ATTN_PER) && defined(ATTN_GM)  // attention.py: the model's head dimension and bound, one kernel a form
+ATTN_EXPAND2(KERNEL_CL, ATTN_PER, ATTN_GM)
+#elif defined(ATTN_PER)
 ATTN_EXPAND(KERNELS_CL, ATTN_PER)
 #else
 KERNELS_CL(1)

@@ -104,19 +104,20 @@ def decode_attention_rope_reference(q: torch.Tensor, k: torch.Tensor, v: torch.T
 def _function(per: int, cluster: bool = False, group: int = 1):
     from . import study
 
-    name = f"attention_decode_cl_{per}_g{next(g for g in CL_GM if g >= group)}" if cluster else \
-        f"attention_decode_{per}"
-    return _build_function(per, name, EARLY, study.build("attention"))
+    gm = next(g for g in CL_GM if g >= group)
+    name = f"attention_decode_cl_{per}_g{gm}" if cluster else f"attention_decode_{per}"
+    return _build_function(per, gm, EARLY, study.build("attention")).get_function(name)
 
 
 @cache
-def _build_function(per: int, name: str, early: bool, build):
-    """Kernel ``name`` of this head dimension's module, with the cache loads before the wait or not (:data:`EARLY`),
-    as ``build`` has it (the shipped file unless a study set another: keyed by it, kernels/study.py)."""
+def _build_function(per: int, gm: int, early: bool, build):
+    """The module of this head dimension's split kernel and cluster kernel for up to ``gm`` query heads a KV head,
+    with the cache loads before the wait or not (:data:`EARLY`), as ``build`` has it (the shipped file unless a study
+    set another: keyed by it, kernels/study.py)."""
     from .loader import load_module
 
-    # only this head dimension's kernels (attention.cu, ATTN_PER): about 2 s to compile instead of 15
-    return load_module("attention", (), options=(f"-DATTN_PER={per}", f"-DATTN_EARLY={int(early)}")).get_function(name)
+    # only a model's two kernels (attention.cu, ATTN_PER and ATTN_GM): about 2 s to compile instead of 15
+    return load_module("attention", (), options=(f"-DATTN_PER={per}", f"-DATTN_GM={gm}", f"-DATTN_EARLY={int(early)}"))
 
 
 def cluster_form(batch: int = 1, group: int = 1, length: int = 0) -> bool:

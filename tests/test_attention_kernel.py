@@ -6,6 +6,8 @@ distributed shared memory; on other GPUs the same split launch)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from unionsparse.compressor.runtime.cuda import cuda_problem
@@ -318,3 +320,33 @@ def test_rope_in_attention_gives_the_decode_steps_bit_for_bit(form):
     finally:
         StaticDecoder.ROPE_IN_ATTENTION = saved
     assert torch.equal(runs[False], runs[True])
+
+
+def test_each_model_builds_its_two_kernels(monkeypatch):
+    """A model's module holds its head dimension's split kernel and the cluster kernel unrolled to the least bound
+    (attention.CL_GM, the list attention.cu's KERNELS_CL builds) that holds its query heads a KV head."""
+    import re
+
+    from unionsparse.kernels import loader
+
+    src = (Path(attention.__file__).parent / "attention.cu").read_text()
+    built = re.search(r"#define KERNELS_CL\(PER\) (.*)", src).group(1)
+    assert tuple(int(g) for g in re.findall(r"KERNEL_CL\(PER, (\d+)\)", built)) == attention.CL_GM
+    assert "attention_decode_cl_##PER##_g##GM(" in src
+
+    class Module:
+        def __init__(self, options):
+            self.options = options
+
+        def get_function(self, name):
+            return name, self.options
+
+    monkeypatch.setattr(loader, "load_module", lambda name, expressions=(), options=(): Module(options))
+    attention._build_function.cache_clear()
+    try:
+        for group, gm in ((1, 1), (2, 4), (3, 4), (4, 4), (5, 8), (8, 8)):
+            for cluster, name in ((True, f"attention_decode_cl_4_g{gm}"), (False, "attention_decode_4")):
+                got, options = attention._function(4, cluster, group)
+                assert got == name and "-DATTN_PER=4" in options and f"-DATTN_GM={gm}" in options
+    finally:  # no fake module stays cached for a later test
+        attention._build_function.cache_clear()
