@@ -104,9 +104,13 @@ def decode_attention_rope_reference(q: torch.Tensor, k: torch.Tensor, v: torch.T
 def _function(per: int, cluster: bool = False, group: int = 1):
     from . import study
 
-    gm = next(g for g in CL_GM if g >= group)
+    return _kernel(per, cluster, next(g for g in CL_GM if g >= group), EARLY, study.build("attention"))
+
+
+@cache
+def _kernel(per: int, cluster: bool, gm: int, early: bool, build):
     name = f"attention_decode_cl_{per}_g{gm}" if cluster else f"attention_decode_{per}"
-    return _build_function(per, gm, EARLY, study.build("attention")).get_function(name)
+    return _build_function(per, gm, early, build).get_function(name)
 
 
 @cache

@@ -343,6 +343,7 @@ def test_each_model_builds_its_two_kernels(monkeypatch):
 
     monkeypatch.setattr(loader, "load_module", lambda name, expressions=(), options=(): Module(options))
     attention._build_function.cache_clear()
+    attention._kernel.cache_clear()
     try:
         for group, gm in ((1, 1), (2, 4), (3, 4), (4, 4), (5, 8), (8, 8)):
             for cluster, name in ((True, f"attention_decode_cl_4_g{gm}"), (False, "attention_decode_4")):
@@ -350,3 +351,4 @@ def test_each_model_builds_its_two_kernels(monkeypatch):
                 assert got == name and "-DATTN_PER=4" in options and f"-DATTN_GM={gm}" in options
     finally:  # no fake module stays cached for a later test
         attention._build_function.cache_clear()
+        attention._kernel.cache_clear()
