@@ -91,6 +91,7 @@ def test_supports_only_what_the_kernel_takes():
     (3, 9, 3, 64, 140, 70, [0, 5, 64]),          # SmolLM2's heads; row 2's padding covers whole chunk 0
     (1, 4, 4, 64, 64, 0, [0]),                   # the first slot
     (2, 16, 2, 256, 300, 299, [0, 31]),          # eight query heads per KV head, the largest head dim
+    (2, 64, 8, 128, 1100, 1090, [0, 7]),         # Llama-3-70B's heads (eight a KV head, head dim 128): the g8 kernel
     (1, 6, 2, 96, 100, 64, [0]),                 # a head dim that is not a power of two (3 halves a lane)
     (8, 32, 32, 128, 2100, 2047, [0] * 8),       # batch 8, long context: many chunks into one combine
 ])
