@@ -15,10 +15,14 @@ against lm_head and the greedy choice in one launch (``StaticDecoder.HEAD_KERNEL
 ``--switch prefetch``: the norms (and the quantizing SiLU·mul) reading their weight and channel permutation only
 after their wait, or pulled into L2 before it (kernels/pdl.cuh, ``pdl_enter(w, bytes)``; study builds with
 ``PDL_PREFETCH`` 0 and 1; off by default until this switch has measured it).
+``--switch source --baseline KERNEL=FILE``: kernel ``KERNEL`` (a ``kernels/*.cu`` stem) compiled from ``FILE``, another
+revision of its source with the same launch arguments (e.g. ``git show REV:kernels/attention.cu > .ab/attention.cu``),
+against the shipped file (study builds, kernels/study.py).
 
 Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
 
     python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|prefetch --out DIR
+    python benchmarks/step_ab.py --switch source --baseline attention=.ab/attention.cu --out DIR
     (a CUDA machine; glue_h200.sh, attention_h200.sh)
 """
 
@@ -58,6 +62,17 @@ def _prefetch(on: bool) -> Iterator[None]:
         yield
 
 
+BASELINE: dict[str, str] = {}  # --baseline: kernel stem -> the source file of its other revision
+
+
+@contextlib.contextmanager
+def _source(baseline: bool) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for kernel, path in BASELINE.items():
+            stack.enter_context(study.building(kernel, study.Build(source=path) if baseline else None))
+        yield
+
+
 SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextManager]], ...]] = {
     "pdl": (("pdl off", lambda: programmatic_launches(False)),
             ("pdl on (default)", lambda: programmatic_launches(None))),
@@ -70,6 +85,7 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
               ("... and attention loads its cache before the wait (default)", lambda: _early(True, True))),
     "prefetch": (("norms and SiLU·mul read their weight and permutation after the wait", lambda: _prefetch(False)),
                  ("... pulled into L2 before it", lambda: _prefetch(True))),
+    "source": (("baseline source (--baseline)", lambda: _source(True)), ("shipped source", lambda: _source(False))),
     "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _set(StaticDecoder, "HEAD_KERNEL", False)),
              ("lm_head + greedy choice: one launch", lambda: _set(StaticDecoder, "HEAD_KERNEL", True))),
 }
@@ -78,7 +94,16 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
 def main() -> None:
     ap = case_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]), KINDS)
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="pdl")
+    ap.add_argument("--baseline", action="append", default=[], metavar="KERNEL=FILE",
+                    help="--switch source: kernel KERNEL compiled from FILE as the baseline (repeatable)")
     args = ap.parse_args()
+    for spec in args.baseline:
+        kernel, _, path = spec.partition("=")
+        if not (kernel and Path(path).is_file()):
+            ap.error(f"--baseline {spec!r}: expected KERNEL=FILE with FILE an existing .cu file")
+        BASELINE[kernel] = path
+    if args.switch == "source" and not BASELINE:
+        ap.error("--switch source needs --baseline KERNEL=FILE")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
