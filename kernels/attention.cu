@@ -172,6 +172,34 @@ __device__ __forceinline__ void raw_set(unsigned int* w, int i, u16 h) {
     w[i / 2] = i & 1 ? (w[i / 2] & 0xffffu) | ((unsigned int)h << 16) : (w[i / 2] & 0xffff0000u) | h;
 }
 
+// The rotary tables at row b's position (the fused form; rp.rq == nullptr: none, cs and sn left unset), the lane's
+// PER elements. Loaded before the wait: no kernel of the step writes them.
+template <int PER>
+__device__ __forceinline__ void rope_tables(const Rope& rp, int b, int lane, float* cs, float* sn) {
+    constexpr int D = PER * 32;
+    if (rp.rq == nullptr) return;
+    const long long pr = rp.rpos[b];
+    load_halves<PER>(rp.cos_t + pr * D + lane * PER, cs);
+    load_halves<PER>(rp.sin_t + pr * D + lane * PER, sn);
+}
+
+// The lane's PER elements of query head h (of the row's H; `at`: its index into q [B, H, 1, D]), as floats, after
+// the wait: with the fused rotary the raw row rotated here and rounded to float16 as rotary_cache writes it; else q.
+template <int PER>
+__device__ __forceinline__ void load_q(const u16* __restrict__ q, const Rope& rp, int b, int h, long long at,
+                                       int lane, const float* cs, const float* sn, float* x) {
+    constexpr int D = PER * 32;
+    if (rp.rq != nullptr) {
+        u16 r[PER];
+        load_produced<PER>(rp.rq + (long long)b * rp.ld_q + (long long)h * D + lane * PER, x);
+        rotate<PER>(x, cs, sn, lane, r);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) x[i] = h2f(r[i]);
+    } else {
+        load_produced<PER>(q + at * D + lane * PER, x);
+    }
+}
+
 // The warp's slot pos (mine; -1: none of its slots) into its registers, after the wait: with the fused rotary this
 // token's k, rotated, and v, also written into the caches at element `at`; else what rotary_cache, the launch
 // before, wrote there. Both forms call it where a pass begins.
@@ -203,9 +231,53 @@ __device__ __forceinline__ void slot_pos(int mine, unsigned int (*kv)[(PER + 1) 
         }
 }
 
+// load_slots in two halves, so that a warp can load the next pass's K once its scores are made and V once its
+// weighted V is: which slots row b sees and their K (but slot pos), returning slot pos or -1; then their V.
+template <int PER>
+__device__ __forceinline__ int load_k_slots(const u16* __restrict__ k_cache, long long base, long long j0, int warp,
+                                            int lane, long long p, long long off, bool* seen,
+                                            unsigned int (*kv)[(PER + 1) / 2]) {
+    constexpr int D = PER * 32;
+    int mine = -1;
+#pragma unroll
+    for (int u = 0; u < SLOTS; ++u) {
+        const long long j = j0 + warp * SLOTS + u;
+        seen[u] = j <= p && (j >= off || j == p);
+        if (j == p) mine = u;
+        else if (seen[u]) load_raw<PER>(k_cache + base + (j - j0) * D + lane * PER, kv[u]);
+    }
+    return mine;
+}
+
+template <int PER>
+__device__ __forceinline__ void load_v_slots(const u16* __restrict__ v_cache, long long base, long long j0, int warp,
+                                             int lane, long long p, const bool* seen,
+                                             unsigned int (*vv)[(PER + 1) / 2]) {
+    constexpr int D = PER * 32;
+#pragma unroll
+    for (int u = 0; u < SLOTS; ++u) {
+        const long long j = j0 + warp * SLOTS + u;
+        if (seen[u] && j != p) load_raw<PER>(v_cache + base + (j - j0) * D + lane * PER, vv[u]);
+    }
+}
+
+// Load the warp's SLOTS slots of the pass at j0 that row b sees (all loads issued before any use: K, then V), but
+// the slot holding pos, which the pass's loop reads or makes after the wait (this token's k and v, rotated, with the
+// fused rotary; else what rotary_cache, the launch before, wrote). Returns that slot or -1.
+template <int PER>
+__device__ __forceinline__ int load_slots(const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+                                          long long base, long long j0, int warp, int lane, long long p,
+                                          long long off, bool* seen, unsigned int (*kv)[(PER + 1) / 2],
+                                          unsigned int (*vv)[(PER + 1) / 2]) {
+    const int mine = load_k_slots<PER>(k_cache, base, j0, warp, lane, p, off, seen, kv);
+    load_v_slots<PER>(v_cache, base, j0, warp, lane, p, seen, vv);
+    return mine;
+}
+
 // q [B, H, 1, D]; caches [B, Hkv, L, D]; part_o [B, H, chunks, D] and part_ml [B, H, chunks, 2] (float32);
 // ticket [B * Hkv] int32, zero between launches; out [B, 1, H * D]. Dynamic shared memory: WARPS * G * D floats.
-template <int PER>
+// GM: at least the query heads a KV head (the unrolled head loops: q of GM heads in registers).
+template <int PER, int GM>
 __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                                        const u16* __restrict__ v_cache, const long long* __restrict__ pos,
                                        const long long* __restrict__ offset, int H, int Hkv, int L, float scale,
@@ -232,49 +304,23 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
     const long long off = offset[b];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long head0 = (long long)b * H + (long long)hk * G;  // first query head of this KV head
-    const bool rope = rp.rq != nullptr;
 
     // the warp's SLOTS slots but pos, all loads first; slot pos is `mine` (read or made after the wait)
     const long long base = (((long long)b * Hkv + hk) * L + j0) * D;
     bool seen[SLOTS];
     unsigned int kv[SLOTS][(PER + 1) / 2], vv[SLOTS][(PER + 1) / 2];  // float16 bits (load_raw), all in flight
-    int mine = -1;
-#pragma unroll
-    for (int u = 0; u < SLOTS; ++u) {
-        const int jj = warp * SLOTS + u;
-        const long long j = j0 + jj;
-        seen[u] = j <= p && (j >= off || j == p);
-        if (j == p) {
-            mine = u;
-        } else if (seen[u]) {
-            load_raw<PER>(k_cache + base + (long long)jj * D + lane * PER, kv[u]);
-            load_raw<PER>(v_cache + base + (long long)jj * D + lane * PER, vv[u]);
-        }
-    }
+    const int mine = load_slots<PER>(k_cache, v_cache, base, j0, warp, lane, p, off, seen, kv, vv);
     float cs[PER], sn[PER];  // the rotary tables at this row's position (fused form)
-    if (rope) {
-        const long long pr = rp.rpos[b];
-        load_halves<PER>(rp.cos_t + pr * D + lane * PER, cs);
-        load_halves<PER>(rp.sin_t + pr * D + lane * PER, sn);
-    }
+    rope_tables<PER>(rp, b, lane, cs, sn);
 #if ATTN_EARLY
     wait_for_producer();
 #endif
 
-    float qr[MAX_G][PER];
+    float qr[GM][PER];
 #pragma unroll
-    for (int g = 0; g < MAX_G; ++g)
+    for (int g = 0; g < GM; ++g)
         if (g < G) {
-            if (rope) {  // rotated here, rounded to float16 as rotary_cache writes it
-                float x[PER];
-                u16 h[PER];
-                load_produced<PER>(rp.rq + (long long)b * rp.ld_q + (hk * G + g) * D + lane * PER, x);
-                rotate<PER>(x, cs, sn, lane, h);
-#pragma unroll
-                for (int i = 0; i < PER; ++i) qr[g][i] = h2f(h[i]);
-            } else {
-                load_produced<PER>(q + (head0 + g) * D + lane * PER, qr[g]);
-            }
+            load_q<PER>(q, rp, b, hk * G + g, head0 + g, lane, cs, sn, qr[g]);
 #pragma unroll
             for (int i = 0; i < PER; ++i) qr[g][i] *= scale;
         }
@@ -284,7 +330,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
     const long long jw = j0 + warp * SLOTS + uw;
     const bool seen_w = jw <= p && (jw >= off || jw == p);
 #pragma unroll
-    for (int g = 0; g < MAX_G; ++g)
+    for (int g = 0; g < GM; ++g)
         if (g < G) {
             float a[SLOTS];
 #pragma unroll
@@ -317,7 +363,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
 
     // weighted V: the warp's slots into red[warp], then summed over the warps
 #pragma unroll
-    for (int g = 0; g < MAX_G; ++g)
+    for (int g = 0; g < GM; ++g)
         if (g < G) {
             float acc[PER];
 #pragma unroll
@@ -412,61 +458,6 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
 #define CL_WARPS 8
 #define CL_CHUNK (CL_WARPS * SLOTS)  // 64 slots a CTA a pass
 
-// load_slots in two halves, so that a warp can load the next pass's K once its scores are made and V once its
-// weighted V is: which slots row b sees and their K (but slot pos), returning slot pos or -1; then their V.
-template <int PER>
-__device__ __forceinline__ int load_k_slots(const u16* __restrict__ k_cache, long long base, long long j0, int warp,
-                                            int lane, long long p, long long off, bool* seen,
-                                            unsigned int (*kv)[(PER + 1) / 2]) {
-    constexpr int D = PER * 32;
-    int mine = -1;
-#pragma unroll
-    for (int u = 0; u < SLOTS; ++u) {
-        const long long j = j0 + warp * SLOTS + u;
-        seen[u] = j <= p && (j >= off || j == p);
-        if (j == p) mine = u;
-        else if (seen[u]) load_raw<PER>(k_cache + base + (j - j0) * D + lane * PER, kv[u]);
-    }
-    return mine;
-}
-
-template <int PER>
-__device__ __forceinline__ void load_v_slots(const u16* __restrict__ v_cache, long long base, long long j0, int warp,
-                                             int lane, long long p, const bool* seen,
-                                             unsigned int (*vv)[(PER + 1) / 2]) {
-    constexpr int D = PER * 32;
-#pragma unroll
-    for (int u = 0; u < SLOTS; ++u) {
-        const long long j = j0 + warp * SLOTS + u;
-        if (seen[u] && j != p) load_raw<PER>(v_cache + base + (j - j0) * D + lane * PER, vv[u]);
-    }
-}
-
-// Load the warp's SLOTS slots of the pass at j0 that row b sees (all loads issued before any use), but the slot
-// holding pos, which the pass's loop reads or makes after the wait (this token's k and v, rotated, with the fused
-// rotary; else what rotary_cache, the launch before, wrote). Returns that slot or -1.
-template <int PER>
-__device__ __forceinline__ int load_slots(const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-                                          long long base, long long j0, int warp, int lane, long long p,
-                                          long long off, bool* seen, unsigned int (*kv)[(PER + 1) / 2],
-                                          unsigned int (*vv)[(PER + 1) / 2]) {
-    constexpr int D = PER * 32;
-    int mine = -1;
-#pragma unroll
-    for (int u = 0; u < SLOTS; ++u) {
-        const int jj = warp * SLOTS + u;
-        const long long j = j0 + jj;
-        seen[u] = j <= p && (j >= off || j == p);
-        if (j == p) {
-            mine = u;
-        } else if (seen[u]) {
-            load_raw<PER>(k_cache + base + (j - j0) * D + lane * PER, kv[u]);
-            load_raw<PER>(v_cache + base + (j - j0) * D + lane * PER, vv[u]);
-        }
-    }
-    return mine;
-}
-
 template <int PER, int GM>  // GM: at least the query heads a KV head (the unrolled head loops; fewer registers)
 __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                                                const u16* __restrict__ v_cache, const long long* __restrict__ pos,
@@ -490,7 +481,6 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
     const long long off = offset[b];
     const long long head0 = (long long)b * H + (long long)hk * G;  // first query head of this KV head
     const long long row0 = ((long long)b * Hkv + hk) * L * D;       // this (row, KV head)'s cache
-    const bool rope = rp.rq != nullptr;
 
     long long j0 = (long long)r * CL_CHUNK;
     bool seen[SLOTS];
@@ -500,26 +490,14 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
         mine = load_slots<PER>(k_cache, v_cache, row0 + j0 * D, j0, warp, lane, p, off, seen, kv, vv);
 
     float cs[PER], sn[PER];  // the rotary tables at this row's position (fused form)
-    if (rope) {
-        const long long pr = rp.rpos[b];
-        load_halves<PER>(rp.cos_t + pr * D + lane * PER, cs);
-        load_halves<PER>(rp.sin_t + pr * D + lane * PER, sn);
-    }
+    rope_tables<PER>(rp, b, lane, cs, sn);
 #if ATTN_EARLY
     wait_for_producer();
 #endif
     // q times the scale, in shared memory (registers hold the slots; each lane reads back its own elements)
     for (int g = warp; g < G; g += CL_WARPS) {
         float x[PER];
-        if (rope) {  // rotated here, rounded to float16 as rotary_cache writes it
-            u16 h[PER];
-            load_produced<PER>(rp.rq + (long long)b * rp.ld_q + (hk * G + g) * D + lane * PER, x);
-            rotate<PER>(x, cs, sn, lane, h);
-#pragma unroll
-            for (int i = 0; i < PER; ++i) x[i] = h2f(h[i]);
-        } else {
-            load_produced<PER>(q + (head0 + g) * D + lane * PER, x);
-        }
+        load_q<PER>(q, rp, b, hk * G + g, head0 + g, lane, cs, sn, x);
 #pragma unroll
         for (int i = 0; i < PER; ++i) qs[g * D + lane * PER + i] = x[i] * scale;
     }
@@ -698,7 +676,13 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
         long long ld_k, const u16 *rv, long long ld_v, const u16 *cos_t, const u16 *sin_t,                     \
         const long long *rpos  // D: unused (the kernel's PER * 32), kept so every kernel takes the same arguments
 
-// one kernel per head dimension (attention_decode_<D / 32>), so each gets the registers it needs
+// one kernel per head dimension (attention_decode_<D / 32>), so each gets the registers it needs; its head loops
+// unrolled to the module's bound ATTN_GM (attention.py passes the least of attention.CL_GM that holds G), else MAX_G
+#ifdef ATTN_GM
+#define SPLIT_GM ATTN_GM
+#else
+#define SPLIT_GM MAX_G
+#endif
 #define KERNEL(PER)                                                                                               \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) attention_decode_##PER(DECODE_ARGS) {               \
         allow_dependents(); /* the wait: in decode, after the loads that may come first */                       \
@@ -706,7 +690,7 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
         const OutQuant oq{codes, scales, Kp, gm, bits, clip, grid, tiny};                                      \
         const Rope rp{rq, ld_q, rk, ld_k, rv, ld_v, cos_t, sin_t, rpos, const_cast<u16*>(k_cache),              \
                       const_cast<u16*>(v_cache)};                                                                 \
-        decode<PER>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, part_o, part_ml, ticket, out, red, oq,  \
+        decode<PER, SPLIT_GM>(q, k_cache, v_cache, pos, offset, H, Hkv, L, scale, part_o, part_ml, ticket, out, red, oq,  \
                     rp);                                                                                          \
     }
 // ATTN_PER (attention.py passes -DATTN_PER=<D / 32>): only that head dimension's kernels are built, so a model
