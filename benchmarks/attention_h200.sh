@@ -4,14 +4,15 @@
 #   (1) GPU tests of decode attention in both forms (split: global partials and a ticket; cluster: a head's chunks
 #       combined through distributed shared memory, attention.CLUSTER), each waiting first or loading early, and of
 #       the glue kernels;
-#   (2) with the cluster form on: the runtime's agreement with the CPU path (op by op, o_proj's input from
-#       attention, graph replay against the eager step, the step in one graph);
-#   (3) attention alone against its byte floor, both forms, 32 layers' cold caches in one graph, and LLaMA-2-7B
+#   (2) attention alone against its byte floor, both forms, 32 layers' cold caches in one graph, and LLaMA-2-7B
 #       batch 1 over a sweep of positions, with the split form of the baseline revision beside them
 #       (benchmarks/attention_bytes.py);
-#   (4) the decode step with attention.cu from the baseline revision and as shipped, side by side in one process
+#   (3) the decode step with attention.cu from the baseline revision and as shipped, side by side in one process
 #       (benchmarks/step_ab.py --switch source): LLaMA-2-7B batch 1 context 512 (fp16, IE-BME W4A16 50%), batch 8
-#       context 2048 (fp16), Llama-3-8B batch 1 context 512 (fp16, IE-BME W4A16 50%).
+#       context 2048 (fp16), then (4), then Llama-3-8B batch 1 context 512 (fp16, IE-BME W4A16 50%);
+#   (4) with the cluster form on: the runtime's agreement with the CPU path (op by op, o_proj's input from
+#       attention, graph replay against the eager step, the step in one graph).
+# In that order, so that a call cut short keeps what matters most (what finished is in $OUT).
 # The baseline is another revision of kernels/attention.cu in .ab/ (git-ignored), made here first, e.g.
 #   mkdir -p .ab && git show e798a77:kernels/attention.cu > .ab/attention.cu
 #   device tool:  run(command="bash benchmarks/attention_h200.sh", carry=[".whl", ".ab"], timeout_s=600)
@@ -20,16 +21,6 @@ source benchmarks/device_env.sh || exit 1
 PYTEST=(-p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu)
 timeout 150 python3 -m pytest "${PYTEST[@]}" tests/test_attention_kernel.py tests/test_glue_kernels.py 2>&1 \
   | tee "$DEST/attention_gpu_tests.log" | tail -4
-timeout 200 python3 -c "
-import sys, pytest
-from unionsparse.kernels import attention
-attention.CLUSTER = True
-sys.exit(pytest.main(sys.argv[1:]))" "${PYTEST[@]}" \
-  tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op \
-  tests/test_runtime_agreement.py::test_gpu_agrees_with_attention_writing_o_proj_input \
-  tests/test_runtime_agreement.py::test_gpu_graph_replay_equals_the_eager_step \
-  tests/test_runtime.py::test_gpu_decode_step_is_one_graph_without_host_syncs 2>&1 \
-  | tee "$DEST/attention_cluster_runtime_tests.log" | tail -4
 BASE=.ab/attention.cu
 [ -f "$BASE" ] || { echo "no $BASE: make it first (this script's header)"; exit 2; }
 timeout 150 python3 benchmarks/attention_bytes.py --baseline "$BASE" --out "$DEST" 2>&1 | tail -22
@@ -41,4 +32,14 @@ run_ab() {  # NAME, then step_ab.py's case options; the table to $DEST/step_ab_s
 }
 run_ab b1 --kinds fp16,iebme-w4a16-50
 run_ab b8-ctx2048 --batch 8 --context 2048 --kinds fp16
+timeout 200 python3 -c "
+import sys, pytest
+from unionsparse.kernels import attention
+attention.CLUSTER = True
+sys.exit(pytest.main(sys.argv[1:]))" "${PYTEST[@]}" \
+  tests/test_runtime_agreement.py::test_gpu_agrees_with_the_cpu_path_op_by_op \
+  tests/test_runtime_agreement.py::test_gpu_agrees_with_attention_writing_o_proj_input \
+  tests/test_runtime_agreement.py::test_gpu_graph_replay_equals_the_eager_step \
+  tests/test_runtime.py::test_gpu_decode_step_is_one_graph_without_host_syncs 2>&1 \
+  | tee "$DEST/attention_cluster_runtime_tests.log" | tail -4
 run_ab llama3-b1 --spec llama3-8b --kinds fp16,iebme-w4a16-50
