@@ -34,10 +34,11 @@
 # end, then once its weights landed, then with decode attention's cache loads before its wait (benchmarks/step_ab.py
 # --switch early; the last is the default), LLaMA-2-7B batch 1 context 512 (fp16, W4A16, IE-BME W4A16 50%, IE-BME
 # W4A4 50% with 128 outlier channels) and batch 8 context 2048 (fp16).
-# `bash benchmarks/glue_h200.sh prefetch` (about 4 minutes): the norms and the quantizing SiLU·mul pulling their
-# weight and channel permutation into L2 before their wait (kernels/pdl.cuh, pdl_enter(w, bytes); PDL_PREFETCH, off by
-# default until measured): the glue GPU tests with it on, then the step with it off and on in one process (benchmarks/step_ab.py --switch prefetch), LLaMA-2-7B batch 1,
-# context 512: fp16, IE-BME W4A16 50%, IE-BME W4A4 50% with 128 outlier channels.
+# `bash benchmarks/glue_h200.sh prefetch` (about 5 minutes): the norms and the quantizing SiLU·mul pulling their
+# weight and channel permutation into L2 before their wait (kernels/pdl.cuh, pdl_enter(w, bytes); PDL_PREFETCH) or
+# copying them into shared memory before it (early_copy; NORM_EARLY), both off by default until measured: the glue
+# GPU tests with each on, then the step three ways in one process (benchmarks/step_ab.py --switch prefetch),
+# LLaMA-2-7B batch 1, context 512: fp16, IE-BME W4A16 50%, IE-BME W4A4 50% with 128 outlier channels.
 set -o pipefail
 MODE="${1:-full}"
 source benchmarks/device_env.sh || exit 1
@@ -51,13 +52,16 @@ if [ "$MODE" = early ]; then
   exit 0
 fi
 if [ "$MODE" = prefetch ]; then
-  timeout 70 python3 -c "
+  for define in PDL_PREFETCH NORM_EARLY; do
+    echo "== glue GPU tests, $define=1" | tee -a "$DEST/prefetch_gpu_tests.log"
+    timeout 70 python3 -c "
 import sys, pytest
 from unionsparse.kernels import study
 for k in ('glue', 'norm_quant'):
-    study.use_build(k, study.Build(defines=(('PDL_PREFETCH', 1),)))
+    study.use_build(k, study.Build(defines=(('$define', 1),)))
 sys.exit(pytest.main(sys.argv[1:]))" -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
-    tests/test_glue_kernels.py 2>&1 | tee "$DEST/prefetch_gpu_tests.log" | tail -2
+      tests/test_glue_kernels.py 2>&1 | tee -a "$DEST/prefetch_gpu_tests.log" | tail -2
+  done
   timeout 220 python3 benchmarks/step_ab.py --switch prefetch --kinds fp16,iebme-w4a16-50,iebme-w4a4-50-o128 \
     --out "$DEST" 2>&1 | tee "$DEST/step_ab_prefetch.log" | grep -v "^launches\|^linears:\|^floor\|^  not measured"
   exit 0

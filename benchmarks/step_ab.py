@@ -13,8 +13,9 @@ position and the rotary tables before its wait (``attention.EARLY``, attention.c
 ``--switch head``: the final norm's rows through the model's lm_head (cuBLAS), ``.float()`` and ``torch.argmax``
 against lm_head and the greedy choice in one launch (``StaticDecoder.HEAD_KERNEL``, kernels/lm_head.cu).
 ``--switch prefetch``: the norms (and the quantizing SiLU·mul) reading their weight and channel permutation only
-after their wait, or pulled into L2 before it (kernels/pdl.cuh, ``pdl_enter(w, bytes)``; study builds with
-``PDL_PREFETCH`` 0 and 1; off by default until this switch has measured it).
+after their wait, or pulled into L2 before it (kernels/pdl.cuh, ``pdl_enter(w, bytes)``; ``PDL_PREFETCH``), or
+copied into shared memory before it (``early_copy``; ``NORM_EARLY``): study builds, both off by default until this
+switch has measured them.
 ``--switch source --baseline KERNEL=FILE``: kernel ``KERNEL`` (a ``kernels/*.cu`` stem) compiled from ``FILE``, another
 revision of its source with the same launch arguments (e.g. ``git show REV:kernels/attention.cu > .ab/attention.cu``),
 against the shipped file (study builds, kernels/study.py).
@@ -56,8 +57,8 @@ def _early(on: bool, trigger: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _prefetch(on: bool) -> Iterator[None]:
-    build = study.Build(defines=(("PDL_PREFETCH", int(on)),))
+def _prefetch(on: bool, early: bool = False) -> Iterator[None]:
+    build = study.Build(defines=(("PDL_PREFETCH", int(on)), ("NORM_EARLY", int(early))))
     with study.building("glue", build), study.building("norm_quant", build):
         yield
 
@@ -84,7 +85,8 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
               ("... IE-BME lets it start once its weights landed", lambda: _early(False, True)),
               ("... and attention loads its cache before the wait (default)", lambda: _early(True, True))),
     "prefetch": (("norms and SiLU·mul read their weight and permutation after the wait", lambda: _prefetch(False)),
-                 ("... pulled into L2 before it", lambda: _prefetch(True))),
+                 ("... pulled into L2 before it", lambda: _prefetch(True)),
+                 ("... copied into shared memory before it", lambda: _prefetch(False, True))),
     "source": (("baseline source (--baseline)", lambda: _source(True)), ("shipped source", lambda: _source(False))),
     "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _set(StaticDecoder, "HEAD_KERNEL", False)),
              ("lm_head + greedy choice: one launch", lambda: _set(StaticDecoder, "HEAD_KERNEL", True))),

@@ -10,19 +10,40 @@
 // value), so the add and the norm are one launch. Grid (slices, rows): every block of a row computes the row's sum
 // of squares (the same float: row_sum_squares) and writes its slice of ceil(K / gridDim.x) elements, so a row of
 // 4096 is spread over several SMs instead of one (one block a row was 14 us per norm on an H100, latency-bound).
+// With NORM_EARLY (pdl.cuh) the block's slice of w is copied into shared memory before the wait.
+#define NORM_SLICE_MAX 512  // glue.py's NORM_SLICE: the most of a slice the early copy holds
 extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ delta,
                                     long long ld_d, u16* __restrict__ x_out, const u16* __restrict__ w,
                                     u16* __restrict__ y, int K, float eps) {
+#if NORM_EARLY
+    const int per = (K + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, end = min(K, lo + per);
+    __shared__ __align__(16) u16 ws[NORM_SLICE_MAX];
+    allow_dependents();
+    const bool early = end - lo <= NORM_SLICE_MAX && (end - lo) % 8 == 0 && (unsigned long long)(w + lo) % 16 == 0;
+    if (early)
+        for (int c = threadIdx.x; c < (end - lo) / 8; c += blockDim.x) early_copy<16>(ws + 8 * c, w + lo + 8 * c);
+    wait_for_producer();
+#else
     pdl_enter(w, 2LL * K);
+#endif
     const u16* xr = x + (long long)blockIdx.y * ld_x;
     const u16* dr = delta == nullptr ? nullptr : delta + (long long)blockIdx.y * ld_d;
     const float r = row_rsqrt(xr, dr, K, eps);
-    const int per = (K + gridDim.x - 1) / gridDim.x, end = min(K, (int)(blockIdx.x + 1) * per);
+#if NORM_EARLY
+    early_copy_wait();
+    __syncthreads();
+#else
+    const int per = (K + gridDim.x - 1) / gridDim.x, end = min(K, (int)(blockIdx.x + 1) * per), lo = blockIdx.x * per;
+#endif
     u16* yr = y + (long long)blockIdx.y * K;
-    for (int k = blockIdx.x * per + threadIdx.x; k < end; k += blockDim.x) {
+    for (int k = lo + threadIdx.x; k < end; k += blockDim.x) {
         const float v = residual_at(xr, dr, k);
         if (dr != nullptr) x_out[(long long)blockIdx.y * K + k] = f2h(v);
+#if NORM_EARLY
+        yr[k] = norm_at(v, r, early ? ws[k - lo] : w[k]);
+#else
         yr[k] = norm_at(v, r, w[k]);
+#endif
     }
 }
 

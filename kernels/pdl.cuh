@@ -72,3 +72,32 @@ __device__ __forceinline__ int4 ld_after_wait(const int4* p) {
     asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
+
+#ifndef NORM_EARLY  // off until measured on a GPU: benchmarks/step_ab.py --switch prefetch builds it both ways
+#define NORM_EARLY 0
+#endif
+
+// Copies into shared memory issued before the wait, of what no kernel of the step writes (a norm's weight, a channel
+// permutation), so that the kernel reads them from shared memory after it instead of making a DRAM trip on its
+// critical path (docs/kernels.md, "Programmatic dependent launch"). cp.async (sm_80+), which the SASS shows as
+// LDGSTS: nothing reaches a register before the wait, and the SASS check's rule holds. Before sm_80 (no
+// programmatic launch either) a plain copy. BYTES: 4 or 16, src and dst aligned to it.
+template <int BYTES>
+__device__ __forceinline__ void early_copy(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    static_assert(BYTES == 4 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+    const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
+    if (BYTES == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+#else
+    if (BYTES == 16) *static_cast<int4*>(dst) = *static_cast<const int4*>(src);
+    else *static_cast<unsigned int*>(dst) = *static_cast<const unsigned int*>(src);
+#endif
+}
+
+// This thread's early copies landed (then a barrier over the threads that read them).
+__device__ __forceinline__ void early_copy_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}

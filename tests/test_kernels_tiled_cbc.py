@@ -597,6 +597,18 @@ def _nvrtc():
 def test_kernel_source_compiles(name, arch):
     """Front-end compile (PTX, no GPU) of every explicitly instantiated kernel; spMspV also before sm_90,
     where its copies take the cp.async path."""
+    _nvrtc_compiles(name, arch)
+
+
+@pytest.mark.parametrize("name,arch", [("glue.cu", "compute_90"), ("norm_quant.cu", "compute_90"),
+                                       ("norm_quant.cu", "compute_80"), ("norm_quant.cu", "compute_75")])
+def test_norm_early_copies_compile(name, arch):
+    """The study build NORM_EARLY=1 (kernels/pdl.cuh: cp.async of the norms' weights before the wait; a plain copy
+    before sm_80)."""
+    _nvrtc_compiles(name, arch, "-DNORM_EARLY=1")
+
+
+def _nvrtc_compiles(name: str, arch: str, *defines: str) -> None:
     import ctypes
     from pathlib import Path
 
@@ -607,7 +619,7 @@ def test_kernel_source_compiles(name, arch):
     src = (src_dir / name).read_bytes()
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name.encode(), 0, None, None) == 0
-    opts = [f"-arch={arch}".encode(), b"-std=c++17", f"-I{src_dir}".encode()]
+    opts = [f"-arch={arch}".encode(), b"-std=c++17", f"-I{src_dir}".encode(), *(d.encode() for d in defines)]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
