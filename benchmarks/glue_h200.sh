@@ -62,7 +62,7 @@ for k in ('glue', 'norm_quant'):
 sys.exit(pytest.main(sys.argv[1:]))" -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
       tests/test_glue_kernels.py 2>&1 | tee -a "$DEST/prefetch_gpu_tests.log" | tail -2
   done
-  timeout 220 python3 benchmarks/step_ab.py --switch prefetch --kinds fp16,iebme-w4a16-50,iebme-w4a4-50-o128 \
+  timeout 300 python3 benchmarks/step_ab.py --switch prefetch --kinds fp16,iebme-w4a16-50,iebme-w4a4-50-o128 \
     --out "$DEST" 2>&1 | tee "$DEST/step_ab_prefetch.log" | grep -v "^launches\|^linears:\|^floor\|^  not measured"
   exit 0
 fi
