@@ -13,14 +13,17 @@
 #   (4) with the cluster form on: the runtime's agreement with the CPU path (op by op, o_proj's input from
 #       attention, graph replay against the eager step, the step in one graph).
 # In that order, so that a call cut short keeps what matters most (what finished is in $OUT).
+# `bash benchmarks/attention_h200.sh quick` (about 3 minutes): (1) for attention only, (2), and (3) at batch 1 only.
 # The baseline is another revision of kernels/attention.cu in .ab/ (git-ignored), made here first, e.g.
 #   mkdir -p .ab && git show e798a77:kernels/attention.cu > .ab/attention.cu
 #   device tool:  run(command="bash benchmarks/attention_h200.sh", carry=[".whl", ".ab"], timeout_s=600)
 set -o pipefail
 source benchmarks/device_env.sh || exit 1
 PYTEST=(-p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu)
-timeout 150 python3 -m pytest "${PYTEST[@]}" tests/test_attention_kernel.py tests/test_glue_kernels.py 2>&1 \
-  | tee "$DEST/attention_gpu_tests.log" | tail -4
+MODE="${1:-all}"
+TESTS=(tests/test_attention_kernel.py tests/test_glue_kernels.py)
+[ "$MODE" = quick ] && TESTS=(tests/test_attention_kernel.py)
+timeout 150 python3 -m pytest "${PYTEST[@]}" "${TESTS[@]}" 2>&1 | tee "$DEST/attention_gpu_tests.log" | tail -4
 BASE=.ab/attention.cu
 [ -f "$BASE" ] || { echo "no $BASE: make it first (this script's header)"; exit 2; }
 timeout 150 python3 benchmarks/attention_bytes.py --baseline "$BASE" --out "$DEST" 2>&1 | tail -22
@@ -31,6 +34,7 @@ run_ab() {  # NAME, then step_ab.py's case options; the table to $DEST/step_ab_s
   cp "/tmp/ab-$name/step_ab_source.md" "$DEST/step_ab_source_$name.md"
 }
 run_ab b1 --kinds fp16,iebme-w4a16-50
+[ "$MODE" = quick ] && exit 0
 run_ab b8-ctx2048 --batch 8 --context 2048 --kinds fp16
 timeout 200 python3 -c "
 import sys, pytest
