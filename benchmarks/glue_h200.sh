@@ -34,11 +34,11 @@
 # end, then once its weights landed, then with decode attention's cache loads before its wait (benchmarks/step_ab.py
 # --switch early; the last is the default), LLaMA-2-7B batch 1 context 512 (fp16, W4A16, IE-BME W4A16 50%, IE-BME
 # W4A4 50% with 128 outlier channels) and batch 8 context 2048 (fp16).
-# `bash benchmarks/glue_h200.sh prefetch` (about 5 minutes): the norms and the quantizing SiLU·mul pulling their
-# weight and channel permutation into L2 before their wait (kernels/pdl.cuh, pdl_enter(w, bytes); PDL_PREFETCH) or
-# copying them into shared memory before it (early_copy; NORM_EARLY), both off by default until measured: the glue
-# GPU tests with each on, then the step three ways in one process (benchmarks/step_ab.py --switch prefetch),
-# LLaMA-2-7B batch 1, context 512: fp16, IE-BME W4A16 50%, IE-BME W4A4 50% with 128 outlier channels.
+# `bash benchmarks/glue_h200.sh norms` (about 4 minutes): the norms and the quantizing SiLU·mul copying their weight
+# and channel permutation into shared memory before their wait (kernels/pdl.cuh, early_copy; NORM_EARLY, on since
+# 2026-12-07) or reading them after it (NORM_EARLY=0): the glue GPU tests with each, then the step both ways in one
+# process (benchmarks/step_ab.py --switch norms), LLaMA-2-7B batch 1, context 512: fp16, IE-BME W4A16 50%, IE-BME
+# W4A4 50% with 128 outlier channels.
 set -o pipefail
 MODE="${1:-full}"
 source benchmarks/device_env.sh || exit 1
@@ -51,19 +51,19 @@ if [ "$MODE" = early ]; then
     2>&1 | tee "$DEST/b8/step_ab_early.log" | grep -v "$SKIP"
   exit 0
 fi
-if [ "$MODE" = prefetch ]; then
-  for define in PDL_PREFETCH NORM_EARLY; do
-    echo "== glue GPU tests, $define=1" | tee -a "$DEST/prefetch_gpu_tests.log"
+if [ "$MODE" = norms ]; then
+  for early in 1 0; do
+    echo "== glue GPU tests, NORM_EARLY=$early" | tee -a "$DEST/norms_gpu_tests.log"
     timeout 70 python3 -c "
 import sys, pytest
 from unionsparse.kernels import study
 for k in ('glue', 'norm_quant'):
-    study.use_build(k, study.Build(defines=(('$define', 1),)))
+    study.use_build(k, study.Build(defines=(('NORM_EARLY', $early),)))
 sys.exit(pytest.main(sys.argv[1:]))" -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
-      tests/test_glue_kernels.py 2>&1 | tee -a "$DEST/prefetch_gpu_tests.log" | tail -2
+      tests/test_glue_kernels.py 2>&1 | tee -a "$DEST/norms_gpu_tests.log" | tail -2
   done
-  timeout 300 python3 benchmarks/step_ab.py --switch prefetch --kinds fp16,iebme-w4a16-50,iebme-w4a4-50-o128 \
-    --out "$DEST" 2>&1 | tee "$DEST/step_ab_prefetch.log" | grep -v "^launches\|^linears:\|^floor\|^  not measured"
+  timeout 220 python3 benchmarks/step_ab.py --switch norms --kinds fp16,iebme-w4a16-50,iebme-w4a4-50-o128 \
+    --out "$DEST" 2>&1 | tee "$DEST/step_ab_norms.log" | grep -v "^launches\|^linears:\|^floor\|^  not measured"
   exit 0
 fi
 if [ "$MODE" = head ]; then

@@ -12,17 +12,16 @@ or once its weights have landed (the default), then with decode attention also l
 position and the rotary tables before its wait (``attention.EARLY``, attention.cu's ATTN_EARLY; the default).
 ``--switch head``: the final norm's rows through the model's lm_head (cuBLAS), ``.float()`` and ``torch.argmax``
 against lm_head and the greedy choice in one launch (``StaticDecoder.HEAD_KERNEL``, kernels/lm_head.cu).
-``--switch prefetch``: the norms (and the quantizing SiLU·mul) reading their weight and channel permutation only
-after their wait, or pulled into L2 before it (kernels/pdl.cuh, ``pdl_enter(w, bytes)``; ``PDL_PREFETCH``), or
-copied into shared memory before it (``early_copy``; ``NORM_EARLY``): study builds, both off by default until this
-switch has measured them.
+``--switch norms``: the norms (and the quantizing SiLU·mul) reading their weight and channel permutation after
+their wait (study build ``NORM_EARLY=0``), or copying them into shared memory before it (kernels/pdl.cuh,
+``early_copy``; the default since 2026-12-07).
 ``--switch source --baseline KERNEL=FILE``: kernel ``KERNEL`` (a ``kernels/*.cu`` stem) compiled from ``FILE``, another
 revision of its source with the same launch arguments (e.g. ``git show REV:kernels/attention.cu > .ab/attention.cu``),
 against the shipped file (study builds, kernels/study.py).
 
 Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
 
-    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|prefetch --out DIR
+    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|norms --out DIR
     python benchmarks/step_ab.py --switch source --baseline attention=.ab/attention.cu --out DIR
     (a CUDA machine; glue_h200.sh, attention_h200.sh)
 """
@@ -57,8 +56,8 @@ def _early(on: bool, trigger: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _prefetch(on: bool, early: bool = False) -> Iterator[None]:
-    build = study.Build(defines=(("PDL_PREFETCH", int(on)), ("NORM_EARLY", int(early))))
+def _norms(early: bool) -> Iterator[None]:
+    build = None if early else study.Build(defines=(("NORM_EARLY", 0),))
     with study.building("glue", build), study.building("norm_quant", build):
         yield
 
@@ -84,9 +83,8 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
     "early": (("attention waits first; IE-BME lets the next kernel start at its end", lambda: _early(False, False)),
               ("... IE-BME lets it start once its weights landed", lambda: _early(False, True)),
               ("... and attention loads its cache before the wait (default)", lambda: _early(True, True))),
-    "prefetch": (("norms and SiLU·mul read their weight and permutation after the wait", lambda: _prefetch(False)),
-                 ("... pulled into L2 before it", lambda: _prefetch(True)),
-                 ("... copied into shared memory before it", lambda: _prefetch(False, True))),
+    "norms": (("norms and SiLU·mul read their weight and permutation after the wait", lambda: _norms(False)),
+              ("... copied into shared memory before it (default)", lambda: _norms(True))),
     "source": (("baseline source (--baseline)", lambda: _source(True)), ("shipped source", lambda: _source(False))),
     "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _set(StaticDecoder, "HEAD_KERNEL", False)),
              ("lm_head + greedy choice: one launch", lambda: _set(StaticDecoder, "HEAD_KERNEL", True))),

@@ -24,7 +24,7 @@ extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, c
         for (int c = threadIdx.x; c < (end - lo) / 8; c += blockDim.x) early_copy<16>(ws + 8 * c, w + lo + 8 * c);
     wait_for_producer();
 #else
-    pdl_enter(w, 2LL * K);
+    pdl_enter();
 #endif
     const u16* xr = x + (long long)blockIdx.y * ld_x;
     const u16* dr = delta == nullptr ? nullptr : delta + (long long)blockIdx.y * ld_d;

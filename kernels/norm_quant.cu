@@ -184,7 +184,7 @@ extern "C" __global__ void rms_norm_quant(const u16* __restrict__ x, long long l
                                           w_s[(threadIdx.x >> 5) % EARLY_WARPS]);
     wait_for_producer();
 #else
-    pdl_enter(w, 2LL * K, perm, perm == nullptr ? 0 : 4LL * K);
+    pdl_enter();
     const EarlyGroup e{nullptr, nullptr, false};
 #endif
     const int r = blockIdx.y;
@@ -216,7 +216,7 @@ extern "C" __global__ void silu_mul_quant(const u16* __restrict__ gate, long lon
                                          : copy_group_early(a, nullptr, perm_s[(threadIdx.x >> 5) % EARLY_WARPS], nullptr);
     wait_for_producer();
 #else
-    pdl_enter(perm, perm == nullptr ? 0 : 4LL * K);
+    pdl_enter();
     const EarlyGroup e{nullptr, nullptr, false};
 #endif
     const int r = blockIdx.y;

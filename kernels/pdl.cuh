@@ -22,31 +22,11 @@ __device__ __forceinline__ void wait_for_producer() {
 #endif
 }
 
-// The first statement of a step kernel; attention.cu and lm_head.cu instead start with allow_dependents() and load
-// what no kernel of the step writes (earlier cache slots, the lm_head weight) before their wait_for_producer().
+// The first statement of a step kernel; attention.cu, lm_head.cu and the norms (NORM_EARLY) instead start with
+// allow_dependents() and load or copy what no kernel of the step writes (earlier cache slots, the lm_head weight, a
+// norm's weight and permutation) before their wait_for_producer().
 __device__ __forceinline__ void pdl_enter() {
     allow_dependents();
-    wait_for_producer();
-}
-
-#ifndef PDL_PREFETCH  // off until measured on a GPU: benchmarks/step_ab.py --switch prefetch builds it both ways
-#define PDL_PREFETCH 0
-#endif
-
-// pdl_enter, with read-only data that no kernel of the step writes (a norm's weight, a channel permutation: `bytes`
-// at p, and at q) pulled into L2 between the two, one 128-byte line a thread: the kernel reads it after the wait from
-// L2 instead of DRAM (weights stream through L2 between two steps, so a layer's norm weight is not there). A prefetch
-// is no load: nothing reaches a register, and the SASS check still finds no load before the wait.
-__device__ __forceinline__ void pdl_enter(const void* p, long long bytes, const void* q = nullptr,
-                                          long long q_bytes = 0) {
-    allow_dependents();
-#if PDL_PREFETCH
-    for (long long o = threadIdx.x * 128LL; o < bytes; o += blockDim.x * 128LL)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o));
-    if (q != nullptr)
-        for (long long o = threadIdx.x * 128LL; o < q_bytes; o += blockDim.x * 128LL)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(q) + o));
-#endif
     wait_for_producer();
 }
 
@@ -73,15 +53,15 @@ __device__ __forceinline__ int4 ld_after_wait(const int4* p) {
     return v;
 }
 
-#ifndef NORM_EARLY  // off until measured on a GPU: benchmarks/step_ab.py --switch prefetch builds it both ways
-#define NORM_EARLY 0
+#ifndef NORM_EARLY  // 1: the norms copy their weight and permutation before the wait (below); 0: read after it
+#define NORM_EARLY 1
 #endif
 
 // Copies into shared memory issued before the wait, of what no kernel of the step writes (a norm's weight, a channel
 // permutation), so that the kernel reads them from shared memory after it instead of making a DRAM trip on its
-// critical path (docs/kernels.md, "Programmatic dependent launch"). cp.async (sm_80+), which the SASS shows as
-// LDGSTS: nothing reaches a register before the wait, and the SASS check's rule holds. Before sm_80 (no
-// programmatic launch either) a plain copy. BYTES: 4 or 16, src and dst aligned to it.
+// critical path (docs/kernels.md, "Programmatic dependent launch": the step 2.7-3.1% faster on an H100). cp.async
+// (sm_80+), which the SASS shows as LDGSTS: nothing reaches a register before the wait, and the SASS check's rule
+// holds. Before sm_80 (no programmatic launch either) a plain copy. BYTES: 4 or 16, src and dst aligned to it.
 template <int BYTES>
 __device__ __forceinline__ void early_copy(void* dst, const void* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800

@@ -602,10 +602,11 @@ def test_kernel_source_compiles(name, arch):
 
 @pytest.mark.parametrize("name,arch", [("glue.cu", "compute_90"), ("norm_quant.cu", "compute_90"),
                                        ("norm_quant.cu", "compute_80"), ("norm_quant.cu", "compute_75")])
-def test_norm_early_copies_compile(name, arch):
-    """The study build NORM_EARLY=1 (kernels/pdl.cuh: cp.async of the norms' weights before the wait; a plain copy
-    before sm_80)."""
-    _nvrtc_compiles(name, arch, "-DNORM_EARLY=1")
+@pytest.mark.parametrize("early", [0, 1])
+def test_norm_builds_compile(name, arch, early):
+    """The norms with their early copies (kernels/pdl.cuh: cp.async of the weights before the wait; a plain copy
+    before sm_80) and without (the study build NORM_EARLY=0)."""
+    _nvrtc_compiles(name, arch, f"-DNORM_EARLY={early}")
 
 
 def _nvrtc_compiles(name: str, arch: str, *defines: str) -> None:

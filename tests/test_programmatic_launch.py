@@ -61,7 +61,7 @@ def test_every_step_kernel_waits_first(name, defines):
     bodies = kernel_bodies(text)
     assert bodies, f"no kernels found in {name}"
     for kernel, params, first in bodies:
-        # pdl_enter(w, bytes): with L2 prefetches; allow_dependents(): loads or copies of what no step kernel writes
+        # allow_dependents(): loads or copies of what no step kernel writes, then the wait
         early = name in EARLY or (defines["NORM_EARLY"] and kernel in ("rms_norm", "rms_norm_quant", "silu_mul_quant"))
         want = r"allow_dependents\(\)" if early else r"pdl_enter\(.*\)"
         assert params, f"{name}:{kernel}: no pointer parameters parsed"
@@ -108,7 +108,7 @@ def test_step_kernels_launch_programmatically_where_the_gpu_has_it(monkeypatch):
 
 
 def test_glue_modules_follow_the_study_build(monkeypatch):
-    """benchmarks/step_ab.py --switch prefetch builds glue.cu and norm_quant.cu with PDL_PREFETCH 0 and 1 in one
+    """benchmarks/step_ab.py --switch norms builds glue.cu and norm_quant.cu with NORM_EARLY 0 and 1 in one
     process: each kernel set is keyed by the study build in force, not made once."""
     from unionsparse.kernels import glue, loader, norm_quant, study
 
@@ -125,9 +125,9 @@ def test_glue_modules_follow_the_study_build(monkeypatch):
     try:
         for mod, name in ((glue, "glue"), (norm_quant, "norm_quant")):
             for on in (0, 1):
-                with study.building(name, study.Build(defines=(("PDL_PREFETCH", on),))):
+                with study.building(name, study.Build(defines=(("NORM_EARLY", on),))):
                     fns = mod._functions()
-                    assert {opts for _, opts, _ in fns.values()} == {(f"-DPDL_PREFETCH={on}",)}
+                    assert {opts for _, opts, _ in fns.values()} == {(f"-DNORM_EARLY={on}",)}
         assert built == ["glue", "glue", "norm_quant", "norm_quant"]
     finally:  # no fake module stays cached for a later test
         glue._module_functions.cache_clear()
