@@ -115,9 +115,9 @@ def _kernel(per: int, cluster: bool, gm: int, early: bool, build):
 
 @cache
 def _build_function(per: int, gm: int, early: bool, build):
-    """The module of this head dimension's split kernel and cluster kernel for up to ``gm`` query heads a KV head,
-    with the cache loads before the wait or not (:data:`EARLY`), as ``build`` has it (the shipped file unless a study
-    set another: keyed by it, kernels/study.py)."""
+    """The module of this head dimension's split kernel and cluster kernel, both unrolled to up to ``gm`` query heads
+    a KV head, with the cache loads before the wait or not (:data:`EARLY`), as ``build`` has it (the shipped file
+    unless a study set another: keyed by it, kernels/study.py)."""
     from .loader import load_module
 
     # only a model's two kernels (attention.cu, ATTN_PER and ATTN_GM): about 2 s to compile instead of 15

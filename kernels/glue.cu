@@ -15,8 +15,8 @@
 extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, const u16* __restrict__ delta,
                                     long long ld_d, u16* __restrict__ x_out, const u16* __restrict__ w,
                                     u16* __restrict__ y, int K, float eps) {
-#if NORM_EARLY
     const int per = (K + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, end = min(K, lo + per);
+#if NORM_EARLY
     __shared__ __align__(16) u16 ws[NORM_SLICE_MAX];
     allow_dependents();
     const bool early = end - lo <= NORM_SLICE_MAX && (end - lo) % 8 == 0 && (unsigned long long)(w + lo) % 16 == 0;
@@ -32,8 +32,6 @@ extern "C" __global__ void rms_norm(const u16* __restrict__ x, long long ld_x, c
 #if NORM_EARLY
     early_copy_wait();
     __syncthreads();
-#else
-    const int per = (K + gridDim.x - 1) / gridDim.x, end = min(K, (int)(blockIdx.x + 1) * per), lo = blockIdx.x * per;
 #endif
     u16* yr = y + (long long)blockIdx.y * K;
     for (int k = lo + threadIdx.x; k < end; k += blockDim.x) {
