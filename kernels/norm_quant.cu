@@ -68,22 +68,6 @@ struct EarlyGroup {
     }
 };
 
-// Group g of a row (G main groups of gm positions, then the side groups of gs): its positions [base, base + len)
-// in permuted order, the first `start` of its own codes, and `n` of them reading a channel (main positions past
-// K - n_side are padding).
-struct GroupSpan {
-    bool side;
-    int grp, start, len, base, n;
-};
-__device__ __forceinline__ GroupSpan group_span(const QuantArgs& a, int g, int G) {
-    const bool side = g >= G;
-    const int grp = side ? g - G : g, main_end = a.K - a.n_side;
-    const int start = side ? grp * a.gs : grp * a.gm;
-    const int len = side ? min(a.gs, a.n_side - start) : min(a.gm, a.K - start);
-    const int base = side ? main_end + start : start;
-    return GroupSpan{side, grp, start, len, base, side ? len : max(0, min(len, main_end - base))};
-}
-
 // Before the wait: the copies of EarlyGroup into perm_s and w_s (this warp's [32 * CACHED] slices); w: the norm's
 // weight or nullptr. Returns what quantize_groups reads after early_copy_wait() and a __syncwarp().
 __device__ EarlyGroup copy_group_early(const QuantArgs& a, const u16* __restrict__ w, int* perm_s, unsigned* w_s) {
@@ -93,8 +77,11 @@ __device__ EarlyGroup copy_group_early(const QuantArgs& a, const u16* __restrict
     const int G = (a.K + a.gm - 1) / a.gm, Gs = a.n_side ? (a.n_side + a.gs - 1) / a.gs : 0;
     const int g = blockIdx.x * warps + (threadIdx.x >> 5);
     if (warps > EARLY_WARPS || g >= G + Gs || gridDim.x * warps < G + Gs) return e;  // not one group a warp
-    const GroupSpan sp = group_span(a, g, G);
-    const int len = sp.len, base = sp.base, n = sp.n;
+    // group g's positions [base, base + len) as quantize_groups takes them; n of them read a channel
+    const bool side = g >= G;
+    const int start = side ? (g - G) * a.gs : g * a.gm, main_end = a.K - a.n_side;
+    const int len = side ? min(a.gs, a.n_side - start) : min(a.gm, a.K - start);
+    const int base = side ? main_end + start : start, n = side ? len : max(0, min(len, main_end - base));
     if (len > 32 * CACHED || a.K % 2 || (unsigned long long)w % 4 ||
         (a.perm != nullptr && (base % 4 || n % 4 || (unsigned long long)a.perm % 16)))
         return e;
@@ -125,10 +112,12 @@ __device__ void quantize_groups(const F& f, const QuantArgs& a, int r, const Ear
     bool early = e.on;  // the warp's first group
 #endif
     for (int g = blockIdx.x * warps + (threadIdx.x >> 5); g < G + Gs; g += gridDim.x * warps) {
-        const GroupSpan sp = group_span(a, g, G);
-        const bool side = sp.side;
-        const int grp = sp.grp, start = sp.start, len = sp.len, base = sp.base;
+        const bool side = g >= G;
+        const int grp = side ? g - G : g;
+        const int start = side ? grp * a.gs : grp * a.gm;
+        const int len = side ? min(a.gs, a.n_side - start) : min(a.gm, a.K - start);
         const int b = side ? a.side_bits : a.bits;
+        const int base = side ? main_end + start : start;  // permuted position of the group's first element
         float cache[CACHED];
         float amax = 0.f;
 #pragma unroll
