@@ -12,6 +12,7 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ from unionsparse.formats import iebme, tiled_cbc
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def best_of(fn, repeat: int) -> float:
+def median_time(fn: Callable[[], object], repeat: int) -> float:
+    """Median wall-clock seconds of ``repeat`` calls of ``fn`` (also ``bench_stack``'s timer)."""
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
@@ -50,8 +52,8 @@ def main() -> None:
     rows = []
     for name, enc in cases.items():
         m = enc()
-        t_enc = best_of(enc, args.repeat)
-        t_dec = best_of(m.decode, args.repeat)
+        t_enc = median_time(enc, args.repeat)
+        t_dec = median_time(m.decode, args.repeat)
         rows.append({"case": name, "encode_s": t_enc, "decode_s": t_dec,
                      "encode_weights_per_s": n * n / t_enc, "decode_weights_per_s": n * n / t_dec})
     meta = {"machine": platform.node(), "cpu": platform.processor() or platform.machine(),

@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,21 +26,15 @@ from unionsparse.compressor.runtime.fused import stack_records
 from unionsparse.formats import iebme, tiled_cbc
 from unionsparse.formats.arithmetic.outlier_side import OutlierSide, column_permutation
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_encode import median_time  # noqa: E402 - beside this script
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {  # name: (hidden K, q rows, k/v rows, gate/up rows, blocks)
     "smollm2": ("SmolLM2-135M", 576, 576, 192, 1536, 30),
     "llama7b": ("LLaMA-2-7B", 4096, 4096, 4096, 11008, 32),
 }
 GROUP, OUTLIERS = 128, 8
-
-
-def median_time(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def member(rng, name: str, m: int, k: int, fmt: str, channels: np.ndarray) -> LayerRecord:

@@ -66,34 +66,11 @@ def _column_weights(
 
 
 @nb.njit(cache=True)
-def _spmspv(
-    bitmap, colinfo, tile_offset, vals, scales, group, grid_c, tile_m, tile_k, m_true, k_true, x, tau
+def _walk(
+    bitmap, colinfo, tile_offset, vals, scales, group, grid_c, tile_m, tile_k, m_true, k_true, X, prune, tau
 ):
-    wpc = tile_m // 64
-    ngt = tile_offset.size - 1
-    y = np.zeros((ngt // grid_c) * tile_m, dtype=np.float32)
-    rows = np.empty(tile_m, dtype=np.int64)
-    ws = np.empty(tile_m, dtype=np.float32)
-    for g in range(ngt):
-        tr = g // grid_c
-        tc = g % grid_c
-        for c in range(tile_k):
-            k = tc * tile_k + c
-            if k >= k_true:
-                continue
-            xk = np.float32(x[k])
-            if not abs(xk) > tau:  # dynamic pruning: the column is never read
-                continue
-            n = _column_weights(
-                bitmap, colinfo, tile_offset, vals, scales, group, g, c, tile_k, wpc, tr * tile_m, k, rows, ws
-            )
-            for i in range(n):
-                y[rows[i]] = y[rows[i]] + ws[i] * xk
-    return y[:m_true]
-
-
-@nb.njit(cache=True)
-def _spmm(bitmap, colinfo, tile_offset, vals, scales, group, grid_c, tile_m, tile_k, m_true, k_true, X):
+    """Y[N, M] = X[N, K] @ W^T, GTile by GTile, column by column; with ``prune`` (N = 1) a column is read only
+    where |x_k| > tau."""
     wpc = tile_m // 64
     ngt = tile_offset.size - 1
     nrow = X.shape[0]
@@ -108,11 +85,13 @@ def _spmm(bitmap, colinfo, tile_offset, vals, scales, group, grid_c, tile_m, til
             k = tc * tile_k + c
             if k >= k_true:
                 continue
+            for t in range(nrow):
+                xcol[t] = np.float32(X[t, k])
+            if prune and not abs(xcol[0]) > tau:  # dynamic pruning: the column is never read
+                continue
             n = _column_weights(
                 bitmap, colinfo, tile_offset, vals, scales, group, g, c, tile_k, wpc, tr * tile_m, k, rows, ws
             )
-            for t in range(nrow):
-                xcol[t] = np.float32(X[t, k])
             for i in range(n):
                 r = rows[i]
                 wv = ws[i]
@@ -152,6 +131,11 @@ def _threshold(tau) -> np.float32:
     return np.float32(-1.0) if tau is None else np.float32(tau)
 
 
+def _product(m: TiledCBCMatrix, X: np.ndarray, w_scales, group_size) -> np.ndarray:
+    """float32 Y[N, M] = X[N, K] @ W^T by :func:`_walk`, every column read (no dynamic pruning)."""
+    return _walk(*_layout_args(m, w_scales, group_size), X, False, np.float32(0.0))
+
+
 def spmspv_reference(
     m: TiledCBCMatrix, x: np.ndarray, tau: float | None, w_scales=None, group_size=None, out_dtype=np.float32
 ) -> np.ndarray:
@@ -160,7 +144,8 @@ def spmspv_reference(
     x = np.asarray(x)
     if x.shape != (g.shape[1],):
         raise KernelError(f"x must have shape ({g.shape[1]},), got {x.shape}")
-    y = _spmspv(*_layout_args(m, w_scales, group_size), x.astype(np.float16).astype(np.float32), _threshold(tau))
+    y = _walk(*_layout_args(m, w_scales, group_size), x.astype(np.float16).astype(np.float32)[None, :], True,
+              _threshold(tau))[0]
     return y.astype(out_dtype)
 
 
@@ -182,7 +167,7 @@ def spmm_reference(
     X = np.asarray(X)
     if X.ndim != 2 or X.shape[1] != g.shape[1]:
         raise KernelError(f"X must have shape (N, {g.shape[1]}), got {X.shape}")
-    Y = _spmm(*_layout_args(m, w_scales, group_size), np.ascontiguousarray(X.astype(np.float16).astype(np.float32)))
+    Y = _product(m, np.ascontiguousarray(X.astype(np.float16).astype(np.float32)), w_scales, group_size)
     return Y.astype(out_dtype)
 
 
@@ -191,7 +176,7 @@ def decoded_dense_reference(m: TiledCBCMatrix, w_scales=None, group_size=None) -
     weights w = code x scale (float32, exact) rounded to float16, [M, K]; for 4-bit codes then lo = fp16(w - hi)
     beside them, [M, 2K] (``tiled_cbc_spmm.dense_halves``)."""
     # the SpMM walk of the identity: output (k, r) is the one product w[r, k] * 1, exact
-    w = _spmm(*_layout_args(m, w_scales, group_size), np.eye(m.geometry.shape[1], dtype=np.float32)).T
+    w = _product(m, np.eye(m.geometry.shape[1], dtype=np.float32), w_scales, group_size).T
     hi = w.astype(np.float16)
     if m.geometry.bits is None or m.geometry.bits <= 2:
         return hi

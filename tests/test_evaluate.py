@@ -96,30 +96,13 @@ def model_dir(tmp_path_factory):
         ["--prune", "wanda", "--sparsity-profile", "owl"],
     ],
 )
-def test_compress_with_calibration_end_to_end(model_dir, tmp_path, extra):
+def test_compress_with_calibration_end_to_end(model_dir, tmp_path, extra, run_cli):
     from unionsparse.compressor.artifact.store import Artifact
-    from unionsparse.compressor.cli import main
 
     out = tmp_path / "o.zarr"
-    args = [
-        "compress",
-        str(model_dir / "model"),
-        "-o",
-        str(out),
-        "--calib",
-        str(model_dir / "calib.jsonl"),
-        "--nsamples",
-        "4",
-        "--seqlen",
-        "16",
-        "--reorder",
-        "none",
-        "--quiet",
-        *extra,
-    ]
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    assert e.value.code == 0
+    r = run_cli("compress", model_dir / "model", "-o", out, "--calib", model_dir / "calib.jsonl", "--nsamples", "4",
+                "--seqlen", "16", "--reorder", "none", "--quiet", *extra)
+    assert r.code == 0
     attrs = Artifact(out).attrs
     assert attrs["calibration"]["mode"] == "documents" and attrs["calibration"]["documents"] == 20
     bs = attrs["block_sparsity"]
@@ -129,53 +112,21 @@ def test_compress_with_calibration_end_to_end(model_dir, tmp_path, extra):
     assert 0.45 < attrs["summary"]["sparsity"] < 0.56
 
 
-def test_compress_bad_calib_file_exit_2(model_dir, tmp_path, capsys):
-    from unionsparse.compressor.cli import main
-
+def test_compress_bad_calib_file_exit_2(model_dir, tmp_path, run_cli):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "x"}\n')
     out = tmp_path / "o.zarr"
-    with pytest.raises(SystemExit) as e:
-        main(
-            [
-                "compress",
-                str(model_dir / "model"),
-                "-o",
-                str(out),
-                "--prune",
-                "wanda",
-                "--calib",
-                str(bad),
-                "--nsamples",
-                "2",
-                "--seqlen",
-                "8",
-                "--quiet",
-            ]
-        )
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "bad.jsonl" in err and "'text'" in err and "Traceback" not in err
+    r = run_cli("compress", model_dir / "model", "-o", out, "--prune", "wanda", "--calib", bad, "--nsamples", "2",
+                "--seqlen", "8", "--quiet")
+    assert r.code == 2
+    assert "bad.jsonl" in r.err and "'text'" in r.err and "Traceback" not in r.err
     assert not out.exists()
 
 
-def test_eval_cli_on_model_folder(model_dir, capsys):
-    from unionsparse.compressor.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(
-            [
-                "eval",
-                str(model_dir / "model"),
-                "--text",
-                str(model_dir / "eval.raw"),
-                "--seqlen",
-                "32",
-                "--json",
-            ]
-        )
-    assert e.value.code == 0
-    res = json.loads(capsys.readouterr().out)
+def test_eval_cli_on_model_folder(model_dir, run_cli):
+    r = run_cli("eval", model_dir / "model", "--text", model_dir / "eval.raw", "--seqlen", "32", "--json")
+    assert r.code == 0
+    res = json.loads(r.out)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model").eval()
     want = evaluate.perplexity(model, _tokenizer(), model_dir / "eval.raw", seqlen=32)
     assert res["ppl"] == pytest.approx(want, rel=1e-5) and res["windows"] >= 1
@@ -208,31 +159,15 @@ def test_eval_times_the_first_window_apart(model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("quant", ["none", "w4a16", "w4a4"])
-def test_eval_on_artifact_rebuilds_stored_weights(model_dir, tmp_path, quant):
+def test_eval_on_artifact_rebuilds_stored_weights(model_dir, tmp_path, quant, run_cli):
     from unionsparse.compressor.calibrate import layerwise
-    from unionsparse.compressor.cli import main
     from unionsparse.formats.arithmetic import weights as q
 
     out = tmp_path / f"{quant}.zarr"
     fmt = ["--format", "tiled-cbc"] if quant == "none" else []
-    with pytest.raises(SystemExit) as e:
-        main(
-            [
-                "compress",
-                str(model_dir / "model"),
-                "-o",
-                str(out),
-                "--prune",
-                "magnitude",
-                "--quant",
-                quant,
-                "--reorder",
-                "none",
-                "--quiet",
-                *fmt,
-            ]
-        )
-    assert e.value.code == 0
+    r = run_cli("compress", model_dir / "model", "-o", out, "--prune", "magnitude", "--quant", quant, "--reorder",
+                "none", "--quiet", *fmt)
+    assert r.code == 0
     res = evaluate.evaluate_source(out, model_dir / "eval.raw", seqlen=32, tokenizer=model_dir / "model")
     assert res["kind"] == "artifact"
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model").eval()
@@ -248,18 +183,16 @@ def test_eval_on_artifact_rebuilds_stored_weights(model_dir, tmp_path, quant):
     assert res["ppl"] == pytest.approx(want, rel=1e-3 if quant != "w4a4" else 0.05)
 
 
-def test_compress_tiled_cbc_dynamic_pruning_thresholds(model_dir, tmp_path):
+def test_compress_tiled_cbc_dynamic_pruning_thresholds(model_dir, tmp_path, run_cli):
     """--dp-sparsity stores per layer tau = the |x| quantile of that layer's calibration inputs."""
     from unionsparse.compressor.artifact.store import Artifact
-    from unionsparse.compressor.cli import main
     from unionsparse.kernels.tiled_cbc_reference import spmspv_reference
 
     out = tmp_path / "dp.zarr"
-    with pytest.raises(SystemExit) as e:
-        main(["compress", str(model_dir / "model"), "-o", str(out), "--calib", str(model_dir / "calib.jsonl"),
-              "--nsamples", "4", "--seqlen", "16", "--prune", "wanda", "--format", "tiled-cbc", "--quant", "none",
-              "--dp-sparsity", "0.3", "--dp-calib", str(model_dir / "calib.jsonl"), "--quiet"])
-    assert e.value.code == 0
+    r = run_cli("compress", model_dir / "model", "-o", out, "--calib", model_dir / "calib.jsonl", "--nsamples", "4",
+                "--seqlen", "16", "--prune", "wanda", "--format", "tiled-cbc", "--quant", "none", "--dp-sparsity",
+                "0.3", "--dp-calib", model_dir / "calib.jsonl", "--quiet")
+    assert r.code == 0
     art = Artifact(out)
     taus = [art.layer_attrs(n)["dp_threshold"] for n in art.layer_names]
     assert all(isinstance(t, float) and t > 0 for t in taus)

@@ -3,12 +3,15 @@ must raise FormatError or decode to a well-formed matrix, never crash, read out 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from unionsparse.formats import iebme, tiled_cbc
 from unionsparse.formats.errors import FormatError
+from unionsparse.formats.registry import Matrix
 
 
 def codes(m: int, k: int, bits: int, seed: int) -> np.ndarray:
@@ -66,44 +69,44 @@ def check_decode(decoded: np.ndarray, shape: tuple[int, int], bits: int) -> None
     assert decoded.min() >= lo and decoded.max() <= hi
 
 
-@SETTINGS
-@given(key=st.sampled_from(["bitmaps", "offsets", "values", "perm"]), mut=MUTATION)
-def test_iebme_mutations(iebme_case, key, mut):
-    c, arrays = iebme_case
+def iebme_from(shape: tuple[int, int], a: dict[str, np.ndarray]) -> iebme.IEBMEMatrix:
+    """The IE-BME matrix of ``iebme_case``'s geometry read back from the arrays ``a``."""
+    return iebme.from_arrays(shape, 4, (16, 64), (2, 2), a["bitmaps"], a["offsets"], a["values"], a["perm"])
+
+
+def cbc_from(shape: tuple[int, int], a: dict[str, np.ndarray]) -> tiled_cbc.TiledCBCMatrix:
+    """The Tiled-CBC matrix of ``cbc_case``'s geometry read back from the arrays ``a``."""
+    return tiled_cbc.from_arrays(shape, (256, 16), 4, a["bitmap"], a["colinfo"], a["tile_offset"], a["values"])
+
+
+def check_mutation(case: tuple[np.ndarray, dict[str, np.ndarray]], key: str, mut: tuple,
+                   read_back: Callable[[tuple[int, int], dict[str, np.ndarray]], Matrix]) -> None:
+    """Array ``key`` of ``case`` mutated by ``mut`` and read back by ``read_back(shape, arrays)``: FormatError, or a
+    well-formed decode (the original codes when the mutation changed nothing)."""
+    c, arrays = case
     bad = dict(arrays)
     bad[key] = mutate(arrays[key], *mut)
     try:
-        m = iebme.from_arrays(c.shape, 4, (16, 64), (2, 2), bad["bitmaps"], bad["offsets"], bad["values"],
-                              bad["perm"])
-        out = m.decode()
+        out = read_back(c.shape, bad).decode()
     except FormatError:
         return
     check_decode(out, c.shape, 4)
     if all(np.array_equal(bad[k], arrays[k]) and bad[k].dtype == arrays[k].dtype for k in arrays):
         assert np.array_equal(out, c)
+
+
+@SETTINGS
+@given(key=st.sampled_from(["bitmaps", "offsets", "values", "perm"]), mut=MUTATION)
+def test_iebme_mutations(iebme_case, key, mut):
+    check_mutation(iebme_case, key, mut, iebme_from)
 
 
 @SETTINGS
 @given(key=st.sampled_from(["bitmap", "colinfo", "tile_offset", "values"]), mut=MUTATION)
 def test_tiled_cbc_mutations(cbc_case, key, mut):
-    c, arrays = cbc_case
-    bad = dict(arrays)
-    bad[key] = mutate(arrays[key], *mut)
-    try:
-        m = tiled_cbc.from_arrays(c.shape, (256, 16), 4, bad["bitmap"], bad["colinfo"], bad["tile_offset"],
-                                  bad["values"])
-        out = m.decode()
-    except FormatError:
-        return
-    check_decode(out, c.shape, 4)
-    if all(np.array_equal(bad[k], arrays[k]) and bad[k].dtype == arrays[k].dtype for k in arrays):
-        assert np.array_equal(out, c)
+    check_mutation(cbc_case, key, mut, cbc_from)
 
 
 def test_unmutated_cases_decode_exactly(iebme_case, cbc_case):
-    c, a = iebme_case
-    m = iebme.from_arrays(c.shape, 4, (16, 64), (2, 2), a["bitmaps"], a["offsets"], a["values"], a["perm"])
-    assert np.array_equal(m.decode(), c)
-    c, a = cbc_case
-    m = tiled_cbc.from_arrays(c.shape, (256, 16), 4, a["bitmap"], a["colinfo"], a["tile_offset"], a["values"])
-    assert np.array_equal(m.decode(), c)
+    for (c, a), read_back in ((iebme_case, iebme_from), (cbc_case, cbc_from)):
+        assert np.array_equal(read_back(c.shape, a).decode(), c)

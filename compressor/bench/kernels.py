@@ -15,6 +15,7 @@ import statistics
 import numpy as np
 
 from ...formats import registry
+from .tiled_cbc import replay_seconds_cupy, replay_seconds_torch
 
 PEAK_BW = 4.16e12  # B/s, H200 (the figure the targets are stated against)
 ROTATE_BYTES = 256e6  # weights rotated among copies totalling at least this (L2 is 50-60 MB)
@@ -95,15 +96,7 @@ def _graph_time_cupy(launch_i, n_copies: int, est_s: float) -> float:
         graph.upload(s)
     for _ in range(3):
         graph.launch(s)
-    times = []
-    for _ in range(10):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(s)
-        graph.launch(s)
-        e1.record(s)
-        e1.synchronize()
-        times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / reps)
-    return statistics.median(times)
+    return statistics.median(replay_seconds_cupy(cp, graph, s, reps, 10))
 
 
 def _estimate_cupy(fn) -> float:
@@ -137,15 +130,7 @@ def _graph_time_torch(fn_i, n_copies: int, est_s: float) -> float:
             fn_i(i % n_copies)
     for _ in range(3):
         g.replay()
-    times = []
-    for _ in range(10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e-3 / reps)
-    return statistics.median(times)
+    return statistics.median(replay_seconds_torch(torch, g, reps, 10))
 
 
 def _estimate_torch(fn) -> float:

@@ -106,6 +106,33 @@ def geomean(v):
     return float(math.exp(sum(math.log(x) for x in v) / len(v))) if v else float("nan")
 
 
+def replay_seconds_cupy(cp, graph, stream, n_launch: int, reps: int) -> list[float]:
+    """Seconds per launch of each of ``reps`` replays of a CuPy ``graph`` of ``n_launch`` launches on ``stream``,
+    each timed between two CUDA events."""
+    ts = []
+    for _ in range(reps):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(stream)
+        graph.launch(stream)
+        e1.record(stream)
+        e1.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / n_launch)
+    return ts
+
+
+def replay_seconds_torch(torch, graph, n_launch: int, reps: int) -> list[float]:
+    """:func:`replay_seconds_cupy` for a ``torch.cuda.CUDAGraph``, replayed on the current stream."""
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3 / n_launch)
+    return ts
+
+
 def time_graph_cupy(cp, launch, n_launch, reps=9):
     """Median seconds per launch of ``launch(i)`` for i in 0..n_launch-1, captured in one CUDA graph."""
     cp.cuda.Device().synchronize()  # inputs were made on the default stream
@@ -127,14 +154,7 @@ def time_graph_cupy(cp, launch, n_launch, reps=9):
         g = s.end_capture()
         g.launch(s)
         s.synchronize()
-        ts = []
-        for _ in range(reps):
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record(s)
-            g.launch(s)
-            e1.record(s)
-            e1.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / n_launch)
+        ts = replay_seconds_cupy(cp, g, s, n_launch, reps)
     return float(np.median(ts))
 
 
@@ -152,15 +172,7 @@ def time_graph_torch(torch, launch, n_launch, reps=9):
             launch(i)
     g.replay()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e-3 / n_launch)
-    return float(np.median(ts))
+    return float(np.median(replay_seconds_torch(torch, g, n_launch, reps)))
 
 
 def copies_for(nbytes):
