@@ -8,7 +8,7 @@
 // the values at permuted positions K - n_side + q. The last main group also zeroes the padding codes [K, Kp).
 //   scale = max(fp16(max(clip * absmax / grid_max, tiny)), tiny)   (float32 arithmetic, IEEE division)
 //   code  = clamp(rint(x / scale), -2^(b-1), 2^(b-1) - 1)          (round half to even)
-#include "fp16.cuh"
+#include "act_rule.cuh"
 
 __device__ __forceinline__ float as_float(float v) { return v; }
 __device__ __forceinline__ float as_float(u16 h) { return h2f(h); }
@@ -49,15 +49,14 @@ __global__ void act_quant(const T* __restrict__ x, const int* __restrict__ perm,
     __syncthreads();
     amax = warp_max[0];
 
-    float s = __fdiv_rn(__fmul_rn(amax, c), gmax);
-    s = fmaxf(h2f(f2h(fmaxf(s, tiny))), tiny);
-    const int lo = -(1 << (b - 1)), hi = (1 << (b - 1)) - 1;
+    const float s = act_scale(amax, c, gmax, tiny);
+    const int lo = act_code_lo(b), hi = act_code_hi(b);
     for (int i = threadIdx.x; i < len; i += blockDim.x) {
         const int p = side ? main_end + start + i : start + i;
         const float v = (!side && p >= main_end) ? 0.f : as_float(xr[perm ? perm[p] : p]);
-        const int q = min(max(__float2int_rn(__fdiv_rn(v, s)), lo), hi);
-        if (side) side_codes[(size_t)row * n_side + start + i] = (signed char)q;
-        else codes[(size_t)row * Kp + start + i] = (signed char)q;
+        const signed char q = act_code(v, s, lo, hi);
+        if (side) side_codes[(size_t)row * n_side + start + i] = q;
+        else codes[(size_t)row * Kp + start + i] = q;
     }
     if (threadIdx.x == 0) {
         if (side) side_scales[(size_t)row * ((n_side + gs - 1) / gs) + grp] = s;

@@ -17,7 +17,7 @@
 // launch). One launch a layer instead of two.
 // Memory-level parallelism is the point at batch 1 (a layer's K and V are a few MB): each lane loads its D/32
 // halves of K and V of all SLOTS slots of its warp before using any (vector loads, one slot's row per warp load).
-#include "fp16.cuh"
+#include "act_rule.cuh"
 #include "cluster.cuh"
 
 #define CHUNK 32
@@ -103,6 +103,27 @@ struct OutQuant {
     int Kp, gm, bits;
     float clip, grid, tiny;
 };
+
+// o_proj's quantized input (act_rule.cuh) from the combined float16 outputs red[0, GD) of row b, which are the row's
+// channels [first, first + GD) of HD, whole groups of oq.gm: a warp a group (NWARPS warps); KV head 0's block also
+// zeroes the codes' padding [HD, Kp).
+template <int NWARPS>
+__device__ __forceinline__ void quantize_o_input(const OutQuant& oq, const float* red, int b, int hk, int first, int GD,
+                                                 int HD, int warp, int lane) {
+    const int ng = GD / oq.gm;
+    const int lo = act_code_lo(oq.bits), hi = act_code_hi(oq.bits);
+    for (int gi = warp; gi < ng; gi += NWARPS) {
+        const float* v = red + gi * oq.gm;
+        float amax = 0.f;
+        for (int i = lane; i < oq.gm; i += 32) amax = fmaxf(amax, fabsf(v[i]));
+        const float s = act_scale(warp_max(amax), oq.clip, oq.grid, oq.tiny);
+        const int c0 = first + gi * oq.gm;  // first channel of the group in the row
+        for (int i = lane; i < oq.gm; i += 32) oq.codes[(long long)b * oq.Kp + c0 + i] = act_code(v[i], s, lo, hi);
+        if (lane == 0) oq.scales[(long long)b * (HD / oq.gm) + c0 / oq.gm] = s;
+    }
+    if (hk == 0)
+        for (int p = HD + threadIdx.x; p < oq.Kp; p += blockDim.x) oq.codes[(long long)b * oq.Kp + p] = 0;
+}
 
 // The fused rotary embedding (rq == nullptr: none): raw q [B, H * D] and k, v [B, Hkv * D] rows ld_q / ld_k / ld_v
 // apart (16-byte aligned rows), the [L, D] cos / sin tables, the rotary position rpos [B], the caches to write.
@@ -428,22 +449,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ q, const u16* __r
     if (oq.codes == nullptr) return;
     // o_proj's quantized input: this block's channels [hk G D, (hk + 1) G D) of row b are whole groups of gm
     __syncthreads();
-    const int HD = H * D, ng = G * D / oq.gm;
-    const int lo = -(1 << (oq.bits - 1)), hi = (1 << (oq.bits - 1)) - 1;
-    for (int gi = warp; gi < ng; gi += WARPS) {
-        const float* v = red + gi * oq.gm;
-        float amax = 0.f;
-        for (int i = lane; i < oq.gm; i += 32) amax = fmaxf(amax, fabsf(v[i]));
-        amax = warp_max(amax);
-        float s = __fdiv_rn(__fmul_rn(amax, oq.clip), oq.grid);
-        s = fmaxf(h2f(f2h(fmaxf(s, oq.tiny))), oq.tiny);
-        const int c0 = hk * G * D + gi * oq.gm;  // first channel of the group in the row
-        for (int i = lane; i < oq.gm; i += 32)
-            oq.codes[(long long)b * oq.Kp + c0 + i] = (signed char)min(max(__float2int_rn(__fdiv_rn(v[i], s)), lo), hi);
-        if (lane == 0) oq.scales[(long long)b * (HD / oq.gm) + c0 / oq.gm] = s;
-    }
-    if (hk == 0)
-        for (int p = HD + threadIdx.x; p < oq.Kp; p += blockDim.x) oq.codes[(long long)b * oq.Kp + p] = 0;
+    quantize_o_input<WARPS>(oq, red, b, hk, hk * G * D, G * D, H * D, warp, lane);
 }
 
 // ---- The cluster form (sm_90; attention.CLUSTER): the chunks of a (row, KV head) combined in shared memory ----
@@ -648,22 +654,7 @@ __device__ __forceinline__ void decode_cluster(const u16* __restrict__ q, const 
     if (r != 0 || oq.codes == nullptr) return;
     // o_proj's quantized input: this cluster's channels [hk G D, (hk + 1) G D) of row b are whole groups of gm
     __syncthreads();
-    const int HD = H * D, ng = GD / oq.gm;
-    const int lo = -(1 << (oq.bits - 1)), hi = (1 << (oq.bits - 1)) - 1;
-    for (int gi = warp; gi < ng; gi += CL_WARPS) {
-        const float* v = red + gi * oq.gm;
-        float amax = 0.f;
-        for (int i = lane; i < oq.gm; i += 32) amax = fmaxf(amax, fabsf(v[i]));
-        amax = warp_max(amax);
-        float s = __fdiv_rn(__fmul_rn(amax, oq.clip), oq.grid);
-        s = fmaxf(h2f(f2h(fmaxf(s, oq.tiny))), oq.tiny);
-        const int c0 = hk * GD + gi * oq.gm;  // first channel of the group in the row
-        for (int i = lane; i < oq.gm; i += 32)
-            oq.codes[(long long)b * oq.Kp + c0 + i] = (signed char)min(max(__float2int_rn(__fdiv_rn(v[i], s)), lo), hi);
-        if (lane == 0) oq.scales[(long long)b * (HD / oq.gm) + c0 / oq.gm] = s;
-    }
-    if (hk == 0)
-        for (int c = HD + threadIdx.x; c < oq.Kp; c += blockDim.x) oq.codes[(long long)b * oq.Kp + c] = 0;
+    quantize_o_input<CL_WARPS>(oq, red, b, hk, hk * GD, GD, H * D, warp, lane);
 #endif
 }
 

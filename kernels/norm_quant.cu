@@ -9,7 +9,7 @@
 // it to the float16 output there (each channel belongs to one group), so a row is spread over as many SMs as it
 // has groups / warps (one block a row, holding the row in shared memory, took 28 us for K = 11008 on an H100). The
 // float16 values are glue.cu's, bit for bit: RMSNorm's sum of squares is row_sum_squares with the same block size.
-#include "fp16.cuh"
+#include "act_rule.cuh"
 
 struct QuantArgs {  // the consumer's input rule and where its quantized input goes
     const int* perm;
@@ -141,19 +141,18 @@ __device__ void quantize_groups(const F& f, const QuantArgs& a, int r, const Ear
             if (side || p < main_end) amax = fmaxf(amax, fabsf(f(a.perm ? a.perm[p] : p, true)));
         }
         amax = warp_max(amax);
-        float s = __fdiv_rn(__fmul_rn(amax, side ? a.side_clip : a.clip), side ? a.side_grid : a.grid);
-        s = fmaxf(h2f(f2h(fmaxf(s, a.tiny))), a.tiny);
-        const int lo = -(1 << (b - 1)), hi = (1 << (b - 1)) - 1;
+        const float s = act_scale(amax, side ? a.side_clip : a.clip, side ? a.side_grid : a.grid, a.tiny);
+        const int lo = act_code_lo(b), hi = act_code_hi(b);
         signed char* out = side ? a.side_codes + (long long)r * a.n_side + start : a.codes + (long long)r * a.Kp + start;
 #pragma unroll
         for (int j = 0; j < CACHED; ++j) {
             const int i = lane + 32 * j;
-            if (i < len) out[i] = (signed char)min(max(__float2int_rn(__fdiv_rn(cache[j], s)), lo), hi);
+            if (i < len) out[i] = act_code(cache[j], s, lo, hi);
         }
         for (int i = lane + 32 * CACHED; i < len; i += 32) {
             const int p = base + i;
             const float x = (side || p < main_end) ? f(a.perm ? a.perm[p] : p, false) : 0.f;
-            out[i] = (signed char)min(max(__float2int_rn(__fdiv_rn(x, s)), lo), hi);
+            out[i] = act_code(x, s, lo, hi);
         }
         if (lane == 0) {
             if (side) a.side_scales[(long long)r * Gs + grp] = s;
