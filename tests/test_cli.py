@@ -162,6 +162,9 @@ def bad_cases(model: Path, tmp: Path, artifact: Path) -> list[tuple[list, str]]:
     write_manifest(newer)  # a consistent store from a newer writer, not a corrupted one
     notart = tmp / "plain"
     notart.mkdir()
+    linky = tmp / "linky"  # any folder a user may name, a link inside: not an artifact, said before any scan
+    linky.mkdir()
+    (linky / "elsewhere").symlink_to(tmp)
     badgguf = tmp / "bad.gguf"
     badgguf.write_bytes(b"NOTG" + b"\0" * 100)
     o = str(tmp / "o.zarr")
@@ -184,6 +187,8 @@ def bad_cases(model: Path, tmp: Path, artifact: Path) -> list[tuple[list, str]]:
         (["compress", model, "-o", str(artifact)], "already exists"),
         (["inspect", tmp / "nothing.zarr"], "no such artifact"),
         (["inspect", notart], "not a unionsparse artifact"),
+        (["generate", linky, "--prompt", "hi"], "not a unionsparse artifact"),
+        (["export", linky, "-o", tmp / "exported"], "not a unionsparse artifact"),
         (["inspect", newer], "format_version"),
         (["verify", newer], "format_version"),
         (["verify", artifact, "--n", "0"], "--n"),

@@ -356,6 +356,9 @@ class Artifact:
             raise UserError(f"{path}: no such artifact")
         if not self.path.is_dir():
             raise UserError(f"{path}: not a unionsparse artifact (not a folder)")
+        if store is None and not (self.path / "zarr.json").is_symlink() and not (self.path / "zarr.json").exists():
+            # before the scan, which would walk any folder (a home directory) and name the first link it meets
+            raise UserError(f"{path}: not a unionsparse artifact (no zarr.json)")
         self.store = store if store is not None else Store(self.path)
         if "zarr.json" not in self.store.files:
             raise UserError(f"{path}: not a unionsparse artifact (no zarr.json)")
