@@ -161,6 +161,7 @@ def compress(model, output, quiet, as_json, **options) -> None:
     with Reporter(quiet=quiet or as_json) as rep:
         summary = run(cfg, rep)  # validates the configuration first, once
     summary["requested_sparsity"] = cfg.requested_sparsity
+    summary["notes"] = cfg.notes()
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
@@ -169,6 +170,8 @@ def compress(model, output, quiet, as_json, **options) -> None:
             f"CR {summary['cr']:.2f}x vs fp16, sparsity {100 * summary['sparsity']:.1f}%"
             f"{sparsity_note(cfg.requested_sparsity, summary['sparsity'])} in {summary['seconds']:.1f} s"
         )
+        for n in summary["notes"]:
+            click.echo(f"note: {n}", err=True)
 
 
 def parse_overrides_option(text: str | list | None) -> tuple[dict, ...]:

@@ -141,6 +141,17 @@ class CompressConfig:
         """Whether outlier channels exist for these options: an 8-bit side matrix next to 4-bit activations."""
         return self.quant_mode.quantizes_activations and self.fmt.outlier_side
 
+    def notes(self) -> list[str]:
+        """Advice on accepted options that a user who ships to GPUs would not pick knowingly (compress prints it)."""
+        q = self.quant_mode
+        if not q.quantizes_activations or "iebme_spmm" in self.fmt.kernel_ops:
+            return []
+        why = ("; without outlier channels (ie-bme only) its 4-bit activations give noise (README, \"Settings that "
+               "keep quality\")") if q.act_bits < 8 else ""
+        return [f"--format {self.format} --quant {self.quant}: no GPU kernel of {self.format} takes quantized "
+                f"activations, so the GPU runtime refuses the artifact (the CPU runs it){why}; for a GPU pick "
+                "--quant w4a16 (4-bit values) or none (fp16 values)"]
+
     def outliers_for(self, k: int) -> int:
         """The outlier channels of a layer with ``k`` input channels: an explicit N, or ``auto``:
         ``min(128, k // 4)`` where outliers apply (IE-BME with 4-bit activations), else 0."""

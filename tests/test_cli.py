@@ -103,6 +103,24 @@ def test_tiled_cbc_other_architectures(tmp_path, model_dirs, run_cli, arch, quan
     assert run_cli("verify", out, "--n", "1,3").code == 0
 
 
+def test_compress_notes_a_format_no_gpu_kernel_runs(tmp_path, model_dirs, run_cli):
+    """Tiled-CBC with quantized activations is accepted (the CPU runs it) but no GPU kernel takes it and it keeps no
+    outlier channels: compress says so in one note and gives the settings a GPU runs; none for those."""
+    model = model_dirs["llama"]
+    r = run_cli("compress", model, "-o", tmp_path / "a.zarr", "--format", "tiled-cbc", "--quant", "w4a4")
+    assert r.code == 0, r.err
+    notes = [ln for ln in r.err.splitlines() if ln.startswith("note: ")]
+    assert len(notes) == 1 and "no GPU kernel of tiled-cbc" in notes[0] and "noise" in notes[0], r.err
+    assert "--quant w4a16" in notes[0]
+    r = run_cli("compress", model, "-o", tmp_path / "b.zarr", "--format", "tiled-cbc", "--quant", "w4a8", "--json")
+    assert r.code == 0, r.err
+    (note,) = json.loads(r.out)["notes"]
+    assert "no GPU kernel" in note and "noise" not in note  # 8-bit activations keep quality
+    for args in (("--format", "tiled-cbc", "--quant", "w4a16"), ("--format", "ie-bme", "--quant", "w4a4")):
+        r = run_cli("compress", model, "-o", tmp_path / f"{args[1]}-{args[3]}.zarr", *args)
+        assert r.code == 0 and "note:" not in r.err, (args, r.err)
+
+
 def test_resume_continues_and_matches(tmp_path, model_dirs, run_cli):
     """A partial store (as left by a crash) is continued; the result equals an uninterrupted run."""
     full = tmp_path / "full.zarr"
