@@ -28,13 +28,13 @@ MODE="${1:-all}"
 if [ "$MODE" = forms ]; then
   forms() {  # NAME, then step_ab.py's case options; the table to $DEST/step_ab_attention_NAME.md
     local name="$1"; shift
-    timeout "${T:-110}" python3 benchmarks/step_ab.py --switch attention "$@" --out "/tmp/forms-$name" \
+    timeout "${T:-200}" python3 benchmarks/step_ab.py --switch attention "$@" --out "/tmp/forms-$name" \
       2>&1 | grep -v "^launches\|^linears:\|^floor\|^  not measured"
     cp "/tmp/forms-$name/step_ab_attention.md" "$DEST/step_ab_attention_$name.md"
   }
   forms b1 --context 1024,2048,4096 --kinds fp16,iebme-w4a16-50
-  T=90 forms b8 --batch 8 --context 512,2048 --kinds fp16,iebme-w4a16-50
-  T=60 forms b4 --batch 4 --context 2048 --kinds fp16
+  T=160 forms b8 --batch 8 --context 512,2048 --kinds fp16,iebme-w4a16-50
+  T=100 forms b4 --batch 4 --context 2048 --kinds fp16
   exit 0
 fi
 TESTS=(tests/test_attention_kernel.py tests/test_glue_kernels.py)
