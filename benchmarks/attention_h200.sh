@@ -14,7 +14,8 @@
 #       attention, graph replay against the eager step, the step in one graph).
 # In that order, so that a call cut short keeps what matters most (what finished is in $OUT).
 # `bash benchmarks/attention_h200.sh quick` (about 3 minutes): (1) for attention only, (2), and (3) at batch 1 only.
-# `bash benchmarks/attention_h200.sh forms` (about 6 minutes): which form the step should take for MHA, the split
+# `bash benchmarks/attention_h200.sh forms` (about 8 minutes): the GPU tests of attention, the glue and the quantizing
+# kernels (act_rule.cuh), then which form the step should take for MHA, the split
 # form against the cluster form side by side in one process (benchmarks/step_ab.py --switch attention), LLaMA-2-7B
 # fp16 and IE-BME W4A16 50%, batch 1 at contexts 1024, 2048 and 4096, batch 8 at contexts 512 and 2048, batch 4 at
 # 2048 (attention.CLUSTER_FROM_LEN and the batch rule of attention.cluster_form).
@@ -28,13 +29,17 @@ MODE="${1:-all}"
 if [ "$MODE" = forms ]; then
   forms() {  # NAME, then step_ab.py's case options; the table to $DEST/step_ab_attention_NAME.md
     local name="$1"; shift
-    timeout "${T:-200}" python3 benchmarks/step_ab.py --switch attention "$@" --out "/tmp/forms-$name" \
+    timeout "${T:-180}" python3 benchmarks/step_ab.py --switch attention "$@" --out "/tmp/forms-$name" \
       2>&1 | grep -v "^launches\|^linears:\|^floor\|^  not measured"
     cp "/tmp/forms-$name/step_ab_attention.md" "$DEST/step_ab_attention_$name.md"
   }
+  # first the GPU tests of every kernel that writes an IE-BME input (act_rule.cuh) and of attention in every form
+  timeout 150 python3 -m pytest "${PYTEST[@]}" tests/test_attention_kernel.py tests/test_glue_kernels.py \
+    tests/test_act_quant_kernel.py tests/test_runtime.py::test_gpu_one_launch_activation_quantization_equals_the_torch_path \
+    2>&1 | tee "$DEST/kernel_gpu_tests.log" | tail -4
   forms b1 --context 1024,2048,4096 --kinds fp16,iebme-w4a16-50
-  T=160 forms b8 --batch 8 --context 512,2048 --kinds fp16,iebme-w4a16-50
-  T=100 forms b4 --batch 4 --context 2048 --kinds fp16
+  T=150 forms b8 --batch 8 --context 512,2048 --kinds fp16,iebme-w4a16-50
+  T=70 forms b4 --batch 4 --context 2048 --kinds fp16
   exit 0
 fi
 TESTS=(tests/test_attention_kernel.py tests/test_glue_kernels.py)
