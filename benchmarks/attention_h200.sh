@@ -18,7 +18,8 @@
 # kernels (act_rule.cuh), then which form the step should take for MHA, the split
 # form against the cluster form side by side in one process (benchmarks/step_ab.py --switch attention), LLaMA-2-7B
 # fp16 and IE-BME W4A16 50%, batch 1 at contexts 1024, 2048 and 4096, batch 8 at contexts 512 and 2048, batch 4 at
-# 2048 (attention.CLUSTER_FROM_LEN and the batch rule of attention.cluster_form).
+# 2048 (attention.CLUSTER_FROM_LEN and the batch rule of attention.cluster_form); `forms quick` (about 5 minutes):
+# the same tests, then batch 1 at contexts 1024 and 2048 and batch 8 at 2048.
 # The baseline is another revision of kernels/attention.cu in .ab/ (git-ignored), made here first, e.g.
 #   mkdir -p .ab && git show e798a77:kernels/attention.cu > .ab/attention.cu
 #   device tool:  run(command="bash benchmarks/attention_h200.sh", carry=[".whl", ".ab"], timeout_s=600)
@@ -37,6 +38,11 @@ if [ "$MODE" = forms ]; then
   timeout 150 python3 -m pytest "${PYTEST[@]}" tests/test_attention_kernel.py tests/test_glue_kernels.py \
     tests/test_act_quant_kernel.py tests/test_runtime.py::test_gpu_one_launch_activation_quantization_equals_the_torch_path \
     2>&1 | tee "$DEST/kernel_gpu_tests.log" | tail -4
+  if [ "${2:-}" = quick ]; then  # `forms quick` (about 5 minutes): batch 1 at 1024 and 2048, batch 8 at 2048
+    T=120 forms b1 --context 1024,2048 --kinds fp16,iebme-w4a16-50
+    T=100 forms b8 --batch 8 --context 2048 --kinds fp16,iebme-w4a16-50
+    exit 0
+  fi
   forms b1 --context 1024,2048,4096 --kinds fp16,iebme-w4a16-50
   T=150 forms b8 --batch 8 --context 512,2048 --kinds fp16,iebme-w4a16-50
   T=70 forms b4 --batch 4 --context 2048 --kinds fp16
