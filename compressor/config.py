@@ -144,7 +144,7 @@ class CompressConfig:
     def notes(self) -> list[str]:
         """Advice on accepted options that a user who ships to GPUs would not pick knowingly (compress prints it)."""
         q = self.quant_mode
-        if not q.quantizes_activations or "iebme_spmm" in self.fmt.kernel_ops:
+        if not q.quantizes_activations or self.fmt.takes_quantized_activations:
             return []
         why = ("; without outlier channels (ie-bme only) its 4-bit activations give noise (README, \"Settings that "
                "keep quality\")") if q.act_bits < 8 else ""

@@ -64,6 +64,12 @@ class Format:
     kernel_ops: tuple[str, ...] = ()
     stacker: Callable[..., Any] | None = None  # (matrices of this format) -> their rows in one matrix
 
+    @property
+    def takes_quantized_activations(self) -> bool:
+        """Whether a kernel of this format multiplies b-bit activation codes (the runtime op ``iebme_spmm``); without
+        one, quantized activations run only on the CPU path."""
+        return "iebme_spmm" in self.kernel_ops
+
     def _geometry(self, given: Mapping) -> dict:
         """The format's extra geometry out of ``given`` (None where not given); other keys are not its own."""
         return {k: given.get(k) for k in self.extra_geometry}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -356,7 +357,7 @@ class Artifact:
             raise UserError(f"{path}: no such artifact")
         if not self.path.is_dir():
             raise UserError(f"{path}: not a unionsparse artifact (not a folder)")
-        if store is None and not (self.path / "zarr.json").is_symlink() and not (self.path / "zarr.json").exists():
+        if store is None and not os.path.lexists(self.path / "zarr.json"):
             # before the scan, which would walk any folder (a home directory) and name the first link it meets
             raise UserError(f"{path}: not a unionsparse artifact (no zarr.json)")
         self.store = store if store is not None else Store(self.path)

@@ -100,7 +100,7 @@ class KernelOp(QuantizingOp):
     def _init_iebme(self, rec: LayerRecord, group_size: int) -> None:
         from ...formats import registry
 
-        if "iebme_spmm" not in registry.get(rec.format).kernel_ops:  # the runtime op taking b-bit activations
+        if not registry.get(rec.format).takes_quantized_activations:
             raise UserError(f"layer {rec.name}: no kernel computes {rec.format} with quantized activations; "
                             "use --device cpu")
         try:
