@@ -73,6 +73,9 @@ typedef unsigned long long uint64_t;
 #ifndef IEBME_PDL        // 1: built for programmatic dependent launch (see PDL below)
 #define IEBME_PDL 0
 #endif
+#ifndef IEBME_SIDE_STAGE  // 1: the outlier side's activation codes and scales staged in shared memory with X (one side
+#define IEBME_SIDE_STAGE 0 // group), read from there by the epilogue; 0: read from global memory per output column
+#endif
 #ifndef IEBME_TRIGGER    // 1: with PDL, let the next kernel be scheduled once every CTA's weight stream has landed
 #define IEBME_TRIGGER 1  // (its epilogue and tail overlap the next one's start; docs/kernels.md); 0: at completion
 #endif
@@ -351,6 +354,13 @@ DEVI void spmm(const Args& a) {
   const int xs_stride = (nb * BT * 64 + 32) * XB;  // x_stride() in iebme_spmm.py
   int8_t* xsm = reinterpret_cast<int8_t*>(smem + R::BYTES);
   float* sxs = reinterpret_cast<float*>(smem + R::BYTES + a.N * xs_stride);  // 8-byte aligned
+  const int nxs = DEBUG || AF16 ? 0 : ngc * NT * 8;
+  // The outlier side's activation codes [N, ns] and scales [N] (one side group), staged with X by the CTAs that
+  // add the side (the first K chunk's), so the epilogue reads them from shared memory: 16-byte aligned after the
+  // scales; mirrors side_smem() in iebme_spmm.py
+  const bool side_staged = IEBME_SIDE_STAGE && !DEBUG && !AF16 && a.ns > 0 && a.sgs >= a.ns && blockIdx.y == 0;
+  int8_t* ssx = reinterpret_cast<int8_t*>(smem + ((R::BYTES + a.N * xs_stride + 4 * nxs + 15) & ~15));
+  float* ssxs = reinterpret_cast<float*>(ssx + a.N * a.ns);
   const uint32_t* smw = reinterpret_cast<const uint32_t*>(smem);               // the ring, as words
   uint32_t ring_off = warp * R::WARP_BYTES;                              // this warp's ring in smem
   uint32_t ring_s = sptr(smem) + ring_off;
@@ -366,7 +376,6 @@ DEVI void spmm(const Args& a) {
   // activation scales [group][NT * 8] times 2^-SHIFT (see the group end), zero past N: XS_REG per thread
   // into registers now, stored to shared memory after the table (the rest, rare, synchronously there)
   constexpr int XS_REG = 4, NTHR = WARPS * 32;
-  const int nxs = DEBUG || AF16 ? 0 : ngc * NT * 8;
   float xsv[XS_REG];
   auto load_xs = [&]() {
 #pragma unroll
@@ -375,7 +384,11 @@ DEVI void spmm(const Args& a) {
       xsv[q] = i < nxs && n < a.N ? ld_produced(a.xs + static_cast<size_t>(n) * a.G + ga0 + j) : 0.f;
     }
   };
-  if (!PDL) load_xs();
+  float ssxv = 0.f;  // the side's activation scale of row tid (staged with the X scales)
+  auto load_side_xs = [&]() {
+    if (side_staged && tid < a.N) ssxv = ld_produced(a.side_xs + tid);
+  };
+  if (!PDL) { load_xs(); load_side_xs(); }
   // batch boundaries: lane j holds the value byte offset of batch j's first tile (<= MAX_BATCHES batches);
   // offsets are segment starts (16-byte aligned, so multiples of 8 codes): (o >> 3) * BITS is exact
   uint32_t boff = 0;
@@ -420,20 +433,27 @@ DEVI void spmm(const Args& a) {
   auto copy_x = [&]() {
   if (TMA) {
     if (warp == 0) {
-      const uint32_t rowb = static_cast<uint32_t>(nk) * 64 * XB;
+      const uint32_t rowb = static_cast<uint32_t>(nk) * 64 * XB, sideb = side_staged ? a.ns : 0;
       if (lane == 0)
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                     ::"r"(xbar_s), "r"(rowb * static_cast<uint32_t>(a.N)) : "memory");
+                     ::"r"(xbar_s), "r"((rowb + sideb) * static_cast<uint32_t>(a.N)) : "memory");
       __syncwarp();
-      if (lane < a.N)
+      if (lane < a.N) {
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                      ::"r"(sptr(xsm + lane * xs_stride)), "l"(a.x + (static_cast<size_t>(lane) * a.Kp + k0 * 64) * XB),
                      "r"(rowb), "r"(xbar_s) : "memory");
+        if (side_staged)
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                       ::"r"(sptr(ssx + lane * a.ns)), "l"(a.side_x + static_cast<size_t>(lane) * a.ns), "r"(sideb),
+                       "r"(xbar_s) : "memory");
+      }
     }
   } else {
     for (int n = 0; n < a.N; ++n)
       for (int c = tid; c < nk * 4 * XB; c += NTHR)
         cp16(xsm + n * xs_stride + 16 * c, a.x + (static_cast<size_t>(n) * a.Kp + k0 * 64) * XB + 16 * c);
+    if (side_staged)
+      for (int c = tid; c < a.N * (a.ns >> 4); c += NTHR) cp16(ssx + 16 * c, a.side_x + 16 * c);
     cp_commit();
   }
   };
@@ -473,6 +493,7 @@ DEVI void spmm(const Args& a) {
   if (PDL) {  // everything above read only the weights; X, its scales and the side codes come from the producer
     wait_for_producer();
     load_xs();
+    load_side_xs();
     copy_x();
   }
   {  // zero the X columns of the last batch's missing tiles: their mma (A decoded as zeros) adds exact zeros
@@ -485,6 +506,7 @@ DEVI void spmm(const Args& a) {
 #pragma unroll
   for (int q = 0; q < XS_REG; ++q)
     if (tid + q * NTHR < nxs) sxs[tid + q * NTHR] = xsv[q] * (1.f / (1 << SHIFT));
+  if (side_staged && tid < a.N) ssxs[tid] = ssxv;
   for (int i = tid + XS_REG * NTHR; i < nxs; i += NTHR) {
     const int j = i / (NT * 8), n = i - j * (NT * 8);
     sxs[i] = n < a.N ? ld_produced(a.xs + static_cast<size_t>(n) * a.G + ga0 + j) * (1.f / (1 << SHIFT)) : 0.f;
@@ -686,10 +708,56 @@ DEVI void spmm(const Args& a) {
   if (TRACE) tt[2] = gtimer();
   // The outlier side product, added once (by the first K chunk's CTA) after the main groups and before the one
   // float16 rounding: without split-K the CPU reference's arithmetic bit for bit. One side group (the default):
-  // the warp's 16 x N dots, two lanes a dot (its rows' codes prefetched to L2 in the prologue), handed to the
-  // fragment owners through the warp's idle ring; several groups: per output.
+  // the warp's 16 x N dots, two lanes a dot; a lane's half row of weight codes is loaded into registers once (to
+  // L2 in the prologue), the activation codes and scales were staged with X, so the side costs one L2 round trip
+  // whatever N (reading both per column from L2 cost about 2.5 us a column); the dots reach the fragment owners
+  // through the warp's idle ring. Several groups: per output.
   if (!AF16 && a.ns > 0 && blockIdx.y == 0 && active) {
-    if (a.sgs >= a.ns) {
+    if (side_staged) {
+      int* sd = reinterpret_cast<int*>(smem + ring_off);  // [16][NT * 8]; every copy into the ring has landed
+      const int r = lane & 15, h = lane >> 4, row = min(tr * 16 + r, a.M - 1);  // lanes r, r + 16: a dot's halves
+      const int4* w4 = reinterpret_cast<const int4*>(a.side_w + static_cast<size_t>(row) * a.ns);
+      const int nc = a.ns >> 4;
+      float swv[2] = {0.f, 0.f};  // weight scales of the owner rows g, g + 8
+#pragma unroll
+      for (int i = 0; i < 2; ++i) swv[i] = __ldg(a.side_ws + min(tr * 16 + g + 8 * i, a.M - 1));
+      // passes of 8 chunks (128 channels): half h takes chunks h, h + 2, h + 4, h + 6 of the pass
+      for (int c0 = 0; c0 < nc; c0 += 8) {
+        int4 wv[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int c = c0 + h + 2 * q;
+          wv[q] = c < nc ? __ldg(w4 + c) : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll 2
+        for (int col = 0; col < a.N; ++col) {
+          const int4* x4 = reinterpret_cast<const int4*>(ssx + col * a.ns);
+          int d0 = 0, d1 = 0;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int c = c0 + h + 2 * q;
+            const int4 xv = c < nc ? x4[c] : make_int4(0, 0, 0, 0);
+            int& d = q & 1 ? d1 : d0;
+            d = dp4a(wv[q].w, xv.w, dp4a(wv[q].z, xv.z, dp4a(wv[q].y, xv.y, dp4a(wv[q].x, xv.x, d))));
+          }
+          int dot = d0 + d1;
+          dot += __shfl_xor_sync(0xffffffffu, dot, 16);
+          if (lane < 16) sd[r * (NT * 8) + col] = (c0 == 0 ? 0 : sd[r * (NT * 8) + col]) + dot;
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = g + 8 * (i >> 1), row = tr * 16 + r, col = nt * 8 + 2 * t + (i & 1);
+          if (row < a.M && col < a.N) {
+            const float s = __fmul_rn(ssxs[col], swv[i >> 1]);
+            yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, static_cast<float>(sd[r * (NT * 8) + col])));
+          }
+        }
+      __syncwarp();  // the cluster path below reuses the ring
+    } else if (a.sgs >= a.ns) {  // IEBME_SIDE_STAGE 0: the codes and scales from global memory, per column
       int* sd = reinterpret_cast<int*>(smem + ring_off);  // [16][NT * 8]; every copy into the ring has landed
       const int r = lane & 15, row = min(tr * 16 + r, a.M - 1);  // lanes r and r + 16: the two halves of a dot
       for (int col = 0; col < a.N; ++col) {

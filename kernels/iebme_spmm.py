@@ -123,12 +123,14 @@ def x_stride(nk: int, xb: int = 1) -> int:
 
 
 def smem_bytes(bits: int, perm: bool, n: int, chunk: int, n_groups_chunk: int, warps: int | None = None,
-               xb: int = 1) -> int:
+               xb: int = 1, side: int = 0) -> int:
     """Dynamic shared memory of one CTA for ``n`` activation rows and a chunk of ``chunk`` tiles (``xb``: bytes an
-    activation; float16 activations have no activation scales)."""
+    activation; float16 activations have no activation scales), with ``side`` outlier channels staged for the
+    epilogue (one side group: their codes and one scale a row; mirrors ``ssx`` in the .cu)."""
     ring = ring_bytes(bits, perm, *config(n, warps)[:2])
     scales = 4 * 8 * -(-n // 8) * n_groups_chunk if xb == 1 else 0
-    return ring + n * x_stride(chunk, xb) + scales
+    staged = n * side + 4 * n if side and xb == 1 else 0
+    return ring + n * x_stride(chunk, xb) + scales + staged
 
 
 def kernel_name(bits: int, nt: int, perm: bool, debug: bool, af16: bool = False) -> str:
@@ -282,17 +284,18 @@ def max_chunk(layer: DeviceLayer, n: int, warps: int | None = None, xb: int = 1)
     return max(1, cap)
 
 
-def ctas_per_sm(layer: DeviceLayer, n: int, chunk: int, warps: int | None = None, xb: int = 1) -> int:
+def ctas_per_sm(layer: DeviceLayer, n: int, chunk: int, warps: int | None = None, xb: int = 1, side: int = 0) -> int:
     """CTAs of an ``n``-column launch with this chunk that fit on one SM: shared memory, warps, registers."""
     cfg = config(n, warps)
     ngc = -(-chunk // layer.gs_tiles) + 1
-    smem = smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps, xb) + static_smem(*cfg[:2])
+    smem = smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps, xb, side) + static_smem(*cfg[:2])
     warps = cfg[1]
     regs = _kernel(layer.bits, -(-n // 8), layer.pinv is not None, False, *cfg, af16=xb == 2).num_regs
     return max(1, min(SMEM_SM // (smem + 1024), 2048 // (warps * 32), 65536 // (-(-regs // 8) * 8 * 32 * warps)))
 
 
-def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int | None = None, xb: int = 1) -> int:
+def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int | None = None, xb: int = 1,
+              side: int = 0) -> int:
     """Tiles per CTA along K. With ``splits`` given: ceil(TC / splits) (whole groups, capped); otherwise
     the chunk that minimises (waves of CTAs) x (tiles per CTA), i.e. fills the GPU with the fewest
     partial waves."""
@@ -310,7 +313,7 @@ def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int 
     if splits is not None:
         return rounded(-(-layer.tc // max(1, splits)))
     grid_x = -(-layer.tr // config(n, warps)[1])
-    slots = sm_count() * ctas_per_sm(layer, n, cap, warps, xb)
+    slots = sm_count() * ctas_per_sm(layer, n, cap, warps, xb, side)
     best, best_cost = cap, None
     for s in range(-(-layer.tc // cap), 4 * -(-layer.tc // cap) + 8):
         c = rounded(-(-layer.tc // s))
@@ -321,10 +324,10 @@ def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int 
     return best
 
 
-def waves(layer: DeviceLayer, n: int, chunk: int, warps: int, xb: int = 1) -> int:
+def waves(layer: DeviceLayer, n: int, chunk: int, warps: int, xb: int = 1, side: int = 0) -> int:
     """Waves of CTAs a launch of this chunk and CTA size needs on this GPU."""
     ctas = -(-layer.tr // warps) * -(-layer.tc // chunk)
-    return -(-ctas // (sm_count() * ctas_per_sm(layer, n, chunk, warps, xb)))
+    return -(-ctas // (sm_count() * ctas_per_sm(layer, n, chunk, warps, xb, side)))
 
 
 @dataclass(frozen=True)
@@ -340,7 +343,7 @@ class Plan:
     smem: int
 
 
-def plan(layer: DeviceLayer, n: int, splits: int | None = None, xb: int = 1) -> Plan:
+def plan(layer: DeviceLayer, n: int, splits: int | None = None, xb: int = 1, side: int = 0) -> Plan:
     """The launch of ``n`` (<= ``MAX_N``) columns. Warps per CTA: the default (8), or ``WIDE_WARPS`` for
     ``WIDE_N`` widths when CTAs of that many tile rows, each staging X once for all of them (so a larger
     chunk fits the same X budget per warp), need fewer waves (H200, N = 8: 1.03-1.30x on the shapes where
@@ -351,21 +354,21 @@ def plan(layer: DeviceLayer, n: int, splits: int | None = None, xb: int = 1) -> 
         choices.append(WIDE_WARPS)
     best = None
     for w in choices:  # the wide CTA only when strictly fewer waves
-        c = chunk_for(layer, n, splits, w, xb)
-        wv = waves(layer, n, c, w, xb)
+        c = chunk_for(layer, n, splits, w, xb, side)
+        wv = waves(layer, n, c, w, xb, side)
         if best is None or wv < best[0]:
             best = (wv, w, c)
     _, warps, chunk = best
     nstage, warps, ilp, minb = config(n, warps)
     ngc = -(-chunk // layer.gs_tiles) + 1
     return Plan(nstage, warps, ilp, minb, chunk, (-(-layer.tr // warps), -(-layer.tc // chunk)),
-                smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps, xb))
+                smem_bytes(layer.bits, layer.pinv is not None, n, chunk, ngc, warps, xb, side))
 
 
-def single_chunk(layer: DeviceLayer, n: int, splits: int | None = None, xb: int = 1) -> bool:
+def single_chunk(layer: DeviceLayer, n: int, splits: int | None = None, xb: int = 1, side: int = 0) -> bool:
     """True when every launch of an ``n``-column product covers the whole K in one CTA (no split-K), so the
     output is bit-identical to the CPU reference (split-K only changes the fp32 summation order)."""
-    return all(plan(layer, min(MAX_N, n - n0), splits, xb).grid[1] == 1 for n0 in range(0, n, MAX_N))
+    return all(plan(layer, min(MAX_N, n - n0), splits, xb, side).grid[1] == 1 for n0 in range(0, n, MAX_N))
 
 
 def _padded(layer: DeviceLayer, x, dtype, what: str):
@@ -439,6 +442,19 @@ def side_fusable(n: int, group: int, *pointers: int) -> bool:
     return n > 0 and n % 16 == 0 and (one_group or group % 16 == 0) and all(p % 16 == 0 for p in pointers)
 
 
+SIDE_STAGE = 0  # the .cu's IEBME_SIDE_STAGE default (tested): the epilogue reads the side's activation codes per column
+
+
+def staged_side(side: Side | None) -> int:
+    """Outlier channels the kernel stages in shared memory with X for its epilogue (build ``IEBME_SIDE_STAGE=1``):
+    all of them for one side group (the default), none for several groups (read per output from global memory) or
+    no side."""
+    if side is None or not study.build(KERNEL).define("IEBME_SIDE_STAGE", SIDE_STAGE):
+        return 0
+    n = int(side.w_codes.shape[1])
+    return n if -(-n // side.group) == 1 else 0
+
+
 def _side_args(layer: DeviceLayer, side: Side | None, n0: int) -> tuple:
     if side is None:
         d = layer.dummy
@@ -466,7 +482,7 @@ def launch(layer: DeviceLayer, x, xs, y, *, splits: int | None = None, partial=N
     for n0 in range(0, n, MAX_N):
         nn = min(MAX_N, n - n0)
         nt = -(-nn // 8)
-        p = plan(layer, nn, splits, 2 if af16 else 1)
+        p = plan(layer, nn, splits, 2 if af16 else 1, 0 if debug else staged_side(side))
         grid = p.grid
         fn = _kernel(layer.bits, nt, layer.pinv is not None, debug, p.nstage, p.warps, p.ilp, p.minb, af16)
         yp = y[n0:] if not debug else layer.dummy
