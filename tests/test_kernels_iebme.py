@@ -159,6 +159,15 @@ def test_cluster_launch_structs_match_the_driver_abi(monkeypatch):
     assert bytes(attr)[:12] == bytes([6, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0])  # cuda.h: id 6, the int at byte 8
 
 
+def _planned_layer(m: int, k: int):
+    """A W4 layer of shape (m, k), group 128, with only what the launch plan reads (no GPU arrays)."""
+    from unionsparse.kernels import iebme_spmm as ks
+
+    return ks.DeviceLayer(shape=(m, k), bits=4, group_size=128, n_groups=k // 128, values=None, bitmaps=None,
+                          offsets=None, pinv=None, wsT=None, ws_acc=None, counters=None, tr=m // 16, tc=k // 64,
+                          mp=ks.padded_rows(m))
+
+
 def test_launch_plan_takes_wide_ctas_only_when_they_need_fewer_waves(monkeypatch):
     """The launch rule, without a GPU (the compiled kernel's register count and the SM count patched): a
     512 x 8192 layer at N = 8 on a one-SM GPU needs 4 waves of 8-warp CTAs (X budget: 32 tiles per chunk)
@@ -172,9 +181,7 @@ def test_launch_plan_takes_wide_ctas_only_when_they_need_fewer_waves(monkeypatch
     monkeypatch.setattr(ks, "_kernel", lambda *a, **k: SimpleNamespace(num_regs=64))
     monkeypatch.setattr(ks, "sm_count", lambda: 1)
     m, k = 512, 8192
-    layer = ks.DeviceLayer(shape=(m, k), bits=4, group_size=128, n_groups=k // 128, values=None, bitmaps=None,
-                           offsets=None, pinv=None, wsT=None, ws_acc=None, counters=None, tr=m // 16, tc=k // 64,
-                           mp=ks.padded_rows(m))
+    layer = _planned_layer(m, k)
     p8 = ks.plan(layer, 8)
     assert (p8.warps, p8.chunk, p8.grid) == (ks.WIDE_WARPS, 64, (2, 2))
     assert ks.waves(layer, 8, p8.chunk, p8.warps) < ks.waves(layer, 8, ks.chunk_for(layer, 8, warps=8), 8)
@@ -204,9 +211,7 @@ def test_side_staging_follows_the_build_and_reserves_its_shared_memory(monkeypat
     monkeypatch.setattr(ks, "_kernel", lambda *a, **k: SimpleNamespace(num_regs=64))
     monkeypatch.setattr(ks, "sm_count", lambda: 132)
     m, k = 4096, 4096
-    layer = ks.DeviceLayer(shape=(m, k), bits=4, group_size=128, n_groups=k // 128, values=None, bitmaps=None,
-                           offsets=None, pinv=None, wsT=None, ws_acc=None, counters=None, tr=m // 16, tc=k // 64,
-                           mp=ks.padded_rows(m))
+    layer = _planned_layer(m, k)
 
     def side(n, group):
         return ks.Side(np.zeros((8, n), np.int8), np.zeros((8, 1), np.float32), np.zeros((m, n), np.int8),
