@@ -1,7 +1,8 @@
 """One decode-attention launch per case, for Nsight Compute (``ncu``): where a layer's attention spends its time
 against the copy bandwidth (docs/kernels.md, "Decode attention").
 
-    python3 benchmarks/ncu_attention.py CASE FORM     CASE: b1-ctx512 | b8-ctx2048 | llama3-b1; FORM: split | cluster
+    python3 benchmarks/ncu_attention.py CASE FORM
+    (CASE: b1-ctx512 | b8-ctx512 | b8-ctx2048 | llama3-b1; FORM: split | cluster)
     ncu --kernel-name regex:attention_decode --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
         python3 benchmarks/ncu_attention.py b8-ctx2048 cluster
@@ -17,8 +18,8 @@ import torch
 from unionsparse.kernels import attention
 
 # name: batch, query heads, KV heads, head dim, context (benchmarks/attention_bytes.py's cases)
-CASES = {"b1-ctx512": (1, 32, 32, 128, 512), "b8-ctx2048": (8, 32, 32, 128, 2048),
-         "llama3-b1": (1, 32, 8, 128, 512)}
+CASES = {"b1-ctx512": (1, 32, 32, 128, 512), "b8-ctx512": (8, 32, 32, 128, 512),
+         "b8-ctx2048": (8, 32, 32, 128, 2048), "llama3-b1": (1, 32, 8, 128, 512)}
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ CHUNK = 32  # attention.cu's CHUNK: cache slots per split block
 WARPS = 4  # attention.cu's WARPS: warps per block
 CL, CL_WARPS = 8, 8  # attention.cu's cluster form: CTAs a (row, KV head), warps a CTA
 CLUSTER: bool | None = None  # the cluster form (sm_90): True, False, or None: where it measured faster (cluster_form)
-CLUSTER_FROM_LEN = 1024  # None: batch-1 MHA caches up to this many slots keep the split form (cluster_form)
+CLUSTER_FROM_LEN = 3072  # None: batch-1 MHA caches up to this many slots keep the split form (cluster_form)
 # the cache's earlier slots, the position and the rotary tables loaded before the wait for the Q/K/V product
 # (attention.cu, ATTN_EARLY; docs/kernels.md, "Decode attention"); False: wait first, every load after it
 EARLY = True
@@ -127,17 +127,19 @@ def _build_function(per: int, gm: int, early: bool, build):
 def cluster_form(batch: int = 1, group: int = 1, length: int = 0) -> bool:
     """Whether a launch over ``[batch, Hkv, length, D]`` caches with ``group`` query heads a KV head takes the
     cluster form: never without thread-block clusters (before sm_90); else :data:`CLUSTER` where set; by default
-    (None) wherever it measured faster: every batch above 1, every GQA model, caches longer than
-    :data:`CLUSTER_FROM_LEN`; the split form for batch-1 MHA on shorter caches (H100, 2026-12-07: 11.1 against
-    13.0 µs a layer at context 512; docs/kernels.md, "Decode attention"). The shapes are fixed for a decoder, so a
-    captured graph replays one form."""
+    (None) where it measured faster, the step of both forms side by side (H100, 2026-12-07; docs/kernels.md,
+    "Decode attention"): batch 1 with GQA (Llama-3-8B, 6.239 against 6.380 ms at context 512, 6.506 against 7.006
+    at 2048) or caches longer than :data:`CLUSTER_FROM_LEN` (LLaMA-2-7B at 4096: 6.671 against 6.788 ms); the split
+    form for batch-1 MHA on shorter caches (level at 2048, 5.884 against 5.935 ms at 1024) and for every batch above
+    1 (LLaMA-2-7B batch 8, context 512: 6.572 against 7.741 ms; batch 4 and Llama-3-8B batch 4 and 8 alike). The
+    shapes are fixed for a decoder, so a captured graph replays one form."""
     from .cluster_launch import compute_capability
 
     if compute_capability() < 90:
         return False
     if CLUSTER is not None:
         return CLUSTER
-    return batch > 1 or group > 1 or length > CLUSTER_FROM_LEN
+    return batch == 1 and (group > 1 or length > CLUSTER_FROM_LEN)
 
 
 _tickets: dict[tuple[int, int], torch.Tensor] = {}

@@ -73,9 +73,6 @@ typedef unsigned long long uint64_t;
 #ifndef IEBME_PDL        // 1: built for programmatic dependent launch (see PDL below)
 #define IEBME_PDL 0
 #endif
-#ifndef IEBME_SIDE_STAGE  // 1: the outlier side's activation codes and scales staged in shared memory with X (one side
-#define IEBME_SIDE_STAGE 0 // group), read from there by the epilogue; 0: read from global memory per output column
-#endif
 #ifndef IEBME_TRIGGER    // 1: with PDL, let the next kernel be scheduled once every CTA's weight stream has landed
 #define IEBME_TRIGGER 1  // (its epilogue and tail overlap the next one's start; docs/kernels.md); 0: at completion
 #endif
@@ -240,23 +237,6 @@ DEVI int dp4a(int a, int b, int c) {  // c + the dot product of a's and b's four
   return d;
 }
 
-// Half the integer side dot of output (row, col) over all ns channels (one side group): the 16-byte chunks
-// h, h + 2, ... (h = 0 or 1; the other half comes from a partner lane), two loads of each operand in flight.
-DEVI int side_half_dot(const Args& a, int row, int col, int h) {
-  const int4* w4 = reinterpret_cast<const int4*>(a.side_w + static_cast<size_t>(row) * a.ns);
-  const int4* x4 = reinterpret_cast<const int4*>(a.side_x + static_cast<size_t>(col) * a.ns);
-  const int nc = a.ns >> 4;
-  int dot = 0;
-  for (int c = h; c < nc; c += 4) {
-    const int4 w0 = __ldg(w4 + c), x0 = ld_produced(x4 + c);
-    int4 w1 = make_int4(0, 0, 0, 0), x1 = w1;
-    if (c + 2 < nc) { w1 = __ldg(w4 + c + 2); x1 = ld_produced(x4 + c + 2); }
-    dot = dp4a(w0.w, x0.w, dp4a(w0.z, x0.z, dp4a(w0.y, x0.y, dp4a(w0.x, x0.x, dot))));
-    dot = dp4a(w1.w, x1.w, dp4a(w1.z, x1.z, dp4a(w1.y, x1.y, dp4a(w1.x, x1.x, dot))));
-  }
-  return dot;
-}
-
 // v plus the 8-bit outlier side product of output (row, col), in float32, side groups in order:
 // v = v + (s_x * s_w) * dot, each product and the add rounded once, the dot exact (16-byte chunks, dp4a).
 // ns is a multiple of 16 and there is one side group or groups of whole chunks (iebme_spmm.side_fusable).
@@ -357,8 +337,8 @@ DEVI void spmm(const Args& a) {
   const int nxs = DEBUG || AF16 ? 0 : ngc * NT * 8;
   // The outlier side's activation codes [N, ns] and scales [N] (one side group), staged with X by the CTAs that
   // add the side (the first K chunk's), so the epilogue reads them from shared memory: 16-byte aligned after the
-  // scales; mirrors side_smem() in iebme_spmm.py
-  const bool side_staged = IEBME_SIDE_STAGE && !DEBUG && !AF16 && a.ns > 0 && a.sgs >= a.ns && blockIdx.y == 0;
+  // scales; mirrors smem_bytes(side=) in iebme_spmm.py
+  const bool side_staged = !DEBUG && !AF16 && a.ns > 0 && a.sgs >= a.ns && blockIdx.y == 0;
   int8_t* ssx = reinterpret_cast<int8_t*>(smem + ((R::BYTES + a.N * xs_stride + 4 * nxs + 15) & ~15));
   float* ssxs = reinterpret_cast<float*>(ssx + a.N * a.ns);
   const uint32_t* smw = reinterpret_cast<const uint32_t*>(smem);               // the ring, as words
@@ -710,8 +690,8 @@ DEVI void spmm(const Args& a) {
   // float16 rounding: without split-K the CPU reference's arithmetic bit for bit. One side group (the default):
   // the warp's 16 x N dots, two lanes a dot; a lane's half row of weight codes is loaded into registers once (to
   // L2 in the prologue), the activation codes and scales were staged with X, so the side costs one L2 round trip
-  // whatever N (reading both per column from L2 cost about 2.5 us a column); the dots reach the fragment owners
-  // through the warp's idle ring. Several groups: per output.
+  // whatever N (reading the codes per column from L2 cost about 2.5 us a column: docs/kernels.md, "Outlier side
+  // product"); the dots reach the fragment owners through the warp's idle ring. Several groups: per output.
   if (!AF16 && a.ns > 0 && blockIdx.y == 0 && active) {
     if (side_staged) {
       int* sd = reinterpret_cast<int*>(smem + ring_off);  // [16][NT * 8]; every copy into the ring has landed
@@ -753,26 +733,6 @@ DEVI void spmm(const Args& a) {
           const int r = g + 8 * (i >> 1), row = tr * 16 + r, col = nt * 8 + 2 * t + (i & 1);
           if (row < a.M && col < a.N) {
             const float s = __fmul_rn(ssxs[col], swv[i >> 1]);
-            yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, static_cast<float>(sd[r * (NT * 8) + col])));
-          }
-        }
-      __syncwarp();  // the cluster path below reuses the ring
-    } else if (a.sgs >= a.ns) {  // IEBME_SIDE_STAGE 0: the codes and scales from global memory, per column
-      int* sd = reinterpret_cast<int*>(smem + ring_off);  // [16][NT * 8]; every copy into the ring has landed
-      const int r = lane & 15, row = min(tr * 16 + r, a.M - 1);  // lanes r and r + 16: the two halves of a dot
-      for (int col = 0; col < a.N; ++col) {
-        int dot = side_half_dot(a, row, col, lane >> 4);
-        dot += __shfl_xor_sync(0xffffffffu, dot, 16);
-        if (lane < 16) sd[r * (NT * 8) + col] = dot;
-      }
-      __syncwarp();
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = g + 8 * (i >> 1), row = tr * 16 + r, col = nt * 8 + 2 * t + (i & 1);
-          if (row < a.M && col < a.N) {
-            const float s = __fmul_rn(ld_produced(a.side_xs + col), __ldg(a.side_ws + row));
             yv[nt][i] = __fadd_rn(yv[nt][i], __fmul_rn(s, static_cast<float>(sd[r * (NT * 8) + col])));
           }
         }

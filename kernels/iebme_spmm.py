@@ -442,14 +442,10 @@ def side_fusable(n: int, group: int, *pointers: int) -> bool:
     return n > 0 and n % 16 == 0 and (one_group or group % 16 == 0) and all(p % 16 == 0 for p in pointers)
 
 
-SIDE_STAGE = 0  # the .cu's IEBME_SIDE_STAGE default (tested): the epilogue reads the side's activation codes per column
-
-
 def staged_side(side: Side | None) -> int:
-    """Outlier channels the kernel stages in shared memory with X for its epilogue (build ``IEBME_SIDE_STAGE=1``):
-    all of them for one side group (the default), none for several groups (read per output from global memory) or
-    no side."""
-    if side is None or not study.build(KERNEL).define("IEBME_SIDE_STAGE", SIDE_STAGE):
+    """Outlier channels the kernel stages in shared memory with X for its epilogue: all of them for one side group
+    (the default), none for several groups (read per output from global memory) or no side."""
+    if side is None:
         return 0
     n = int(side.w_codes.shape[1])
     return n if -(-n // side.group) == 1 else 0

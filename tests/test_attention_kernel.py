@@ -29,15 +29,17 @@ def form(request, monkeypatch):
 
 @pytest.mark.parametrize("cc", [80, 90])
 def test_cluster_form_rule(monkeypatch, cc):
-    """The default (CLUSTER None) takes the cluster form where it measured faster (batches, GQA, long caches) and
-    the split form for batch-1 MHA on short caches; CLUSTER forces either; nothing before sm_90 has clusters."""
+    """The default (CLUSTER None) takes the cluster form where it measured faster (batch 1 with GQA or a long cache)
+    and the split form for batch-1 MHA on shorter caches and for every batch above 1; CLUSTER forces either;
+    nothing before sm_90 has clusters."""
     from unionsparse.kernels import cluster_launch
 
     monkeypatch.setattr(cluster_launch, "compute_capability", lambda: cc)
     monkeypatch.setattr(attention, "CLUSTER", None)
     n = attention.CLUSTER_FROM_LEN
-    cases = {(1, 1, 530): False, (1, 1, n): False, (1, 1, n + 1): True, (2, 1, 530): True, (1, 4, 530): True,
-             (8, 1, 2100): True}
+    cases = {(1, 1, 530): False, (1, 1, 2116): False, (1, 1, n): False, (1, 1, n + 1): True, (1, 1, 4164): True,
+             (1, 4, 530): True, (1, 8, 2116): True, (2, 1, 530): False, (8, 1, 2116): False, (4, 4, 580): False,
+             (8, 4, 4164): False}
     assert {c: attention.cluster_form(*c) for c in cases} == {c: v and cc >= 90 for c, v in cases.items()}
     for forced in (False, True):
         monkeypatch.setattr(attention, "CLUSTER", forced)

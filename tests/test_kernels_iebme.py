@@ -196,18 +196,14 @@ def test_launch_plan_takes_wide_ctas_only_when_they_need_fewer_waves(monkeypatch
     assert not ks.single_chunk(layer, 8)  # 128 tiles of K never fit one chunk (at most 124)
 
 
-def test_side_staging_follows_the_build_and_reserves_its_shared_memory(monkeypatch):
-    """The outlier side's activation codes and scales are staged in shared memory only by a build with
-    IEBME_SIDE_STAGE=1 (``SIDE_STAGE`` mirrors the .cu's default) and only for one side group; the plan then
-    reserves N x channels bytes of codes and N float32 scales beyond the rest of the layout."""
-    import re
+def test_side_staging_reserves_its_shared_memory(monkeypatch):
+    """The outlier side's activation codes and scales are staged in shared memory with X for one side group (not
+    for several, read per output); the plan then reserves N x channels bytes of codes and N float32 scales beyond
+    the rest of the layout, and nothing for float16 activations (no side)."""
     from types import SimpleNamespace
 
     from unionsparse.kernels import iebme_spmm as ks
-    from unionsparse.kernels import study
 
-    default = re.search(r"#define IEBME_SIDE_STAGE (\d)", ks.SOURCE.read_text())
-    assert default and int(default.group(1)) == ks.SIDE_STAGE
     monkeypatch.setattr(ks, "_kernel", lambda *a, **k: SimpleNamespace(num_regs=64))
     monkeypatch.setattr(ks, "sm_count", lambda: 132)
     m, k = 4096, 4096
@@ -217,12 +213,8 @@ def test_side_staging_follows_the_build_and_reserves_its_shared_memory(monkeypat
         return ks.Side(np.zeros((8, n), np.int8), np.zeros((8, 1), np.float32), np.zeros((m, n), np.int8),
                        np.zeros((m, 1), np.float32), group)
 
-    staged = study.Build(defines=(("IEBME_SIDE_STAGE", 1),))
-    with study.building(ks.KERNEL, None if ks.SIDE_STAGE else staged):
-        assert ks.staged_side(side(128, 128)) == 128 and ks.staged_side(side(160, 64)) == 0
-    with study.building(ks.KERNEL, study.Build(defines=(("IEBME_SIDE_STAGE", 0),))):
-        assert ks.staged_side(side(128, 128)) == 0
-    assert ks.staged_side(None) == 0
+    assert ks.staged_side(side(128, 128)) == 128 and ks.staged_side(side(272, 512)) == 272
+    assert ks.staged_side(side(160, 64)) == 0 and ks.staged_side(None) == 0
     for n in (1, 8):
         base, with_side = ks.plan(layer, n, splits=2), ks.plan(layer, n, splits=2, side=128)
         assert with_side.grid == base.grid and with_side.smem - base.smem == n * 128 + 4 * n
@@ -430,21 +422,11 @@ def test_gpu_float16_activations(bits, perm, m, k, gs):
 @pytest.mark.parametrize("bits, perm, m, k, gs", [(4, "random", 100, 1000, 64), (2, "none", 64, 512, 128),
                                                   (4, "none", 333, 4100, 4100)])
 @pytest.mark.parametrize("n_side, side_group", [(16, 16), (128, 128), (272, 512), (160, 64)])
-@pytest.mark.parametrize("stage", [0, 1])
-def test_gpu_outlier_side_product_in_the_epilogue(bits, perm, m, k, gs, n_side, side_group, stage):
+def test_gpu_outlier_side_product_in_the_epilogue(bits, perm, m, k, gs, n_side, side_group):
     """The 8-bit outlier side product added in the kernel's epilogue before the one rounding: the reference's
     float32 main sums plus ``grouped_int_matmul``'s side groups, bit for bit without split-K, within fp16
-    tolerance through a cluster (2 splits) and through atomics (3); the side is added once, not per split. Both
-    epilogues: the side's activation codes read per column from global memory, or staged with X
-    (``IEBME_SIDE_STAGE``)."""
-    from unionsparse.kernels import study
-    from unionsparse.kernels.iebme_spmm import KERNEL
-
-    with study.building(KERNEL, study.Build(defines=(("IEBME_SIDE_STAGE", stage),))):
-        _check_side_product(bits, perm, m, k, gs, n_side, side_group)
-
-
-def _check_side_product(bits, perm, m, k, gs, n_side, side_group):
+    tolerance through a cluster (2 splits) and through atomics (3); the side is added once, not per split. One
+    side group: its activation codes staged with X, in passes of 128 channels (272: three); several: per output."""
     import cupy as cp
     import torch
     from unionsparse.formats.arithmetic.grouped import grouped_int_matmul
