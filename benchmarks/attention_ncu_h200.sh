@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Nsight Compute on one decode-attention launch per case (benchmarks/ncu_attention.py), in ONE device call (under a
-# minute and a half; three cases took 33 s on an H100): where attention's time goes against the copy bandwidth (throughput, occupancy, warp
-# stalls). One text report a case to $OUT (device tool: carry [".whl"]).
+# Nsight Compute on one decode-attention launch per case (benchmarks/ncu_attention.py), in ONE device call (about a
+# minute; three cases took 33 s on an H100): where attention's time goes against the copy bandwidth (throughput,
+# occupancy, warp stalls), and at batch 8, context 512 why the cluster form lost to the split form on the step.
+# One text report a case to $OUT (device tool: carry [".whl"]).
 #   device tool:  run(command="bash benchmarks/attention_ncu_h200.sh", carry=[".whl"], timeout_s=600)
 set -o pipefail
 source benchmarks/device_env.sh || exit 1

@@ -688,10 +688,11 @@ DEVI void spmm(const Args& a) {
   if (TRACE) tt[2] = gtimer();
   // The outlier side product, added once (by the first K chunk's CTA) after the main groups and before the one
   // float16 rounding: without split-K the CPU reference's arithmetic bit for bit. One side group (the default):
-  // the warp's 16 x N dots, two lanes a dot; a lane's half row of weight codes is loaded into registers once (to
-  // L2 in the prologue), the activation codes and scales were staged with X, so the side costs one L2 round trip
-  // whatever N (reading the codes per column from L2 cost about 2.5 us a column: docs/kernels.md, "Outlier side
-  // product"); the dots reach the fragment owners through the warp's idle ring. Several groups: per output.
+  // the warp's 16 x N dots, two lanes a dot; a lane's half row of weight codes is loaded into registers once
+  // (prefetched to L2 in the prologue), the activation codes and scales were staged with X, so the side costs one
+  // L2 round trip whatever N (reading the codes per column from L2 cost about 2.5 us a column: docs/kernels.md,
+  // "Outlier side product"); the dots reach the fragment owners through the warp's idle ring. Several groups: per
+  // output.
   if (!AF16 && a.ns > 0 && blockIdx.y == 0 && active) {
     if (side_staged) {
       int* sd = reinterpret_cast<int*>(smem + ring_off);  // [16][NT * 8]; every copy into the ring has landed
