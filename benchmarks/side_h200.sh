@@ -13,9 +13,29 @@
 #   mkdir -p .ab && git show 1774c49:kernels/iebme_spmm.cu > .ab/iebme_spmm.cu
 #   device tool:  run(command="bash benchmarks/side_h200.sh", carry=[".whl", ".ab"], timeout_s=600)
 # `bash benchmarks/side_h200.sh tests` runs (1) alone (about 2 minutes; no baseline needed).
+# `bash benchmarks/side_h200.sh last` (about 5 minutes, no baseline): the side added by the last K chunk's CTA (study
+# build IEBME_SIDE_LAST=1; often the shortest chunk, so the side may hide behind its partners' longer loops): (1) with
+# that build, then the step with the first and the last chunk's CTA side by side (benchmarks/step_ab.py --switch
+# side-cta), batch 1 and 8.
 set -o pipefail
 source benchmarks/device_env.sh || exit 1
 PYTEST=(python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning)
+if [ "${1:-}" = last ]; then
+  LAST="import sys, pytest; from unionsparse.kernels import study
+study.use_build('iebme_spmm', study.Build(defines=(('IEBME_SIDE_LAST', 1),)))
+sys.exit(pytest.main(sys.argv[1:]))"
+  timeout 120 python3 -c "$LAST" -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
+    -k "outlier or ring_variants or side" tests/test_kernels_iebme.py tests/test_outliers.py tests/test_runtime.py 2>&1 \
+    | tee "$DEST/side_last_gpu_tests.log" | tail -3
+  timeout 120 python3 -c "$LAST" -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m "gpu and not slow" \
+    -k outliers tests/test_runtime_agreement.py 2>&1 | tee -a "$DEST/side_last_gpu_tests.log" | tail -3
+  for b in 1 8; do
+    mkdir -p "$DEST/b$b"
+    timeout 110 python3 benchmarks/step_ab.py --switch side-cta --batch $b --kinds iebme-w4a4-50-o128 --out "$DEST/b$b" \
+      2>&1 | grep -v "^launches\|^  not measured"
+  done
+  exit 0
+fi
 timeout 120 "${PYTEST[@]}" -m gpu -k "outlier or ring_variants or side" tests/test_kernels_iebme.py \
   tests/test_outliers.py tests/test_runtime.py 2>&1 | tee "$DEST/side_gpu_tests.log" | tail -3
 timeout 120 "${PYTEST[@]}" -m "gpu and not slow" -k outliers tests/test_runtime_agreement.py 2>&1 \

@@ -15,13 +15,16 @@ against lm_head and the greedy choice in one launch (``StaticDecoder.HEAD_KERNEL
 ``--switch norms``: the norms (and the quantizing SiLU·mul) reading their weight and channel permutation after
 their wait (study build ``NORM_EARLY=0``), or copying them into shared memory before it (kernels/pdl.cuh,
 ``early_copy``; the default since 2026-12-07).
+``--switch side-cta``: the IE-BME kernel's outlier side product added by the first K chunk's CTA (the shipped build) or
+by the last one's (study build ``IEBME_SIDE_LAST=1``: often the shortest chunk, so the side may hide behind the
+longer ones).
 ``--switch source --baseline KERNEL=FILE``: kernel ``KERNEL`` (a ``kernels/*.cu`` stem) compiled from ``FILE``, another
 revision of its source with the same launch arguments (e.g. ``git show REV:kernels/attention.cu > .ab/attention.cu``),
 against the shipped file (study builds, kernels/study.py).
 
 Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
 
-    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|norms --out DIR
+    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|norms|side-cta --out DIR
     python benchmarks/step_ab.py --switch source --baseline attention=.ab/attention.cu --out DIR
     (a CUDA machine; glue_h200.sh, attention_h200.sh)
 """
@@ -62,6 +65,12 @@ def _norms(early: bool) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _side_cta(last: bool) -> Iterator[None]:
+    with study.building("iebme_spmm", study.Build(defines=(("IEBME_SIDE_LAST", int(last)),))):
+        yield
+
+
 BASELINE: dict[str, str] = {}  # --baseline: kernel stem -> the source file of its other revision
 
 
@@ -85,6 +94,8 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
               ("... and attention loads its cache before the wait (default)", lambda: _early(True, True))),
     "norms": (("norms and SiLU·mul read their weight and permutation after the wait", lambda: _norms(False)),
               ("... copied into shared memory before it (default)", lambda: _norms(True))),
+    "side-cta": (("outlier side added by the first K chunk's CTA (default)", lambda: _side_cta(False)),
+                 ("... by the last K chunk's CTA", lambda: _side_cta(True))),
     "source": (("baseline source (--baseline)", lambda: _source(True)), ("shipped source", lambda: _source(False))),
     "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _set(StaticDecoder, "HEAD_KERNEL", False)),
              ("lm_head + greedy choice: one launch", lambda: _set(StaticDecoder, "HEAD_KERNEL", True))),

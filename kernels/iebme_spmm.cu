@@ -73,6 +73,14 @@ typedef unsigned long long uint64_t;
 #ifndef IEBME_PDL        // 1: built for programmatic dependent launch (see PDL below)
 #define IEBME_PDL 0
 #endif
+#ifndef IEBME_SIDE_LAST  // 1: the last K chunk's CTA adds the outlier side product (often the shortest chunk, so the
+#define IEBME_SIDE_LAST 0 // side hides behind its partners' longer loops); 0: the first K chunk's CTA
+#endif
+#if IEBME_SIDE_LAST       // whether this CTA adds the side (evaluated where used: special registers, no live value)
+#define IEBME_SIDE_CTA (blockIdx.y == gridDim.y - 1)
+#else
+#define IEBME_SIDE_CTA (blockIdx.y == 0)
+#endif
 #ifndef IEBME_TRIGGER    // 1: with PDL, let the next kernel be scheduled once every CTA's weight stream has landed
 #define IEBME_TRIGGER 1  // (its epilogue and tail overlap the next one's start; docs/kernels.md); 0: at completion
 #endif
@@ -336,9 +344,9 @@ DEVI void spmm(const Args& a) {
   float* sxs = reinterpret_cast<float*>(smem + R::BYTES + a.N * xs_stride);  // 8-byte aligned
   const int nxs = DEBUG || AF16 ? 0 : ngc * NT * 8;
   // The outlier side's activation codes [N, ns] and scales [N] (one side group), staged with X by the CTAs that
-  // add the side (the first K chunk's), so the epilogue reads them from shared memory: 16-byte aligned after the
+  // add the side (IEBME_SIDE_CTA), so the epilogue reads them from shared memory: 16-byte aligned after the
   // scales; mirrors smem_bytes(side=) in iebme_spmm.py
-  const bool side_staged = !DEBUG && !AF16 && a.ns > 0 && a.sgs >= a.ns && blockIdx.y == 0;
+  const bool side_staged = !DEBUG && !AF16 && a.ns > 0 && a.sgs >= a.ns && IEBME_SIDE_CTA;
   int8_t* ssx = reinterpret_cast<int8_t*>(smem + ((R::BYTES + a.N * xs_stride + 4 * nxs + 15) & ~15));
   float* ssxs = reinterpret_cast<float*>(ssx + a.N * a.ns);
   const uint32_t* smw = reinterpret_cast<const uint32_t*>(smem);               // the ring, as words
@@ -396,7 +404,7 @@ DEVI void spmm(const Args& a) {
   uint16_t sw0 = 0, sw1 = 0;
   if (!DEBUG && active) { sw0 = __ldg(wsp); sw1 = __ldg(wsp + 8); }
   // the outlier side's weight codes of this warp's 16 rows, to L2 for the epilogue (lines of 128 bytes)
-  if (!DEBUG && !AF16 && a.ns > 0 && blockIdx.y == 0 && active)
+  if (!DEBUG && !AF16 && a.ns > 0 && IEBME_SIDE_CTA && active)
     for (int l = lane; l < 16 * ((a.ns + 127) >> 7); l += 32) {
       const int row = min(tr * 16 + (l & 15), a.M - 1);
       asm volatile("prefetch.global.L2 [%0];" ::"l"(a.side_w + static_cast<size_t>(row) * a.ns + (l >> 4) * 128));
@@ -686,14 +694,14 @@ DEVI void spmm(const Args& a) {
   if (PDL && IEBME_TRIGGER) allow_dependents();
   if (DEBUG) return;
   if (TRACE) tt[2] = gtimer();
-  // The outlier side product, added once (by the first K chunk's CTA) after the main groups and before the one
-  // float16 rounding: without split-K the CPU reference's arithmetic bit for bit. One side group (the default):
-  // the warp's 16 x N dots, two lanes a dot; a lane's half row of weight codes is loaded into registers once
-  // (prefetched to L2 in the prologue), the activation codes and scales were staged with X, so the side costs one
-  // L2 round trip whatever N (reading the codes per column from L2 cost about 2.5 us a column: docs/kernels.md,
-  // "Outlier side product"); the dots reach the fragment owners through the warp's idle ring. Several groups: per
-  // output.
-  if (!AF16 && a.ns > 0 && blockIdx.y == 0 && active) {
+  // The outlier side product, added once (by the first K chunk's CTA; IEBME_SIDE_LAST: the last's) after the main
+  // groups and before the one float16 rounding: without split-K the CPU reference's arithmetic bit for bit. One side
+  // group (the default): the warp's 16 x N dots, two lanes a dot; a lane's half row of weight codes is loaded into
+  // registers once (prefetched to L2 in the prologue), the activation codes and scales were staged with X, so the
+  // side costs one L2 round trip whatever N (reading the codes per column from L2 cost about 2.5 us a column:
+  // docs/kernels.md, "Outlier side product"); the dots reach the fragment owners through the warp's idle ring.
+  // Several groups: per output.
+  if (!AF16 && a.ns > 0 && IEBME_SIDE_CTA && active) {
     if (side_staged) {
       int* sd = reinterpret_cast<int*>(smem + ring_off);  // [16][NT * 8]; every copy into the ring has landed
       const int r = lane & 15, h = lane >> 4, row = min(tr * 16 + r, a.M - 1);  // lanes r, r + 16: a dot's halves
