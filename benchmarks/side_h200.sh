@@ -16,37 +16,31 @@
 # `bash benchmarks/side_h200.sh last` (about 5 minutes, no baseline): the side added by the last K chunk's CTA (study
 # build IEBME_SIDE_LAST=1; often the shortest chunk, so the side may hide behind its partners' longer loops): (1) with
 # that build, then the step with the first and the last chunk's CTA side by side (benchmarks/step_ab.py --switch
-# side-cta), batch 1 and 8.
+# side-cta), batch 1 (and the W4A8 control) and 8.
 set -o pipefail
 source benchmarks/device_env.sh || exit 1
-PYTEST=(python3 -m pytest -p no:cacheprovider -q -rs -W ignore::DeprecationWarning)
-if [ "${1:-}" = last ]; then
-  LAST="import sys, pytest; from unionsparse.kernels import study
-study.use_build('iebme_spmm', study.Build(defines=(('IEBME_SIDE_LAST', 1),)))
-sys.exit(pytest.main(sys.argv[1:]))"
-  timeout 120 python3 -c "$LAST" -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m gpu \
-    -k "outlier or ring_variants or side" tests/test_kernels_iebme.py tests/test_outliers.py tests/test_runtime.py 2>&1 \
-    | tee "$DEST/side_last_gpu_tests.log" | tail -3
-  timeout 120 python3 -c "$LAST" -p no:cacheprovider -q -rs -W ignore::DeprecationWarning -m "gpu and not slow" \
-    -k outliers tests/test_runtime_agreement.py 2>&1 | tee -a "$DEST/side_last_gpu_tests.log" | tail -3
-  for b in 1 8; do
-    mkdir -p "$DEST/b$b"
-    timeout 110 python3 benchmarks/step_ab.py --switch side-cta --batch $b --kinds iebme-w4a4-50-o128 --out "$DEST/b$b" \
-      2>&1 | grep -v "^launches\|^  not measured"
-  done
-  exit 0
-fi
+MODE="${1:-all}"
+DEFS="()"  # the study build's macros: none (the shipped kernel), or the last K chunk's CTA adding the side
+[ "$MODE" = last ] && DEFS="(('IEBME_SIDE_LAST', 1),)"
+PYTEST=(python3 -c "import sys, pytest; from unionsparse.kernels import study
+study.use_build('iebme_spmm', study.Build(defines=$DEFS)); sys.exit(pytest.main(sys.argv[1:]))"
+  -p no:cacheprovider -q -rs -W ignore::DeprecationWarning)
+LOG="$DEST/side_gpu_tests_$MODE.log"
 timeout 120 "${PYTEST[@]}" -m gpu -k "outlier or ring_variants or side" tests/test_kernels_iebme.py \
-  tests/test_outliers.py tests/test_runtime.py 2>&1 | tee "$DEST/side_gpu_tests.log" | tail -3
-timeout 120 "${PYTEST[@]}" -m "gpu and not slow" -k outliers tests/test_runtime_agreement.py 2>&1 \
-  | tee -a "$DEST/side_gpu_tests.log" | tail -3
-[ "${1:-}" = tests ] && exit 0
+  tests/test_outliers.py tests/test_runtime.py 2>&1 | tee "$LOG" | tail -3
+timeout 120 "${PYTEST[@]}" -m "gpu and not slow" -k outliers tests/test_runtime_agreement.py 2>&1 | tee -a "$LOG" | tail -3
+[ "$MODE" = tests ] && exit 0
 BASE=.ab/iebme_spmm.cu
-[ -f "$BASE" ] || { echo "no $BASE: make it first (this script's header)"; exit 2; }
+if [ "$MODE" = last ]; then
+  SWITCH=(--switch side-cta)
+else
+  [ -f "$BASE" ] || { echo "no $BASE: make it first (this script's header)"; exit 2; }
+  SWITCH=(--switch source --baseline "iebme_spmm=$BASE")
+fi
 ab() {  # BATCH KINDS
   mkdir -p "$DEST/b$1"
-  timeout 110 python3 benchmarks/step_ab.py --switch source --baseline "iebme_spmm=$BASE" --batch "$1" --kinds "$2" \
-    --out "$DEST/b$1" 2>&1 | grep -v "^launches\|^  not measured"
+  timeout 110 python3 benchmarks/step_ab.py "${SWITCH[@]}" --batch "$1" --kinds "$2" --out "$DEST/b$1" 2>&1 \
+    | grep -v "^launches\|^  not measured"
 }
 ab 1 iebme-w4a4-50-o128,iebme-w4a8-50
 ab 8 iebme-w4a4-50-o128
