@@ -18,13 +18,15 @@ their wait (study build ``NORM_EARLY=0``), or copying them into shared memory be
 ``--switch side-cta``: the IE-BME kernel's outlier side product added by the first K chunk's CTA (the shipped build) or
 by the last one's (study build ``IEBME_SIDE_LAST=1``: often the shortest chunk, so the side may hide behind the
 longer ones).
+``--switch int4-decode``: the Tiled-CBC spMspV of 4-bit codes decoding each set bit under a predicate (mode 0, the
+default) or scattering each bitmap byte's codes with byte permutes, 16 rows a lane (mode 4; tiled_cbc_spmspv.cu).
 ``--switch source --baseline KERNEL=FILE``: kernel ``KERNEL`` (a ``kernels/*.cu`` stem) compiled from ``FILE``, another
 revision of its source with the same launch arguments (e.g. ``git show REV:kernels/attention.cu > .ab/attention.cu``),
 against the shipped file (study builds, kernels/study.py).
 
 Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
 
-    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|norms|side-cta --out DIR
+    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|norms|side-cta|int4-decode --out DIR
     python benchmarks/step_ab.py --switch source --baseline attention=.ab/attention.cu --out DIR
     (a CUDA machine; glue_h200.sh, attention_h200.sh)
 """
@@ -40,7 +42,7 @@ from unittest.mock import patch
 
 from unionsparse.compressor.bench.e2e import case_arguments, e2e_command, format_table
 from unionsparse.compressor.runtime.decoder import StaticDecoder
-from unionsparse.kernels import attention, study
+from unionsparse.kernels import attention, study, tiled_cbc_spmspv
 from unionsparse.kernels.cluster_launch import programmatic_launches
 
 KINDS = "fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50-o128-dp,iebme-w4a4-50,iebme-w4a8-50"
@@ -96,6 +98,10 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
               ("... copied into shared memory before it (default)", lambda: _norms(True))),
     "side-cta": (("outlier side added by the first K chunk's CTA (default)", lambda: _side_cta(False)),
                  ("... by the last K chunk's CTA", lambda: _side_cta(True))),
+    "int4-decode": (("Tiled-CBC int4: predicated rows (mode 0, default)",
+                     lambda: _set(tiled_cbc_spmspv, "DEFAULT_MODES", {**tiled_cbc_spmspv.DEFAULT_MODES, 4: 0})),
+                    ("... byte-permute scatter (mode 4)",
+                     lambda: _set(tiled_cbc_spmspv, "DEFAULT_MODES", {**tiled_cbc_spmspv.DEFAULT_MODES, 4: 4}))),
     "source": (("baseline source (--baseline)", lambda: _source(True)), ("shipped source", lambda: _source(False))),
     "head": (("lm_head (cuBLAS), .float(), argmax", lambda: _set(StaticDecoder, "HEAD_KERNEL", False)),
              ("lm_head + greedy choice: one launch", lambda: _set(StaticDecoder, "HEAD_KERNEL", True))),

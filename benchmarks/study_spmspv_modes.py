@@ -32,6 +32,7 @@ SETTINGS = (  # warps, stages, scale, mode, stream-K (None: the default rule, us
 )
 BASE = "w4/d2/x1/m0"
 SETTINGS_CODES = ((4, 3, 1.0, 0, False), (4, 3, 1.0, 0, True), (4, 3, 1.0, 0, None))  # the int4/int2 build
+SETTINGS_INT4 = SETTINGS_CODES + ((4, 3, 1.0, 4, False), (4, 3, 1.0, 4, True), (4, 3, 1.0, 4, None))  # + mode 4
 BASE_CODES = "w4/d3/x1/m0"
 
 
@@ -86,7 +87,8 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
 
-    settings, base = (SETTINGS, BASE) if args.bits == 16 else (SETTINGS_CODES, BASE_CODES)
+    settings, base = ((SETTINGS, BASE) if args.bits == 16 else (SETTINGS_INT4, BASE_CODES) if args.bits == 4
+                      else (SETTINGS_CODES, BASE_CODES))
     cands = [dict(warps=w, stages=s, scale=x, mode=m, streamk=k) for w, s, x, m, k in settings]
     for b in args.baseline:
         build = study.Build(source=str(Path(b).resolve()))

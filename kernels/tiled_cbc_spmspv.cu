@@ -101,6 +101,48 @@ __device__ __forceinline__ constexpr u32 code_flip() {
     return BITS == 4 ? 0x88888888u : 0xAAAAAAAAu;
 }
 
+// MODE 4 (4-bit codes): the byte-permute selectors that scatter a lane's packed codes to its 8 rows. For bitmap byte
+// b, nibble r of the entry (rows 0-3: bits 0-15, rows 4-7: bits 16-31) is the source byte, in the pair of registers
+// {even codes, odd codes} that scatter8 builds, of row r's code: its rank n among the byte's set bits gives byte n / 2
+// of the even register (n even) or 4 + n / 2 of the odd one; an unset row takes byte 7 (code 7), which scatter8 has
+// set to the offset-binary zero since such a byte holds at most 7 codes.
+// prmt.b32 as it is: the selector's nibbles used whole (__byte_perm masks them to 3 bits, two LOP3 a use here)
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+__device__ __forceinline__ u32 scatter_selectors(u32 b) {
+    u32 e = 0u, n = 0u;
+    for (int r = 0; r < 8; ++r) {
+        u32 idx = 7u;
+        if ((b >> r) & 1u) {
+            idx = (n & 1u) ? 4u + (n >> 1) : n >> 1;
+            ++n;
+        }
+        e |= idx << (4 * r);
+    }
+    return e;
+}
+
+// MODE 4: q x of one lane's 8 rows of one column into q[0..7], no predicate per row. `v` holds the lane's c codes
+// in its low nibbles (row order, two's complement), `sel` the selectors of its bitmap byte. The codes beyond c are
+// cleared and every code's top bit flipped (offset binary: an absent row reads 8, the code 0); the even and odd
+// codes go to the bytes of two registers, two byte permutes put row r's code in byte r & 3 of r0 / r1, and per row
+// one byte permute with the bits of 2^23 makes the float 2^23 + q + 8 exactly (top_code_to_float's trick), one FADD
+// leaves q, one FFMA adds q x: 3 instructions a row against mode 0's 4 under predicates plus their tests.
+__device__ __forceinline__ void scatter8(u32 v, u32 c, u32 sel, float x, float* q) {
+    const u32 keep = __funnelshift_lc(0u, 0xFFFFFFFFu, 4u * c);  // the low 4c bits (c = 8: all)
+    const u32 t = (v & keep) ^ 0x88888888u;
+    const u32 ev = t & 0x0F0F0F0Fu, od = (t >> 4) & 0x0F0F0F0Fu;
+    const u32 r0 = prmt(ev, od, sel), r1 = prmt(ev, od, sel >> 16);  // selector nibbles < 8: no sign replication
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+        const u32 bits = __byte_perm(r < 4 ? r0 : r1, 0x4B000000u, 0x7540u | (u32)(r & 3));
+        q[r] = fmaf(__uint_as_float(bits) - 8388616.f, x, q[r]);
+    }
+}
+
 // The reduction: the NW warps' accumulators (lane l: rows 8l..8l+7 of GTile row tr, for each of the NR input
 // rows) are summed through `red` (shared, NR * NW * TILE_M floats, free to reuse: the caller has synchronized the
 // block). When the block is the row's only part it writes the output [NR, M] directly; otherwise it writes its fp32
@@ -200,13 +242,14 @@ __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cas
 // b-bit codes are scaled per value (code * scale, as the CPU reference forms its weights) instead of per GTile,
 // which keeps one accumulator per (row, input row) instead of two.
 template <int BITS, int NW, int D, int MODE = 0, int NR = 1>
-__global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
+__global__ void __launch_bounds__(NW * 32, MODE == 4 ? 7 : 0) tcbc_spmspv2(
     const u64* __restrict__ bitmap, const u32* __restrict__ colinfo, const u32* __restrict__ tile_offset,
     const unsigned char* __restrict__ values, const u16* __restrict__ x, float tau,
     const u16* __restrict__ scales_t, int group, int grid_c, int M, int K, int Mp, int chunk, int slot_bytes,
     int streamk, float* __restrict__ partial, u32* __restrict__ tickets, void* __restrict__ out, int out_f32,
     int nrows, int ldx) {
     static_assert(NR == 1 || MODE == 0, "several input rows: MODE 0 only");
+    static_assert(MODE != 4 || BITS == 4, "MODE 4: 4-bit codes only");
     using H = Hdr<BITS, NR>;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int nact[NW][D];
@@ -223,6 +266,13 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
     }
     __syncwarp();
 #endif
+    // MODE 4: scatter_selectors of every bitmap byte, after the ring and the reduction's floats (the host adds
+    // SEL_TABLE_BYTES to the dynamic shared memory), made once per block
+    u32* const sel_tab = reinterpret_cast<u32*>(smem + max(NW * D * slot_bytes, NR * NW * TILE_M * 4));
+    if (MODE == 4) {
+        for (int i = tid; i < 256; i += NW * 32) sel_tab[i] = scatter_selectors((u32)i);
+        __syncthreads();
+    }
     // The block's GTiles in the row-major order of the GTile grid: split-K, one row's chunk blockIdx.x of
     // `chunk` GTiles (grid splits x rows); stream-K (`streamk` != 0, a 1-D grid of B blocks), the equal share
     // [b T / B, (b + 1) T / B) of all T GTiles, which may start and end inside rows. Each row the range meets
@@ -342,7 +392,7 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
 #endif
         };
 
-        float acc[NR][8], acc16[16];  // acc16: MODE 3's 16 rows per lane
+        float acc[NR][8], acc16[16];  // acc16: MODE 3's and 4's 16 rows per lane
 #pragma unroll
         for (int n = 0; n < NR; ++n)
 #pragma unroll
@@ -384,6 +434,47 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
             // unroll 1: unrolled twice, the compiler routed the predicated FMAs of the first copy through
             // moves (64 instead of 59 SASS instructions per column)
             const unsigned char* const list = slot + H::LIST;
+            if (BITS == 4 && MODE == 4) {
+                // MODE 3's layout for 4-bit codes: half-warp hh takes list entry 2 i + hh, lane p = lane & 15 of it
+                // rows 16 p .. 16 p + 15 (bytes 2 (p & 1), + 1 of u32 word p >> 1); its 16 codes are one 64-bit
+                // window from its first code's nibble, and each byte's 8 rows are scattered by scatter8 (no per-row
+                // predicate); q x is summed per GTile (one scale group) and scaled at its end (the lane's 16 rows'
+                // scales are those of lanes 2 p and 2 p + 1)
+                const int hh = lane >> 4, p = lane & 15;
+                const u32 bsel3 = 0x4440u | ((u32)(p >> 1) & 3u), sh16 = 16u * (u32)(p & 1);
+                const u32 below16 = (p & 1) ? 0xFFFFu : 0u;
+                const unsigned char* bm3 = slot + 4 * (p >> 1);
+                const u32* vw = reinterpret_cast<const u32*>(slot + H::VOFF);
+                float q16[16];
+#pragma unroll
+                for (int r = 0; r < 16; ++r) q16[r] = 0.f;
+#pragma unroll 1
+                for (int o = 0; o < 16 * n; o += 32) {
+                    const bool ok = o + 16 * hh < 16 * n;
+                    const uint4 e = lds128(list + (ok ? o + 16 * hh : 0));
+                    const u32 pc = __shfl_sync(0xFFFFFFFFu, P, (int)((e.z >> 4) + (u32)(p >> 3)));
+                    const u32 w32 = *reinterpret_cast<const u32*>(bm3 + e.y);
+                    const u32 rank = __byte_perm(pc, 0u, bsel3) + (u32)__popc(w32 & below16);
+                    const u32 bits = ok ? (w32 >> sh16) & 0xFFFFu : 0u;  // no column: every row absent
+                    const u32 b0 = bits & 0xFFu, b1 = bits >> 8, c0 = (u32)__popc(b0);
+                    const u32 s = e.w * 2u + rank;  // the nibble of the lane's first code
+                    const u32* wp = vw + (s >> 3);
+                    const u32 sh = (s & 7u) * 4u;
+                    const u32 lo = __funnelshift_r(wp[0], wp[1], sh), hi = __funnelshift_r(wp[1], wp[2], sh);
+                    scatter8(lo, c0, sel_tab[b0], __uint_as_float(e.x), q16);
+                    scatter8(__funnelshift_rc(lo, hi, 4u * c0), (u32)__popc(b1), sel_tab[b1], __uint_as_float(e.x),
+                             q16 + 8);
+                }
+                const uint4 s0 = lds128(slot + H::SCL + 32 * p), s1 = lds128(slot + H::SCL + 32 * p + 16);
+                const u32 sw[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+                    acc16[2 * t] = fmaf(q16[2 * t], h2f((u16)(sw[t] & 0xFFFFu)), acc16[2 * t]);
+                    acc16[2 * t + 1] = fmaf(q16[2 * t + 1], h2f((u16)(sw[t] >> 16)), acc16[2 * t + 1]);
+                }
+                __syncwarp();
+                continue;  // next GTile
+            }
             if (BITS == 16 && MODE == 3) {
                 // two columns per pass: half-warp hh takes list entry 2 i + hh, lane p = lane & 15 of it rows
                 // 16 p .. 16 p + 15 = half p & 1 of u32 word p >> 1 (prefix: byte (p >> 1) & 3 of the P of lane
@@ -502,7 +593,7 @@ __global__ void __launch_bounds__(NW * 32) tcbc_spmspv2(
 #if !TCBC_BULK
         cp_wait<0>();
 #endif
-        if (MODE == 3) {  // the halves' sums of rows 16 p .. 16 p + 15, then lane l takes rows 8 l .. 8 l + 7
+        if (MODE == 3 || MODE == 4) {  // the halves' sums of rows 16 p .. 16 p + 15, then lane l takes rows 8 l .. 8 l + 7
 #pragma unroll
             for (int r = 0; r < 16; ++r) acc16[r] += __shfl_xor_sync(0xFFFFFFFFu, acc16[r], 16);
 #pragma unroll
@@ -543,6 +634,7 @@ TCBC2R(16, 4, 2, 0, 8)
 #endif
 #if !defined(TCBC_BITS) || TCBC_BITS == 4
 TCBC2(4, 4, 3, 0)
+TCBC2(4, 4, 3, 4)
 TCBC2R(4, 4, 3, 0, 2)
 TCBC2R(4, 4, 3, 0, 4)
 TCBC2R(4, 4, 3, 0, 8)

@@ -21,14 +21,16 @@ from .tiled_cbc_device import TILE, DeviceTiledCBC
 BITS = (16, 4, 2)
 # v2 instantiations (bits, warps, stages), as in the .cu file; the first of each bits is its default
 V2_CONFIGS = ((16, 4, 2), (16, 4, 3), (16, 8, 2), (4, 4, 3), (2, 4, 3))
-MODES = {16: (0, 3), 4: (0,), 2: (0,)}  # v2 value decodes built per value type (see DEFAULT_MODES)
+MODES = {16: (0, 3), 4: (0, 4), 2: (0,)}  # v2 value decodes built per value type (see DEFAULT_MODES)
 _EXPR = (
     tuple(f"tcbc_spmspv2<{b}, {w}, {s}>" for b, w, s in V2_CONFIGS)
     + tuple(f"tcbc_spmspv2<{b}, {w}, {s}, {m}>" for b, w, s in V2_CONFIGS for m in MODES[b] if m)
 )
 # value decode of v2: 0 = a lane's 8 rows of each active column, one predicated 2-byte LDS (fp16) or code per
 # set bit (b-bit codes: their decode); fp16 only: 3 = two columns per
-# pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200)
+# pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200); 4-bit codes only: 4 = mode 3's
+# layout, each byte's codes scattered to its rows by byte permutes (no per-row predicate; 110 against 128 SASS
+# instructions per two columns; not yet measured on a GPU)
 DEFAULT_MODES = {16: 3, 4: 0, 2: 0}  # the launcher's decode per value type
 ROWS = (2, 4, 8)  # input rows of the several-row instantiations (mode 0, each value type's default config)
 
@@ -62,8 +64,13 @@ def v2_slot_bytes(dev: DeviceTiledCBC, rows: int = 1) -> int:
     return -(-(hdr + dev.max_gtile_value_bytes() + 32) // 16) * 16
 
 
-def v2_smem(dev: DeviceTiledCBC, warps: int, stages: int, rows: int = 1) -> int:
-    return max(warps * stages * v2_slot_bytes(dev, rows), rows * warps * TILE[0] * 4)
+SEL_TABLE_BYTES = 1024  # mode 4's byte-permute selectors (the .cu file's scatter_selectors), after the ring
+
+
+def v2_smem(dev: DeviceTiledCBC, warps: int, stages: int, rows: int = 1, mode: int = 0) -> int:
+    """Dynamic shared memory of a launch: the ring (or the reduction's floats), and mode 4's selector table."""
+    ring = max(warps * stages * v2_slot_bytes(dev, rows), rows * warps * TILE[0] * 4)
+    return ring + (SEL_TABLE_BYTES if mode == 4 else 0)
 
 
 def v2_default_config(dev: DeviceTiledCBC) -> tuple[int, int]:
@@ -71,18 +78,20 @@ def v2_default_config(dev: DeviceTiledCBC) -> tuple[int, int]:
     return v2_default_config_bits(16 if dev.bits is None else int(dev.bits))
 
 
-def _resident_blocks(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None, rows: int = 1) -> int:
-    """Blocks of the v2 kernel that fit on the GPU at once (shared memory and threads per SM)."""
-    smem = v2_smem(dev, warps, stages, rows)
+def _resident_blocks(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None, rows: int = 1,
+                     mode: int = 0) -> int:
+    """Blocks of the v2 kernel that fit on the GPU at once (shared memory and threads per SM; registers do not
+    bind: 72 a thread in the default configurations, mode 4's bounded to that in the .cu file)."""
+    smem = v2_smem(dev, warps, stages, rows, mode)
     return (sm_count() if sms is None else sms) * max(1, min(SMEM_PER_SM // (smem + 1024), 2048 // (32 * warps)))
 
 
 def v2_default_chunk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None = None,
-                     scale: float = 1.0, rows: int = 1) -> int:
+                     scale: float = 1.0, rows: int = 1, mode: int = 0) -> int:
     """GTiles per block: ``scale`` = 1 makes one resident wave (as many blocks as fit on the GPU at once,
     each warp streaming an equal share of its GTile row); ``scale`` < 1 makes 1/scale waves of smaller blocks."""
     gr, gc = dev.grid
-    splits = max(1, min(gc, int(_resident_blocks(dev, warps, stages, sms, rows) / scale) // gr))
+    splits = max(1, min(gc, int(_resident_blocks(dev, warps, stages, sms, rows, mode) / scale) // gr))
     return int(min(gc, max(warps, -(-gc // splits))))
 
 
@@ -90,21 +99,22 @@ STREAMK_MAX_FILL = 0.9  # stream-K when a split-K launch would leave >= 10% of t
 STREAMK_MIN_SHARE = 32  # ...and each stream-K block gets at least this many GTiles (docs/kernels.md, H200 study)
 
 
-def use_streamk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None = None, rows: int = 1) -> bool:
+def use_streamk(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None = None, rows: int = 1,
+                mode: int = 0) -> bool:
     """The default launch: stream-K where split-K fills the GPU badly and the layer is large (below the
     share bound a block's second segment, a pipeline restart and one more reduction, costs more than it saves)."""
     gr, gc = dev.grid
-    resident = _resident_blocks(dev, warps, stages, sms, rows)
-    fill = -(-gc // v2_default_chunk(dev, warps, stages, sms, rows=rows)) * gr / resident
+    resident = _resident_blocks(dev, warps, stages, sms, rows, mode)
+    fill = -(-gc // v2_default_chunk(dev, warps, stages, sms, rows=rows, mode=mode)) * gr / resident
     return fill < STREAMK_MAX_FILL and gr * gc >= STREAMK_MIN_SHARE * resident
 
 
 def streamk_blocks(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None = None,
-                   scale: float = 1.0, rows: int = 1) -> int:
+                   scale: float = 1.0, rows: int = 1, mode: int = 0) -> int:
     """Blocks of a stream-K launch: one resident wave (``scale`` < 1: 1/scale waves), at least ``warps`` GTiles
     each, so that every block's share of the T GTiles differs from the others' by at most one GTile."""
     gr, gc = dev.grid
-    return int(max(1, min(int(_resident_blocks(dev, warps, stages, sms, rows) / scale), gr * gc // warps)))
+    return int(max(1, min(int(_resident_blocks(dev, warps, stages, sms, rows, mode) / scale), gr * gc // warps)))
 
 
 def streamk_parts(grid: tuple[int, int], blocks: int) -> int:
@@ -180,21 +190,23 @@ def _launch(dev: DeviceTiledCBC, x, nrows: int, out, tau, rows: int, chunk, stag
         warps, stages = v2_default_config(dev)
     if (bits, warps, stages) not in V2_CONFIGS:
         raise KernelError(f"v2 (bits, warps, stages) must be one of {V2_CONFIGS}")
-    slot = v2_slot_bytes(dev, rows)
-    smem = v2_smem(dev, warps, stages, rows)
     if mode is None:
         mode = DEFAULT_MODES[bits]
     if mode not in MODES[bits]:
         raise KernelError(f"mode must be one of {MODES[bits]} for {bits}-bit values, got {mode}")
+    slot = v2_slot_bytes(dev, rows)
+    smem = v2_smem(dev, warps, stages, rows, mode)
     if streamk is None:
-        streamk = chunk is None and use_streamk(dev, warps, stages, rows=rows)
+        streamk = chunk is None and use_streamk(dev, warps, stages, rows=rows, mode=mode)
     if streamk:
-        blocks = streamk_blocks(dev, warps, stages, scale=scale, rows=rows) if blocks is None else int(blocks)
+        if blocks is None:
+            blocks = streamk_blocks(dev, warps, stages, scale=scale, rows=rows, mode=mode)
+        blocks = int(blocks)
         if not 1 <= blocks <= gr * gc:
             raise KernelError(f"blocks must be in [1, {gr * gc}] (the layer's GTiles), got {blocks}")
         grid, nparts, chunk = (blocks, 1), streamk_parts(dev.grid, blocks), 0
     else:
-        chunk = v2_default_chunk(dev, warps, stages, scale=scale, rows=rows) if chunk is None else int(chunk)
+        chunk = v2_default_chunk(dev, warps, stages, scale=scale, rows=rows, mode=mode) if chunk is None else int(chunk)
         grid = (-(-gc // chunk), gr)
         nparts = grid[0]
     name = f"tcbc_spmspv2<{bits}, {warps}, {stages}" + (f", 0, {rows}>" if rows > 1 else

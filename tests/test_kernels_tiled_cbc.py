@@ -484,18 +484,27 @@ def test_gpu_decode_dense_of_codes_is_its_reference_and_feeds_the_dense_product(
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits,g", [(4, 128), (2, 32), (4, 16)])
 def test_gpu_quantized_spmspv_every_chunk(bits, g):
+    """Every decode mode of b-bit codes (4-bit: 0 and 4), split-K chunks and stream-K, within the float32 bound."""
     from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
-    from unionsparse.kernels.tiled_cbc_spmspv import spmspv
+    from unionsparse.kernels.tiled_cbc_spmspv import MODES, spmspv
 
     rng = np.random.default_rng(bits * 7 + g)
     q, s = _int_layer(rng, 1000, 1200, 0.5, bits, g)
+    # rows 0-255 with no zero code (every bitmap byte full: 8 codes a byte, 16 a lane in mode 4), rows 256-511 at
+    # 95% (bytes of 0 or 1 code), columns 0-15 empty: each decode's edge cases beside the random 50%
+    lo = -(1 << (bits - 1))
+    full = rng.integers(lo, -lo - 1, (256, 1200)).astype(np.int8)
+    q[:256] = np.where(full >= 0, full + 1, full)
+    q[256:512][rng.random((256, 1200)) < 0.95] = 0
+    q[:, :16] = 0
     m = tiled_cbc.encode(q, bits=bits)
     dev = DeviceTiledCBC(m, s, g)
     w64 = dense_weights_f64(m, s, g)
     x = rng.standard_normal(1200).astype(np.float16)
     xe = np.where(np.abs(x.astype(np.float32)) > 0.3, x.astype(np.float64), 0)
     tol = tolerance(w64, xe[None])[0]
-    runs = [dict()] + [dict(streamk=True, blocks=nb) for nb in (5, None)]
+    runs = [dict(mode=md) for md in MODES[bits]] + [dict(streamk=True, blocks=nb, mode=md) for nb in (5, None)
+                                                     for md in MODES[bits]]
     for kw in runs:
         for chunk in (1, 3, 8, 75, None) if not kw.get("streamk") else (None,):
             out = cp.full(1000, cp.nan, cp.float32)

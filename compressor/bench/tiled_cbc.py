@@ -297,7 +297,7 @@ def bench_spmspv(cp, torch, shapes, statics, dp, log, candidates=None, deadline=
             timed = []
             for cand in cands:
                 w, st, md, sk = cand["warps"], cand["stages"], cand["mode"], cand.get("streamk", False)
-                chunk = v2_default_chunk(dev0, w, st, scale=cand["scale"]) if sk is False else 0
+                chunk = v2_default_chunk(dev0, w, st, scale=cand["scale"], mode=md) if sk is False else 0
                 tag = {False: "", True: "/sk", None: "/auto"}[sk] + cand.get("tag", "")  # split-K, stream-K, rule
                 key = f"w{w}/d{st}/c{chunk}/m{md}{tag}"
                 kw = dict(chunk=chunk or None, stages=st, warps=w, mode=md, streamk=sk, scale=cand["scale"])
