@@ -44,6 +44,12 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 #define TCBC_BULK 0
 #endif
 #endif
+// TCBC_WHOLE=1 (study build, sm_90 copies, b-bit codes): a GTile with any active column is copied whole (its 16
+// bitmaps and every value, inactive columns' too) by two bulk copies of one lane, instead of two a run of active
+// columns issued lane by lane: more bytes, fewer instructions (the 4-bit kernel is issue-bound, docs/kernels.md)
+#ifndef TCBC_WHOLE
+#define TCBC_WHOLE 0
+#endif
 #if TCBC_BULK
 __device__ __forceinline__ void mbar_init(u32 bar) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar)); }
 __device__ __forceinline__ void mbar_expect_arrive(u32 bar, u32 bytes) {
@@ -358,6 +364,19 @@ __global__ void __launch_bounds__(NW * 32, MODE == 4 ? 7 : 0) tcbc_spmspv2(
                 // lane c heads a run if column c is active and c - 1 is not; the run is its L consecutive active
                 // columns, whose values end where the last one's 16-byte chunks end
                 const u32 sb = (m_ci >> 16) * BITS / 8, endb = sb + 16u * ((nnz * BITS + 127u) >> 7);
+#if TCBC_WHOLE
+                if (BITS != 16) {  // study build: the GTile's 16 bitmaps and all its values, two copies by lane 0
+                    const u32 vall = __shfl_sync(0xFFFFFFFFu, endb, TILE_K - 1), bar = bar0 + 8 * (j % D);
+                    if (lane == 0) {
+                        mbar_expect_arrive(bar, b ? 32u * TILE_K + vall : 0u);
+                        if (b)
+                            bulk_copy2(smem_addr(slot), bitmap + (size_t)gt * (TILE_K * 4), 32u * TILE_K,
+                                       smem_addr(slot + H::VOFF), values + (size_t)toff * BITS / 8, vall, bar);
+                    }
+                    __syncwarp();
+                    return;
+                }
+#endif
                 const int L = __ffs(~(b >> lane)) - 1;
                 const u32 rend = __shfl_sync(0xFFFFFFFFu, endb, (lane + L - 1) & 31);
                 const bool head = act && !(((b << 1) >> lane) & 1u);

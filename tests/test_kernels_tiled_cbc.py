@@ -514,11 +514,11 @@ def test_gpu_quantized_spmspv_every_chunk(bits, g):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("defines", ["", "#define TCBC_BULK 0"])
+@pytest.mark.parametrize("defines", ["", "#define TCBC_BULK 0", "#define TCBC_WHOLE 1"])
 def test_gpu_spmspv_copy_paths(defines, tmp_path, monkeypatch):
-    """v2's copies: bulk copies per run of active columns (sm_90) and 16-byte cp.async (before sm_90, forced
-    here): fp16 and int4, split-K and stream-K, runs of active columns that start, end and span GTiles,
-    all-inactive GTiles."""
+    """v2's copies: bulk copies per run of active columns (sm_90), 16-byte cp.async (before sm_90, forced
+    here), and b-bit GTiles copied whole (the study build TCBC_WHOLE): fp16 and int4 (decode modes 0 and 4),
+    split-K and stream-K, runs of active columns that start, end and span GTiles, all-inactive GTiles."""
     from pathlib import Path
 
     from unionsparse.kernels.tiled_cbc_device import DeviceTiledCBC
@@ -547,8 +547,9 @@ def test_gpu_spmspv_copy_paths(defines, tmp_path, monkeypatch):
             tol = tolerance(w64, xe[None])[0]
             for kw in (dict(chunk=1, streamk=False), dict(chunk=5, streamk=False), dict(streamk=True, blocks=7),
                        dict(streamk=None), dict(stages=3, streamk=False), dict(warps=8, streamk=True),
-                       dict(chunk=5, streamk=False, mode=0)):
-                if bits != 16 and kw.get("warps") == 8:  # int4: 4 warps only
+                       dict(chunk=5, streamk=False, mode=0), dict(chunk=5, streamk=False, mode=4),
+                       dict(streamk=True, blocks=7, mode=4)):
+                if bits != 16 and kw.get("warps") == 8 or bits == 16 and kw.get("mode") == 4:  # int4: 4 warps only
                     continue
                 out = cp.full(700, cp.nan, cp.float32)
                 y = cp.asnumpy(spmspv(dev, cp.asarray(x), tau, out=out, **kw))
