@@ -18,6 +18,8 @@ their wait (study build ``NORM_EARLY=0``), or copying them into shared memory be
 ``--switch side-cta``: the IE-BME kernel's outlier side product added by the first K chunk's CTA (the shipped build) or
 by the last one's (study build ``IEBME_SIDE_LAST=1``: often the shortest chunk, so the side may hide behind the
 longer ones).
+``--switch splits``: the IE-BME launches' K chunks as the chunk rule picks them (default) or at most 4 or 2
+(``LaunchSettings.max_splits``: fewer, longer CTAs, fewer prologues and split-K exits; kernels/iebme_spmm.py).
 ``--switch int4-decode``: the Tiled-CBC spMspV of 4-bit codes decoding each set bit under a predicate (mode 0, the
 default) or scattering each bitmap byte's codes with byte permutes, 16 rows a lane (mode 4; tiled_cbc_spmspv.cu).
 ``--switch source --baseline KERNEL=FILE``: kernel ``KERNEL`` (a ``kernels/*.cu`` stem) compiled from ``FILE``, another
@@ -26,7 +28,7 @@ against the shipped file (study builds, kernels/study.py).
 
 Both settings run with the step checks on, side by side; the tables and the JSON go to ``--out``:
 
-    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|norms|side-cta|int4-decode --out DIR
+    python benchmarks/step_ab.py --switch pdl|rope|attention|early|head|norms|side-cta|splits|int4-decode --out DIR
     python benchmarks/step_ab.py --switch source --baseline attention=.ab/attention.cu --out DIR
     (a CUDA machine; glue_h200.sh, attention_h200.sh)
 """
@@ -42,7 +44,7 @@ from unittest.mock import patch
 
 from unionsparse.compressor.bench.e2e import case_arguments, e2e_command, format_table
 from unionsparse.compressor.runtime.decoder import StaticDecoder
-from unionsparse.kernels import attention, study, tiled_cbc_spmspv
+from unionsparse.kernels import attention, iebme_spmm, study, tiled_cbc_spmspv
 from unionsparse.kernels.cluster_launch import programmatic_launches
 
 KINDS = "fp16,w4a16,iebme-w4a4-50-o128,iebme-w4a4-0-o128,iebme-w4a4-50-o128-dp,iebme-w4a4-50,iebme-w4a8-50"
@@ -73,6 +75,15 @@ def _side_cta(last: bool) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _max_splits(bound: int | None) -> Iterator[None]:
+    old = iebme_spmm.use_settings(iebme_spmm.LaunchSettings(max_splits=bound))
+    try:
+        yield
+    finally:
+        iebme_spmm.use_settings(old)
+
+
 BASELINE: dict[str, str] = {}  # --baseline: kernel stem -> the source file of its other revision
 
 
@@ -98,6 +109,8 @@ SWITCHES: dict[str, tuple[tuple[str, Callable[[], contextlib.AbstractContextMana
               ("... copied into shared memory before it (default)", lambda: _norms(True))),
     "side-cta": (("outlier side added by the first K chunk's CTA (default)", lambda: _side_cta(False)),
                  ("... by the last K chunk's CTA", lambda: _side_cta(True))),
+    "splits": (("IE-BME K chunks: the chunk rule's (default)", lambda: _max_splits(None)),
+               ("... at most 4", lambda: _max_splits(4)), ("... at most 2", lambda: _max_splits(2))),
     "int4-decode": (("Tiled-CBC int4: predicated rows (mode 0, default)",
                      lambda: _set(tiled_cbc_spmspv, "DEFAULT_MODES", {**tiled_cbc_spmspv.DEFAULT_MODES, 4: 0})),
                     ("... byte-permute scatter (mode 4)",

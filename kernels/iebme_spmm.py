@@ -46,7 +46,9 @@ class LaunchSettings:
     CTAs per SM for the register allocator (0: none); ``x_bytes`` shared bytes for a chunk's X codes (None:
     ``X_BUDGET`` per 8 warps); ``cluster`` largest split-K run as one thread-block cluster (None:
     ``CLUSTER_UP_TO``; 0 never); ``pdl`` programmatic dependent launch on sm_90 (the prologue's weight loads
-    overlap the kernel before; None: on where the GPU has it)."""
+    overlap the kernel before; None: on where the GPU has it); ``max_splits`` the most K chunks the chunk rule
+    takes (None: no bound; a bound means fewer, longer CTAs: fewer prologues and split-K exits, fewer warps in
+    flight; the X budget's least chunk still holds)."""
 
     nstage: int = 2
     warps: int | None = None
@@ -55,10 +57,13 @@ class LaunchSettings:
     x_bytes: int | None = None
     cluster: int | None = None
     pdl: bool | None = None
+    max_splits: int | None = None
 
     def __post_init__(self) -> None:
         if self.warps is not None and self.warps not in WARP_CHOICES:
             raise KernelError(f"warps per CTA must be one of {WARP_CHOICES}, got {self.warps}")
+        if self.max_splits is not None and self.max_splits < 1:
+            raise KernelError(f"max_splits must be at least 1, got {self.max_splits}")
 
 
 _settings = LaunchSettings()
@@ -315,7 +320,8 @@ def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int 
     grid_x = -(-layer.tr // config(n, warps)[1])
     slots = sm_count() * ctas_per_sm(layer, n, cap, warps, xb, side)
     best, best_cost = cap, None
-    for s in range(-(-layer.tc // cap), 4 * -(-layer.tc // cap) + 8):
+    least = -(-layer.tc // cap)
+    for s in range(least, max(least, min(4 * least + 7, settings().max_splits or 4 * least + 7)) + 1):
         c = rounded(-(-layer.tc // s))
         ctas = grid_x * -(-layer.tc // c)
         cost = -(-ctas // slots) * (c + 4)  # + 4: a CTA's fixed start-up, in tiles

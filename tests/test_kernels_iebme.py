@@ -196,6 +196,26 @@ def test_launch_plan_takes_wide_ctas_only_when_they_need_fewer_waves(monkeypatch
     assert not ks.single_chunk(layer, 8)  # 128 tiles of K never fit one chunk (at most 124)
 
 
+def test_max_splits_bounds_the_k_chunks(monkeypatch):
+    """``LaunchSettings.max_splits`` (a study of fewer, longer CTAs on the decode step): LLaMA-2-7B's linears on 132
+    SMs keep the chunk rule's splits without it (Q/K/V 5, o_proj 11, gate/up 3, down_proj 15), take at most the
+    bound with it, and never a chunk above the X budget's cap (down_proj's 172 tiles of K need 2 chunks)."""
+    from types import SimpleNamespace
+
+    from unionsparse.kernels import iebme_spmm as ks
+
+    monkeypatch.setattr(ks, "_kernel", lambda *a, **k: SimpleNamespace(num_regs=64))
+    monkeypatch.setattr(ks, "sm_count", lambda: 132)
+    shapes = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
+    grids = {cap: [] for cap in (None, 4, 2, 1)}
+    for cap in grids:
+        monkeypatch.setattr(ks, "_settings", ks.LaunchSettings(max_splits=cap))
+        grids[cap] = [ks.plan(_planned_layer(m, k), 1).grid[1] for m, k in shapes]
+    assert grids == {None: [5, 11, 3, 15], 4: [4, 4, 3, 4], 2: [2, 2, 2, 2], 1: [1, 1, 1, 2]}
+    with pytest.raises(ks.KernelError):
+        ks.LaunchSettings(max_splits=0)
+
+
 def test_side_staging_reserves_its_shared_memory(monkeypatch):
     """The outlier side's activation codes and scales are staged in shared memory with X for one side group (not
     for several, read per output); the plan then reserves N x channels bytes of codes and N float32 scales beyond
