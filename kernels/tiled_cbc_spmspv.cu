@@ -107,17 +107,17 @@ __device__ __forceinline__ constexpr u32 code_flip() {
     return BITS == 4 ? 0x88888888u : 0xAAAAAAAAu;
 }
 
-// MODE 4 (4-bit codes): the byte-permute selectors that scatter a lane's packed codes to its 8 rows. For bitmap byte
-// b, nibble r of the entry (rows 0-3: bits 0-15, rows 4-7: bits 16-31) is the source byte, in the pair of registers
-// {even codes, odd codes} that scatter8 builds, of row r's code: its rank n among the byte's set bits gives byte n / 2
-// of the even register (n even) or 4 + n / 2 of the odd one; an unset row takes byte 7 (code 7), which scatter8 has
-// set to the offset-binary zero since such a byte holds at most 7 codes.
 // prmt.b32 as it is: the selector's nibbles used whole (__byte_perm masks them to 3 bits, two LOP3 a use here)
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 r;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
     return r;
 }
+// MODE 4 (4-bit codes): the byte-permute selectors that scatter a lane's packed codes to its 8 rows. For bitmap byte
+// b, nibble r of the entry (rows 0-3: bits 0-15, rows 4-7: bits 16-31) is the source byte, in the pair of registers
+// {even codes, odd codes} that scatter8 builds, of row r's code: its rank n among the byte's set bits gives byte n / 2
+// of the even register (n even) or 4 + n / 2 of the odd one; an unset row takes byte 7 (code 7), which scatter8 has
+// set to the offset-binary zero since such a byte holds at most 7 codes.
 __device__ __forceinline__ u32 scatter_selectors(u32 b) {
     u32 e = 0u, n = 0u;
     for (int r = 0; r < 8; ++r) {
