@@ -292,7 +292,7 @@ def test_launch_settings_hold_only_what_the_product_tunes():
 
     from unionsparse.kernels import iebme_spmm as ks
 
-    tuned = {"nstage", "warps", "ilp", "minb", "x_bytes", "cluster", "pdl"}
+    tuned = {"nstage", "warps", "ilp", "minb", "x_bytes", "cluster", "pdl", "max_splits"}
     assert {f.name for f in dataclasses.fields(ks.LaunchSettings)} == tuned
     root = Path(__file__).resolve().parents[1]
     setters = re.compile(r"\b(use_build|building)\(|_builds\[")
