@@ -29,8 +29,8 @@ _EXPR = (
 # value decode of v2: 0 = a lane's 8 rows of each active column, one predicated 2-byte LDS (fp16) or code per
 # set bit (b-bit codes: their decode); fp16 only: 3 = two columns per
 # pass, a half-warp per column and 16 rows per lane (1.05-1.07x mode 0 on the H200); 4-bit codes only: 4 = mode 3's
-# layout, each byte's codes scattered to its rows by byte permutes (no per-row predicate; 110 against 128 SASS
-# instructions per two columns; not yet measured on a GPU)
+# layout, each byte's codes scattered to its rows by byte permutes (no per-row predicate; its loop 110 SASS
+# instructions per two columns against mode 0's 130, about 3% fewer a GTile in all; a study, not yet on a GPU)
 DEFAULT_MODES = {16: 3, 4: 0, 2: 0}  # the launcher's decode per value type
 ROWS = (2, 4, 8)  # input rows of the several-row instantiations (mode 0, each value type's default config)
 
@@ -80,8 +80,8 @@ def v2_default_config(dev: DeviceTiledCBC) -> tuple[int, int]:
 
 def _resident_blocks(dev: DeviceTiledCBC, warps: int, stages: int, sms: int | None, rows: int = 1,
                      mode: int = 0) -> int:
-    """Blocks of the v2 kernel that fit on the GPU at once (shared memory and threads per SM; registers do not
-    bind: 72 a thread in the default configurations, mode 4's bounded to that in the .cu file)."""
+    """Blocks of the v2 kernel that fit on the GPU at once (shared memory and threads per SM; registers are not
+    counted: mode 4's launch bounds hold it to mode 0's 72 for 4-bit codes)."""
     smem = v2_smem(dev, warps, stages, rows, mode)
     return (sm_count() if sms is None else sms) * max(1, min(SMEM_PER_SM // (smem + 1024), 2048 // (32 * warps)))
 
