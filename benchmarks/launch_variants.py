@@ -13,7 +13,7 @@ import argparse
 from unionsparse.kernels import iebme_spmm, study
 
 SETTINGS_KEYS = {"NSTAGE": "nstage", "WARPS": "warps", "ILP": "ilp", "MINB": "minb", "XBYTES": "x_bytes",
-                 "CLUSTER": "cluster", "PDL": "pdl"}
+                 "CLUSTER": "cluster", "PDL": "pdl", "MAXSPLITS": "max_splits"}
 BUILD_KEYS = {"TMA": "IEBME_TMA", "TRACE": "IEBME_TRACE"}  # TMA=0: cp.async rings on sm_90; TRACE=1: timestamps
 KEYS = (*SETTINGS_KEYS, *BUILD_KEYS, "SOURCE")
 

@@ -278,9 +278,13 @@ def test_study_overrides_parse_and_set_the_launch_settings(monkeypatch):
     assert lv.apply_overrides({"TMA": "0", "TRACE": "1", "SOURCE": "old.cu", "PDL": "0"}) != "default"
     assert study.build(ks.KERNEL) == study.Build("old.cu", (("IEBME_TMA", 0), ("IEBME_TRACE", 1)))
     assert ks.settings() == ks.LaunchSettings(pdl=False) and not ks.programmatic()
+    assert lv.apply_overrides({"MAXSPLITS": "2"}) == "MAXSPLITS=2" and ks.settings() == ks.LaunchSettings(max_splits=2)
     assert lv.apply_overrides({}) == "default" and ks.settings() == ks.LaunchSettings()
     assert study.build(ks.KERNEL) == study.SHIPPED and study._builds == {}
     assert dict(os.environ) == env
+    import dataclasses  # every launch setting can be varied by the studies
+
+    assert set(lv.SETTINGS_KEYS.values()) == {f.name for f in dataclasses.fields(ks.LaunchSettings)}
 
 
 def test_launch_settings_hold_only_what_the_product_tunes():

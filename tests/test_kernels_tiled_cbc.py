@@ -549,7 +549,8 @@ def test_gpu_spmspv_copy_paths(defines, tmp_path, monkeypatch):
                        dict(streamk=None), dict(stages=3, streamk=False), dict(warps=8, streamk=True),
                        dict(chunk=5, streamk=False, mode=0), dict(chunk=5, streamk=False, mode=4),
                        dict(streamk=True, blocks=7, mode=4)):
-                if bits != 16 and kw.get("warps") == 8 or bits == 16 and kw.get("mode") == 4:  # int4: 4 warps only
+                # int4 has one warp count (4); mode 4 decodes 4-bit codes only
+                if bits != 16 and kw.get("warps") == 8 or bits == 16 and kw.get("mode") == 4:
                     continue
                 out = cp.full(700, cp.nan, cp.float32)
                 y = cp.asnumpy(spmspv(dev, cp.asarray(x), tau, out=out, **kw))
