@@ -320,8 +320,11 @@ def chunk_for(layer: DeviceLayer, n: int, splits: int | None = None, warps: int 
     grid_x = -(-layer.tr // config(n, warps)[1])
     slots = sm_count() * ctas_per_sm(layer, n, cap, warps, xb, side)
     best, best_cost = cap, None
-    least = -(-layer.tc // cap)
-    for s in range(least, max(least, min(4 * least + 7, settings().max_splits or 4 * least + 7)) + 1):
+    least = -(-layer.tc // cap)  # splits: at least what the cap needs...
+    most = 4 * least + 7
+    if settings().max_splits:  # ...and at most the bound, where the cap allows it
+        most = max(least, min(most, settings().max_splits))
+    for s in range(least, most + 1):
         c = rounded(-(-layer.tc // s))
         ctas = grid_x * -(-layer.tc // c)
         cost = -(-ctas // slots) * (c + 4)  # + 4: a CTA's fixed start-up, in tiles
